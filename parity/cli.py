@@ -1,0 +1,212 @@
+"""The `parity` command line: parse options, build a spec, call the library, render.
+
+Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_* · 4 ERROR · 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from parity.errors import ParityError, UsageError
+from parity.verdict import USAGE_EXIT, exit_code
+
+INTERRUPTED_EXIT = 130
+
+
+class ParityCommandError(click.ClickException):
+    """A library error shown as `Error: <one line>` with its documented exit code."""
+
+    exit_code = USAGE_EXIT
+
+
+class ParityGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except ParityError as err:
+            raise ParityCommandError(str(err)) from None
+
+
+def _console() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def _positive(ctx, param, value):
+    if value is not None and value <= 0:
+        raise click.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+def _non_negative(ctx, param, value):
+    if value is not None and value < 0:
+        raise click.BadParameter(f"must be >= 0, got {value}")
+    return value
+
+
+def _int_list(ctx, param, value):
+    if value is None or value == "":
+        return ()
+    try:
+        numbers = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected a comma list of integers, got {value!r}") from None
+    if param.name == "buckets" and any(n <= 0 for n in numbers):
+        raise click.BadParameter("bucket sizes must be > 0")
+    return numbers
+
+
+@click.group(cls=ParityGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="parity", message="parity %(version)s")
+def cli() -> None:
+    """parity: does prefill graph replay give the same answer as eager, and does it see DeepStack?
+
+    Exit codes: 0 PASS, 1 FAIL_*, 2 usage error, 3 INCOMPLETE or INCONCLUSIVE_*, 4 ERROR.
+    """
+
+
+@cli.command()
+@click.option("--model", default="tiny-qwen3-vl", show_default=True,
+              help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
+@click.option("--backend", type=click.Choice(["transformers", "sglang"]), default="transformers", show_default=True)
+@click.option("--arms", "arm_selection", default="all", show_default=True, help="`all` or a comma list of arm names.")
+@click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
+@click.option("--image", "images", multiple=True, help="A user image file, used as a fixture (repeatable).")
+@click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
+@click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
+@click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=_positive)
+@click.option("--logprob-tol", type=float, default=0.25, show_default=True, callback=_non_negative)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
+              help="auto: float32 for embedded presets and on CPU, bfloat16 for checkpoints on GPU.")
+@click.option("--runner", type=click.Choice(["fixed", "legacy", "no-clear"]), default="fixed", show_default=True,
+              help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
+@click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
+@click.option("--buckets", default="16,32,64,128,256,512", show_default=True, callback=_int_list,
+              help="Prefill token buckets captured by the graph runner.")
+@click.option("--scenario", type=click.Choice(["four-arm", "reuse"]), default="four-arm", show_default=True,
+              help="reuse: an image request, then a shorter text-only request in the same bucket.")
+@click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
+              help="Run every arm N times; an arm that does not reproduce itself is INCONCLUSIVE_NONDETERMINISTIC.")
+@click.option("--out", "out_dir", help="Run folder (default reports/<timestamp>-<model>/).")
+@click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
+@click.option("--no-plot", is_flag=True, help="Skip the |Δ logprob| plot per case.")
+@click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
+@click.option("--concurrent", is_flag=True, help="Start the eager and bcg servers at once (sglang backend).")
+@click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
+@click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=_positive,
+              help="Seconds to wait for an SGLang server's /ready.")
+def run(**options) -> None:
+    """Run the experiment and write results.json and report.md to the run folder."""
+    from parity.run_command import execute_run  # heavy imports (torch, transformers) only when running
+
+    console = _console()
+    try:
+        run_result = execute_run(console=console, **options)
+    except KeyboardInterrupt:
+        console.print("[red]interrupted[/]: every process parity started was stopped")
+        sys.exit(INTERRUPTED_EXIT)
+    sys.exit(exit_code(run_result.verdict))
+
+
+@cli.command()
+@click.argument("results_file")
+@click.option("--json", "as_json", is_flag=True, help="Print the recomputed results document.")
+def verdict(results_file: str, as_json: bool) -> None:
+    """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
+    from parity.report import render_json
+    from parity.results import load_results
+    from parity.verdict import judge_run
+
+    run_result = judge_run(load_results(results_file))
+    if as_json:
+        click.echo(render_json(run_result))
+    else:
+        for case in run_result.cases:
+            click.echo(f"{case.id}: {case.verdict.code}: {case.verdict.reason}")
+        click.echo(f"{run_result.verdict.code}: {run_result.verdict.reason}")
+    sys.exit(exit_code(run_result.verdict))
+
+
+@cli.command()
+@click.argument("results_file")
+@click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
+def report(results_file: str, fmt: str) -> None:
+    """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table."""
+    from parity.report import print_table, render_json, render_markdown
+    from parity.results import load_results
+    from parity.verdict import judge_run
+
+    run_result = judge_run(load_results(results_file))
+    if fmt == "table":
+        print_table(run_result, _console())
+    else:
+        click.echo(render_markdown(run_result) if fmt == "markdown" else render_json(run_result))
+
+
+@cli.command()
+@click.argument("before_file")
+@click.argument("after_file")
+@click.option("--format", "fmt", type=click.Choice(["markdown", "table"]), default="markdown", show_default=True)
+def compare(before_file: str, after_file: str, fmt: str) -> None:
+    """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
+    from parity.before_after import compare_runs, render_markdown, render_table
+    from parity.results import load_results
+
+    result = compare_runs(load_results(before_file), load_results(after_file))
+    if fmt == "table":
+        render_table(result, _console())
+    else:
+        click.echo(render_markdown(result))
+    sys.exit(exit_code(result.after_verdict))
+
+
+@cli.command()
+@click.option("--write", "write_dir", help="Write the fixtures as PNG files into this folder.")
+def fixtures(write_dir: str | None) -> None:
+    """List the built-in fixtures (name, size, sha256 of the raw RGB pixels) and their prompts."""
+    from parity.fixtures import builtin_fixtures, load_prompts, write_pngs
+
+    prompts = load_prompts()
+    for fixture in builtin_fixtures():
+        width, height = fixture.size
+        ids = ", ".join(p.id for p in prompts.get(fixture.name, ()))
+        click.echo(f"{fixture.name:16} {width}x{height}  {fixture.sha256}  prompts: {ids}")
+    if write_dir:
+        try:
+            for path in write_pngs(write_dir):
+                click.echo(f"wrote {path}")
+        except OSError as err:
+            raise UsageError(f"--write {write_dir}: cannot write there ({err.strerror or err})") from None
+
+
+@cli.command()
+def arms() -> None:
+    """List the arm definitions (name, mode, DeepStack action, description)."""
+    from parity.arms import load_arms
+
+    for spec in load_arms().values():
+        click.echo(f"{spec.name:22} {spec.mode:6} deepstack={spec.deepstack:7} {spec.description}")
+
+
+@cli.command()
+def models() -> None:
+    """List the embedded model presets (no download); any Qwen3-VL checkpoint id or path also works."""
+    from parity.models.tiny import PRESETS
+
+    for preset in PRESETS.values():
+        click.echo(f"{preset.name:26} {preset.description}")
+
+
+def default_run_dir(model: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model).strip("_")
+    return Path("reports") / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{slug}"
+
+
+def main() -> None:
+    cli(prog_name="parity")

@@ -1,0 +1,95 @@
+"""Loading a model by name: an embedded preset (built in code) or a Qwen3-VL checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parity.errors import ModelUnavailableError, UsageError
+from parity.models.qwen3_vl import Qwen3VLAdapter
+from parity.models.tiny import PRESETS
+
+DEFAULT_MODEL = "tiny-qwen3-vl"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    name: str
+    adapter: Qwen3VLAdapter
+    embedded: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.adapter.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.adapter.dtype
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, embedded: bool) -> torch.dtype:
+    if name == "auto":
+        # The tiny presets are checked bit-for-bit against HF in fp32; real checkpoints ship bf16.
+        return torch.float32 if embedded or device.type == "cpu" else torch.bfloat16
+    return DTYPES[name]
+
+
+def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    torch_device = resolve_device(device)
+    embedded = name in PRESETS
+    torch_dtype = resolve_dtype(dtype, torch_device, embedded)
+    if embedded:
+        model, processor = _build_preset(name)
+    else:
+        model, processor = _from_pretrained(name, torch_dtype)
+    model = model.to(device=torch_device, dtype=torch_dtype).eval()
+    return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded)
+
+
+def _build_preset(name: str):
+    from parity.models.tiny import build_model, build_processor, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    return build_model(PRESETS[name], tokenizer), build_processor(tokenizer)
+
+
+def _from_pretrained(name: str, dtype: torch.dtype):
+    """The ordinary Hugging Face path; every way it can fail becomes one clear usage error."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(_unavailable(name, err)) from None
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelUnavailableError(
+            f"model {name!r} is a {config.model_type!r} checkpoint; parity drives Qwen3-VL "
+            f"({', '.join(SUPPORTED_MODEL_TYPES)}) or an embedded preset: {', '.join(PRESETS)}"
+        )
+    try:
+        processor = AutoProcessor.from_pretrained(name)
+        model = AutoModelForImageTextToText.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as err:
+        raise ModelUnavailableError(_unavailable(name, err)) from None
+    return model, processor
+
+
+def _unavailable(name: str, err: Exception) -> str:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
+    return (
+        f"model {name!r} could not be loaded: it is neither an embedded preset "
+        f"({', '.join(PRESETS)}) nor a Qwen3-VL checkpoint available here. If it is a Hugging Face id, "
+        f"its weights are not available offline: download them first (`hf download {name}`) or pass a "
+        f"local path. ({first_line})"
+    )
