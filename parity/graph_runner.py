@@ -71,7 +71,8 @@ class _EmulatedGraph:
         self.output = fn()
 
     def replay(self) -> None:
-        self.output = self._fn()
+        # In place, as a CUDA graph writes its static output: what a caller kept is overwritten.
+        self.output.copy_(self._fn())
 
 
 class _CudaGraph:
@@ -179,7 +180,8 @@ class PrefillGraphRunner:
         self._fill(self._embeds, input_embeds, num_tokens, bucket)
         self._fill(self._positions, positions, num_tokens, bucket)
         graph = self._graphs[bucket]
-        graph.replay()
+        with torch.inference_mode():  # as at capture: the graph's output is an inference tensor
+            graph.replay()
         # Graph outputs are borrowed: the next replay overwrites them.
         return graph.output[:num_tokens].clone()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +60,14 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
 
 
 def _build_preset(name: str):
+    model, processor = _built_preset(name)
+    # Callers move the model to their device and dtype: each gets its own copy of the weights.
+    return copy.deepcopy(model), processor
+
+
+@functools.lru_cache(maxsize=None)
+def _built_preset(name: str):
+    """Built once per process: the tokenizer training and processor set-up dominate a tiny run."""
     from parity.models.tiny import build_model, build_processor, build_tokenizer
 
     tokenizer = build_tokenizer()

@@ -1,0 +1,155 @@
+"""JUnit XML for CI test reporters: one `<testcase>` per case, its verdict as the outcome.
+
+Outcome mapping, chosen so that no CI consumer shows green for a run that proved nothing:
+
+- `PASS` -> a plain passing testcase.
+- `FAIL_*` -> `<failure>`: the runtime was tested and gave a wrong answer.
+- `INCOMPLETE`, `INCONCLUSIVE_*` -> `<failure>` as well, NOT `<skipped>`. Jenkins, GitLab, Azure
+  DevOps and the common GitHub reporter actions count a skipped test as "not failed", so a gate built
+  on the report would go green when an arm never ran or DeepStack had no effect; the exit code (3)
+  says "not proven", and the report must not contradict it. `type` carries the exact code, so a
+  consumer that wants to tell the two apart still can.
+- `ERROR` -> `<error>`: the harness or a backend broke (exit 4), not an assertion about the runtime.
+
+The document is built with ElementTree, which escapes `& < > "`; characters XML 1.0 cannot carry at
+all (ANSI escapes from server logs, NUL) are removed first, since no escaping can make them valid.
+"""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from pathlib import Path
+
+from parity.results import CaseResult, RunResult, Verdict
+from parity.verdict import ERROR, PASS, checks_for, judge_run
+
+SUITE_PREFIX = "parity"
+
+# Everything outside XML 1.0's Char production (tab, newline and carriage return are allowed).
+_XML_INVALID = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+_CLASSNAME_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+def xml_safe(text: str) -> str:
+    return _XML_INVALID.sub("", text)
+
+
+def junit_xml(run: RunResult) -> str:
+    """The run as a JUnit XML document (verdicts recomputed from the arms, as every report is)."""
+    judged = judge_run(run)
+    root = ET.Element("testsuites", name=SUITE_PREFIX)
+    suite = ET.SubElement(root, "testsuite", _suite_attributes(judged))
+    _add_properties(suite, judged)
+    for case in judged.cases:
+        _add_testcase(suite, case, _classname(judged))
+    # The root repeats the totals: some consumers (GitLab) read only the outermost element.
+    for key in ("tests", "failures", "errors", "skipped", "time"):
+        root.set(key, suite.get(key))
+    ET.indent(root)
+    return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
+
+
+def write_junit(run: RunResult, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(junit_xml(run), encoding="utf-8")
+    return path
+
+
+# --- suite ---------------------------------------------------------------------------------------
+
+def _suite_attributes(run: RunResult) -> dict[str, str]:
+    codes = [case.verdict.code for case in run.cases]
+    errors = sum(code == ERROR for code in codes)
+    failures = sum(code not in (PASS, ERROR) for code in codes)
+    attrs = {
+        "name": _suite_name(run),
+        "tests": str(len(codes)),
+        "failures": str(failures),
+        "errors": str(errors),
+        "skipped": "0",  # by design: nothing is reported as skipped (see module docstring)
+        "time": _seconds(sum(_case_seconds(c) for c in run.cases)),
+    }
+    stamp = _timestamp(run.created)
+    if stamp is not None:
+        attrs["timestamp"] = stamp
+    return attrs
+
+
+def _suite_name(run: RunResult) -> str:
+    model = str(run.config.get("model", "unknown-model"))
+    backend = run.config.get("backend")
+    return xml_safe(f"{SUITE_PREFIX} {model}" + (f" ({backend})" if backend else ""))
+
+
+def _classname(run: RunResult) -> str:
+    # Reporters split classname on dots into packages; "Qwen/Qwen3-VL-8B" must stay one segment.
+    model = str(run.config.get("model", "unknown-model"))
+    return f"{SUITE_PREFIX}.{_CLASSNAME_UNSAFE.sub('_', model).strip('_') or 'model'}"
+
+
+def _timestamp(created: str) -> str | None:
+    # The JUnit schema's timestamp is an ISO 8601 date-time without offset; normalise to UTC.
+    try:
+        moment = datetime.fromisoformat(created)
+    except ValueError:
+        return None
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc).replace(tzinfo=None)
+    return moment.isoformat(timespec="seconds")
+
+
+def _add_properties(suite: ET.Element, run: RunResult) -> None:
+    props = ET.SubElement(suite, "properties")
+    values = {key: run.config.get(key) for key in ("model", "backend", "dtype", "max_new_tokens")}
+    values["logprob_tol"] = run.logprob_tol
+    values["overall_verdict"] = run.verdict.code
+    for key, value in values.items():
+        if value is not None:
+            ET.SubElement(props, "property", name=key, value=xml_safe(str(value)))
+
+
+# --- cases ---------------------------------------------------------------------------------------
+
+def _case_seconds(case: CaseResult) -> float:
+    return sum(arm.seconds for arm in case.arms)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}"
+
+
+def _add_testcase(suite: ET.Element, case: CaseResult, classname: str) -> None:
+    testcase = ET.SubElement(suite, "testcase", name=xml_safe(case.id), classname=classname,
+                             time=_seconds(_case_seconds(case)))
+    outcome = _outcome_element(case.verdict)
+    if outcome is not None:
+        element = ET.SubElement(testcase, outcome, message=xml_safe(f"{case.verdict.code}: {case.verdict.reason}"),
+                                type=case.verdict.code)
+        element.text = xml_safe(case.verdict.reason)
+    ET.SubElement(testcase, "system-out").text = xml_safe(_case_log(case))
+
+
+def _outcome_element(verdict: Verdict) -> str | None:
+    if verdict.code == PASS:
+        return None
+    return "error" if verdict.code == ERROR else "failure"
+
+
+def _case_log(case: CaseResult) -> str:
+    """What a reader of the CI log needs: the verdict, every comparison with its expectation, arm errors."""
+    lines = [f"verdict: {case.verdict.code}: {case.verdict.reason}", f"prompt: {case.prompt}",
+             f"fixture: {case.fixture.name} sha256={case.fixture.sha256}"]
+    by_pair = {(c.a, c.b): c for c in case.comparisons}
+    for check in checks_for(case.scenario):
+        comparison = by_pair.get((check.a, check.b))
+        expected = "match" if check.expect_match else "differ"
+        if comparison is None:
+            lines.append(f"{check.a} vs {check.b}: not compared (arm missing or failed); expected {expected}")
+            continue
+        ok = comparison.match == check.expect_match
+        lines.append(f"{check.a} vs {check.b} {comparison.tuple_text} match={comparison.match} "
+                     f"expected {expected} [{'ok' if ok else 'UNEXPECTED'}] ({check.meaning})")
+    lines += [f"arm {arm.name} failed: {arm.error}" for arm in case.arms if arm.failed]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,54 @@
+"""Shared fixtures: every embedded model is built once per test run (session scope)."""
+
+from __future__ import annotations
+
+import os
+
+# Tests never reach a model hub; set before huggingface_hub is imported, which reads it once.
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from parity.cli import cli
+from parity.models import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LoadedModel:
+    return load_model("tiny-qwen3-vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> LoadedModel:
+    return load_model("tiny-qwen3-vl-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_nodeepstack() -> LoadedModel:
+    return load_model("tiny-qwen3-vl-nodeepstack")
+
+
+class Cli:
+    """Runs `parity ...` in-process and reads back the run folder it wrote."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.runner = CliRunner()
+
+    def __call__(self, *args: str, env: dict | None = None):
+        return self.runner.invoke(cli, list(args), env=env, catch_exceptions=False, prog_name="parity")
+
+    def run(self, *args: str, name: str = "run"):
+        out = self.tmp_path / name
+        result = self("run", "--out", str(out), "--no-plot", *args)
+        doc = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+        return result, doc, out
+
+
+@pytest.fixture
+def parity_cli(tmp_path: Path) -> Cli:
+    return Cli(tmp_path)

@@ -1,0 +1,82 @@
+"""Every command through CliRunner: outputs, exit codes, and one-line errors for bad input."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parity.cli import cli
+
+COMMANDS = ["run", "verdict", "report", "compare", "fixtures", "arms", "models"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(parity_cli, command):
+    result = parity_cli(command, "--help")
+    assert result.exit_code == 0
+    first_paragraph = " ".join(cli.commands[command].help.split("\n\n")[0].split())
+    assert first_paragraph and first_paragraph in " ".join(result.output.split())
+    assert f"Usage: parity {command}" in result.output
+
+
+def test_top_level_help_documents_exit_codes(parity_cli):
+    result = parity_cli("--help")
+    assert result.exit_code == 0 and "0 PASS, 1 FAIL_*, 2 usage error" in result.output
+    assert set(COMMANDS) <= set(cli.commands)
+
+
+def test_listing_commands(parity_cli, tmp_path):
+    assert "bcg_zero_deepstack" in parity_cli("arms").output
+    models = parity_cli("models").output
+    assert all(name in models for name in ("tiny-qwen3-vl ", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack"))
+    result = parity_cli("fixtures", "--write", str(tmp_path / "pngs"))
+    assert result.exit_code == 0 and "rgb-stripes" in result.output and "128x96" in result.output
+    assert sorted(p.name for p in (tmp_path / "pngs").iterdir()) == ["checkerboard.png", "gradient-circle.png", "rgb-stripes.png"]
+
+
+def _one_line_error(result, code=2):
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    return result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no-such-model-anywhere"], "could not be loaded"),
+    (["--arms", "eager_normal,warp"], "unknown arm warp"),
+    (["--fixture", "plaid"], "unknown fixture 'plaid'"),
+    (["--image", "/nonexistent/cat.png"], "no such file"),
+    (["--max-new-tokens", "0"], "must be > 0"),
+    (["--max-new-tokens", "-3"], "must be > 0"),
+    (["--logprob-tol", "-0.1"], "must be >= 0"),
+    (["--repeat", "0"], "must be > 0"),
+    (["--buckets", "16,x"], "comma list of integers"),
+    (["--device", "tpu"], "Invalid value"),
+    (["--prompt", "  "], "must not be empty"),
+    (["--prompts", "/nonexistent/prompts.txt"], "cannot be read"),
+])
+def test_run_bad_input_is_a_usage_error(parity_cli, monkeypatch, args, message):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result, _, _ = parity_cli.run(*args)
+    assert message in _one_line_error(result)
+
+
+def test_non_image_file_is_a_usage_error(parity_cli, tmp_path):
+    (tmp_path / "fake.png").write_text("hello")
+    result, _, _ = parity_cli.run("--image", str(tmp_path / "fake.png"))
+    assert "not a readable image" in _one_line_error(result)
+
+
+def test_unwritable_output_folder(parity_cli, tmp_path):
+    (tmp_path / "file").write_text("")
+    result = parity_cli("run", "--out", str(tmp_path / "file" / "sub"))
+    assert "cannot be written" in _one_line_error(result)
+
+
+def test_results_file_errors(parity_cli, tmp_path):
+    (tmp_path / "x.json").write_text("[1, 2")
+    (tmp_path / "other.json").write_text(json.dumps({"schema": "other/1"}))
+    for command in ("verdict", "report"):
+        assert "no such file" in _one_line_error(parity_cli(command, str(tmp_path / "missing.json")))
+        assert "not JSON" in _one_line_error(parity_cli(command, str(tmp_path / "x.json")))
+        out = _one_line_error(parity_cli(command, str(tmp_path / "other.json")))
+        assert "other.json" in out and "schema is 'other/1'" in out

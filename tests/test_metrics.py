@@ -1,0 +1,48 @@
+import pytest
+
+from parity.metrics import common_prefix_chars, compare, first_divergence, logprob_delta
+from tests.helpers_runs import make_arm
+
+
+def test_identical_arms_match_with_full_text_length():
+    a = make_arm("eager_normal", [1, 2, 3], text="héllo ✓", logprobs=[-0.1, -0.2, -0.3])
+    b = make_arm("bcg_normal", [1, 2, 3], text="héllo ✓", logprobs=[-0.1, -0.2, -0.35])
+    c = compare(b, a, 0.25)
+    assert (c.divergence_char, c.token_match, c.first_token_divergence) == (7, True, None)
+    assert c.logprob_delta == pytest.approx(0.05) and c.match
+
+
+def test_empty_outputs():
+    a, b = make_arm("eager_normal", [], text=""), make_arm("bcg_normal", [], text="")
+    c = compare(a, b, 0.25)
+    assert (c.divergence_char, c.token_match, c.logprob_delta, c.match) == (0, True, 0.0, True)
+    one = make_arm("bcg_normal", [5], text="x", logprobs=[-3.0])
+    c = compare(a, one, 0.25)
+    assert (c.token_match, c.first_token_divergence, c.logprob_delta, c.match) == (False, 0, 0.0, False)
+
+
+def test_prefix_divergence_is_shorter_length_and_delta_stops_there():
+    a = make_arm("eager_normal", [1, 2], text="ab", logprobs=[-0.1, -0.2])
+    b = make_arm("bcg_normal", [1, 2, 3], text="abc", logprobs=[-0.1, -0.9, -5.0])
+    c = compare(a, b, 0.25)
+    assert c.first_token_divergence == 2 and not c.token_match
+    # k = min(2, n - 1) = 1: the delta covers steps 0..1 only.
+    assert c.logprob_delta == pytest.approx(0.7) and c.divergence_char == 2
+
+
+def test_delta_includes_first_divergent_step_but_not_later_ones():
+    assert logprob_delta([-0.1, -0.5, -9.0], [-0.1, -0.2, -0.1], divergence=1) == pytest.approx(0.3)
+    assert logprob_delta([], [-1.0], divergence=0) == 0.0
+
+
+def test_unicode_divergence_counts_characters_not_bytes():
+    assert common_prefix_chars("日本語のテキスト", "日本語の文章") == 4
+    assert first_divergence([1, 2, 3], [1, 2, 4]) == 2
+    assert first_divergence([1, 2], [1, 2]) is None
+
+
+def test_match_needs_tokens_and_tolerance():
+    a = make_arm("eager_normal", [1, 2], logprobs=[-0.1, -0.1])
+    b = make_arm("bcg_normal", [1, 2], logprobs=[-0.1, -0.6])
+    assert compare(a, b, 0.25).token_match and not compare(a, b, 0.25).match
+    assert compare(a, b, 0.5).match

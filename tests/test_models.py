@@ -1,0 +1,104 @@
+"""The embedded models, the eager reference against Hugging Face, and the LM body against HF's forward."""
+
+import pytest
+import torch
+
+from parity.arms import select_arms
+from parity.backends.base import Request
+from parity.backends.transformers_backend import LMExecutor, TransformersBackend, TransformersSession
+from parity.errors import ModelUnavailableError
+from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.fixtures import builtin_fixture, default_prompts
+from parity.models import load_model
+from parity.models.tiny import SPECIAL_TOKENS
+
+PROMPT = "Describe the image in one sentence."
+
+
+def _eager(loaded, deepstack="normal", fixture="rgb-stripes", prompt=PROMPT):
+    session = TransformersSession(LMExecutor(loaded.adapter, None), max_new_tokens=20)
+    return session.generate(Request(builtin_fixture(fixture) if fixture else None, prompt), deepstack)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+def test_eager_reference_equals_hf_generate(preset, request):
+    adapter = request.getfixturevalue(preset).adapter
+    inputs = adapter.processor_inputs(builtin_fixture("rgb-stripes"), PROMPT)
+    out = adapter.model.generate(**inputs, max_new_tokens=20, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True)
+    hf_ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    hf_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, hf_ids)]
+    mine = _eager(request.getfixturevalue(preset))
+    assert list(mine.token_ids) == hf_ids and len(hf_ids) == 20
+    assert max(abs(a - b) for a, b in zip(mine.token_logprobs, hf_logprobs)) <= 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_nodeepstack"])
+def test_lm_body_logits_equal_hf_forward(preset, request):
+    adapter = request.getfixturevalue(preset).adapter
+    fixture = builtin_fixture("checkerboard")
+    inputs = adapter.processor_inputs(fixture, PROMPT)
+    prepared = adapter.prepare(fixture, PROMPT)
+    with torch.no_grad():
+        reference = adapter.model(**inputs).logits[0]
+        mine = adapter.lm_head(adapter.body(prepared.input_embeds, prepared.positions, prepared.deepstack))
+    assert torch.allclose(mine, reference, atol=1e-5, rtol=0)
+
+
+def test_dense_deepstack_is_zero_outside_image_rows(tiny):
+    prepared = tiny.adapter.prepare(builtin_fixture("rgb-stripes"), PROMPT)
+    image_rows = prepared.input_ids == tiny.adapter.config.image_token_id
+    assert prepared.deepstack.shape == (prepared.input_ids.shape[0], tiny.adapter.hidden_size * 3)
+    assert prepared.deepstack[image_rows].abs().sum(dim=1).gt(0).all()
+    assert not prepared.deepstack[~image_rows].any()
+    assert tiny.adapter.prepare(None, PROMPT).deepstack is None
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+def test_zeroing_deepstack_changes_the_answer(preset, request):
+    loaded = request.getfixturevalue(preset)
+    assert _eager(loaded, "normal").token_ids != _eager(loaded, "zero").token_ids
+
+
+def test_nodeepstack_preset_has_no_power(tiny_nodeepstack):
+    assert tiny_nodeepstack.adapter.deepstack_count == 0
+    assert _eager(tiny_nodeepstack, "normal").token_ids == _eager(tiny_nodeepstack, "zero").token_ids
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_nodeepstack"])
+def test_generator_never_emits_special_tokens(preset, request):
+    loaded = request.getfixturevalue(preset)
+    special = set(loaded.adapter.tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)))
+    for fixture in ("rgb-stripes", "checkerboard", "gradient-circle", None):
+        for deepstack in ("normal", "zero"):
+            gen = _eager(loaded, deepstack, fixture)
+            assert len(gen.token_ids) == 20 and not special & set(gen.token_ids)
+            assert gen.text.isascii() and gen.text.isprintable()
+
+
+def test_presets_are_deterministic_across_builds(tiny):
+    again = load_model("tiny-qwen3-vl")
+    for (name, a), b in zip(tiny.adapter.model.state_dict().items(), again.adapter.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("preset, power", [("tiny", True), ("tiny_moe", True), ("tiny_nodeepstack", False)])
+def test_eager_two_arm_run_is_incomplete_and_shows_power(preset, power, request):
+    loaded = request.getfixturevalue(preset)
+    fixture = builtin_fixture("rgb-stripes")
+    spec = RunSpec(model=loaded.name, arms=select_arms("eager_normal,eager_zero_deepstack"),
+                   cases=(CaseSpec(fixture, default_prompts(fixture)[0]),))
+    run = run_experiment(spec, TransformersBackend(loaded, max_new_tokens=20))
+    (comparison,) = run.cases[0].comparisons
+    assert run.verdict.code == "INCOMPLETE"
+    assert (comparison.a, comparison.b) == ("eager_zero_deepstack", "eager_normal")
+    assert comparison.match is (not power)
+
+
+def test_checkpoint_not_available_offline_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelUnavailableError, match="not available offline"):
+        load_model("Qwen/Qwen3-VL-8B-Instruct", device="cpu")
+    with pytest.raises(ModelUnavailableError, match="could not be loaded"):
+        load_model(str(tmp_path / "no-such-checkpoint"), device="cpu")

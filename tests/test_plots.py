@@ -1,0 +1,72 @@
+"""Per-case plots: a real PNG of the documented size, safe names, deltas that match the metric."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from PIL import Image
+
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
+from parity.metrics import compare
+from parity.plots import PLOT_SIZE_PX, comparable_pairs, plot_case, plot_filename, position_deltas
+from tests.helpers_runs import NORMAL_IDS, fixed_arms, four_arms, make_arm, make_case, make_run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _judged_case(arms, case_id="rgb-stripes/describe", scenario="four-arm"):
+    return make_run([make_case(arms, case_id, scenario)]).cases[0]
+
+
+def test_png_has_signature_and_documented_size(tmp_path):
+    arms = four_arms(NORMAL_IDS, logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5])
+    path = plot_case(_judged_case(arms), tmp_path / "plots", logprob_tol=0.25)
+    assert path == tmp_path / "plots" / "rgb-stripes__describe.png"
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size == PLOT_SIZE_PX == (800, 400)
+
+
+def test_case_without_comparable_pairs_still_plots(tmp_path):
+    arms = [make_arm(EAGER_NORMAL, NORMAL_IDS, error="boom"), make_arm(BCG_NORMAL, NORMAL_IDS)]
+    case = _judged_case(arms, "reuse/rgb-stripes/describe", "reuse")
+    assert comparable_pairs(case) == []
+    path = plot_case(case, tmp_path)
+    assert path.name == "reuse__rgb-stripes__describe.png"
+    with Image.open(path) as image:
+        assert image.size == PLOT_SIZE_PX
+
+
+def test_no_pyplot_state_leaks(tmp_path):
+    plot_case(_judged_case(fixed_arms()), tmp_path)
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    assert pyplot is None or pyplot.get_fignums() == []
+
+
+def test_comparable_pairs_follow_design_order_and_skip_failed_arms():
+    names = [(a.name, b.name) for a, b in comparable_pairs(_judged_case(fixed_arms()))]
+    assert names == [(BCG_NORMAL, EAGER_NORMAL), (BCG_NORMAL, BCG_ZERO), (BCG_ZERO, EAGER_ZERO), (EAGER_ZERO, EAGER_NORMAL)]
+    failed = [a for a in fixed_arms() if a.name != BCG_ZERO] + [make_arm(BCG_ZERO, (), error="x")]
+    names = [(a.name, b.name) for a, b in comparable_pairs(_judged_case(failed))]
+    assert names == [(BCG_NORMAL, EAGER_NORMAL), (EAGER_ZERO, EAGER_NORMAL)]
+
+
+def test_position_deltas_stop_where_the_metric_stops():
+    a = make_arm(BCG_NORMAL, (1, 2, 3, 4), logprobs=(-0.1, -0.5, -0.2, -3.0))
+    b = make_arm(EAGER_NORMAL, (1, 2, 9, 4), logprobs=(-0.1, -0.2, -1.0, -0.1))
+    deltas = position_deltas(a, b)
+    assert deltas == pytest.approx((0.0, 0.3, 0.8))
+    assert len(deltas) == 3  # position 3 (after the divergence) is left out: its 2.9 must not show
+    assert max(deltas) == compare(a, b, 0.25).logprob_delta
+    same = make_arm(EAGER_NORMAL, (1, 2, 3, 4), logprobs=(-0.1, -0.5, -0.2, -3.0))
+    assert position_deltas(a, same) == (0.0, 0.0, 0.0, 0.0)
+    assert position_deltas(a, make_arm(EAGER_NORMAL, ())) == ()
+
+
+def test_plot_filename_is_flat_and_safe():
+    assert plot_filename("rgb-stripes/describe") == "rgb-stripes__describe.png"
+    assert plot_filename("reuse/rgb-stripes/describe") == "reuse__rgb-stripes__describe.png"
+    assert plot_filename("../etc/pass wd") == "__etc__pass_wd.png"
+    assert plot_filename("") == "case.png"
+    assert "/" not in plot_filename("a/b/c/d") and plot_filename("a b") != plot_filename("a/b")
