@@ -101,6 +101,8 @@ def cli() -> None:
 @click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
 @click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=_positive,
               help="Seconds to wait for an SGLang server's /ready.")
+@click.option("--mem-fraction", type=float, default=0.70, show_default=True,
+              help="SGLang --mem-fraction-static per GPU (halved per server with --concurrent on one GPU).")
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""
     from parity.run_command import execute_run  # heavy imports (torch, transformers) only when running

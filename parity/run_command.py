@@ -69,18 +69,21 @@ def prepare_run_dir(out_dir: str | None, model: str) -> Path:
 def execute_run(*, console: Console, model: str, backend: str, arm_selection: str, fixture_names, images,
                 prompt_texts, prompts_file, max_new_tokens: int, logprob_tol: float, device: str, dtype: str,
                 runner: str, graph_backend: str, buckets, scenario: str, repeat: int, out_dir, junit_path,
-                no_plot: bool, sglang_args, concurrent: bool, gpus, ready_timeout: float) -> RunResult:
+                no_plot: bool, sglang_args, concurrent: bool, gpus, ready_timeout: float,
+                mem_fraction: float) -> RunResult:
     # Everything a user can get wrong is checked before a model loads or a server starts.
     spec = RunSpec(
         model=model, arms=select_arms(arm_selection),
         cases=build_cases(fixture_names, images, prompt_texts, prompts_file),
         max_new_tokens=max_new_tokens, logprob_tol=logprob_tol, dtype=dtype, scenario=scenario, repeat=repeat,
     )
+    if backend == "sglang" and dtype != "auto":
+        sglang_args = (*sglang_args, "--dtype", dtype)  # the servers, not parity, load the weights
     run_dir = prepare_run_dir(out_dir, model)
     engine = create_backend(
         backend, model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens, runner=runner,
         graph_backend=graph_backend, buckets=buckets, run_dir=run_dir, sglang_args=tuple(sglang_args),
-        concurrent=concurrent, gpus=tuple(gpus), ready_timeout=ready_timeout,
+        concurrent=concurrent, gpus=tuple(gpus), ready_timeout=ready_timeout, mem_fraction=mem_fraction,
     )
     if backend == "transformers":
         spec = dataclasses.replace(spec, dtype=str(engine.loaded.dtype).removeprefix("torch."))

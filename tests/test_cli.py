@@ -80,3 +80,19 @@ def test_results_file_errors(parity_cli, tmp_path):
         assert "not JSON" in _one_line_error(parity_cli(command, str(tmp_path / "x.json")))
         out = _one_line_error(parity_cli(command, str(tmp_path / "other.json")))
         assert "other.json" in out and "schema is 'other/1'" in out
+
+
+def test_sglang_backend_unavailable_is_a_usage_error(parity_cli):
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    result, _, _ = parity_cli.run("--backend", "sglang", "--model", "Qwen/Qwen3-VL-8B-Instruct")
+    assert "SGLang is not installed" in _one_line_error(result)
+    result, _, _ = parity_cli.run("--backend", "sglang", "--model", "Qwen/Qwen3-VL-8B-Instruct", "--mem-fraction", "1.5")
+    assert "memory fraction" in _one_line_error(result)
+
+
+def test_embedded_preset_on_sglang_is_a_usage_error(parity_cli):
+    result, _, _ = parity_cli.run("--backend", "sglang")
+    assert "embedded preset" in _one_line_error(result)
