@@ -1,0 +1,189 @@
+"""Every GPU check of the graph runner in one call (see scripts/gpu_check.sh).
+
+1. Verdicts: each embedded preset x runner variant x dtype (fp32, bf16) x scenario (four-arm, reuse)
+   on the `cuda` graph backend, against the verdict a correct harness must give.
+2. Replay vs eager prefill time per bucket (<= 512 tokens) for tiny-qwen3-vl and mid-qwen3-vl (bf16).
+3. The DeepStack slot's memory: exactly max_tokens x hidden x n x dtype bytes, 0 without DeepStack.
+
+Writes summary.md, summary.json and runs.tar.gz (every results.json and report.md) under --out.
+`--device cpu` runs the same checks on the emulated backend (a dry run of this script, no timings
+worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from parity.arms import select_arms
+from parity.backends.transformers_backend import TransformersBackend
+from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.fixtures import builtin_fixture, default_prompts
+from parity.graph_runner import PrefillGraphRunner, RunnerVariant
+from parity.models import load_model
+from parity.report import render_markdown
+from parity.results import write_results
+
+PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack")
+TIMED_PRESETS = ("tiny-qwen3-vl", "mid-qwen3-vl")
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def expected_verdict(preset: str, runner: str, scenario: str) -> str:
+    if scenario == "reuse":
+        # Only a slot that is never cleared can carry an image request's rows into the next one.
+        return "FAIL_STALE_STATE" if runner == "no-clear" and "nodeepstack" not in preset else "PASS"
+    if "nodeepstack" in preset:
+        return "INCONCLUSIVE_NO_POWER"
+    return "FAIL_DEEPSTACK_DROPPED" if runner == "legacy" else "PASS"
+
+
+def verdict_matrix(device: str, graph_backend: str, runs_dir: Path) -> list[dict]:
+    rows = []
+    fixture = builtin_fixture("rgb-stripes")
+    case = CaseSpec(fixture, default_prompts(fixture)[0])
+    for dtype in ("float32", "bfloat16"):
+        for preset in PRESETS:
+            loaded = load_model(preset, device=device, dtype=dtype)
+            for runner in ("fixed", "legacy", "no-clear"):
+                for scenario in ("four-arm", "reuse"):
+                    want = expected_verdict(preset, runner, scenario)
+                    name = f"{preset}-{dtype}-{runner}-{scenario}"
+                    start = time.perf_counter()
+                    try:
+                        spec = RunSpec(model=preset, arms=select_arms("all"), cases=(case,), dtype=dtype, scenario=scenario)
+                        backend = TransformersBackend(loaded, max_new_tokens=20, runner_variant=RunnerVariant(runner),
+                                                      graph_backend=graph_backend, buckets=BUCKETS)
+                        run = run_experiment(spec, backend)
+                        got, reason = run.verdict.code, run.verdict.reason
+                        folder = runs_dir / name
+                        folder.mkdir(parents=True)
+                        write_results(run, folder / "results.json")
+                        (folder / "report.md").write_text(render_markdown(run))
+                    except Exception as err:  # a check that crashes is a finding, not the end of the script
+                        got, reason = "CRASH", f"{err.__class__.__name__}: {err}"
+                        traceback.print_exc()
+                    rows.append({"preset": preset, "dtype": dtype, "runner": runner, "scenario": scenario,
+                                 "expected": want, "got": got, "ok": got == want, "reason": reason,
+                                 "seconds": round(time.perf_counter() - start, 2)})
+                    print(f"{name:55} {got:28} {'ok' if got == want else 'UNEXPECTED (want ' + want + ')'}", flush=True)
+            del loaded
+    return rows
+
+
+def _median_seconds(fn, device: torch.device, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def replay_timings(device: str, graph_backend: str, iters: int) -> list[dict]:
+    rows = []
+    for preset in TIMED_PRESETS:
+        loaded = load_model(preset, device=device, dtype="bfloat16")
+        adapter = loaded.adapter
+        start = time.perf_counter()
+        runner = PrefillGraphRunner(adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype,
+                                    device=adapter.device, buckets=BUCKETS, graph_backend=_graph(graph_backend, adapter.device))
+        capture_s = time.perf_counter() - start
+        generator = torch.Generator(device=adapter.device).manual_seed(0)
+        for bucket in BUCKETS:
+            embeds = torch.randn(bucket, adapter.hidden_size, generator=generator, device=adapter.device, dtype=adapter.dtype)
+            positions = torch.arange(bucket, device=adapter.device).expand(3, -1).contiguous()
+            deepstack = torch.randn(bucket, adapter.hidden_size * adapter.deepstack_count, generator=generator,
+                                    device=adapter.device, dtype=adapter.dtype)
+            with torch.inference_mode():
+                eager_out = adapter.body(embeds, positions, deepstack)
+                replay_out = runner.replay(embeds, positions, deepstack)
+                for _ in range(3):  # warm-up both paths
+                    adapter.body(embeds, positions, deepstack)
+                    runner.replay(embeds, positions, deepstack)
+                eager_s = _median_seconds(lambda: adapter.body(embeds, positions, deepstack), adapter.device, iters)
+                replay_s = _median_seconds(lambda: runner.replay(embeds, positions, deepstack), adapter.device, iters)
+            rows.append({"preset": preset, "bucket": bucket, "eager_ms": eager_s * 1e3, "replay_ms": replay_s * 1e3,
+                         "speedup": eager_s / replay_s, "capture_s": capture_s,
+                         "max_abs_diff": float((eager_out.float() - replay_out.float()).abs().max())})
+            print(f"{preset:16} bucket {bucket:4}: eager {eager_s * 1e3:8.3f} ms  replay {replay_s * 1e3:8.3f} ms  "
+                  f"x{eager_s / replay_s:5.2f}", flush=True)
+        runner.close()
+        del loaded, runner
+    return rows
+
+
+def slot_memory(device: str, graph_backend: str) -> list[dict]:
+    rows = []
+    for preset in ("tiny-qwen3-vl", "tiny-qwen3-vl-nodeepstack"):
+        for dtype in ("float32", "bfloat16"):
+            adapter = load_model(preset, device=device, dtype=dtype).adapter
+            runner = PrefillGraphRunner(adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype,
+                                        device=adapter.device, buckets=BUCKETS, graph_backend=_graph(graph_backend, adapter.device))
+            formula = max(BUCKETS) * adapter.hidden_size * adapter.deepstack_count * adapter.dtype.itemsize
+            rows.append({"preset": preset, "dtype": dtype, "slot_bytes": runner.deepstack_slot_bytes,
+                         "formula_bytes": formula, "ok": runner.deepstack_slot_bytes == formula})
+            print(f"{preset:26} {dtype:9} DeepStack slot {runner.deepstack_slot_bytes:9} B (formula {formula})", flush=True)
+            runner.close()
+    return rows
+
+
+def _graph(name: str, device: torch.device):
+    from parity.graph_runner import GraphBackend
+
+    return GraphBackend.resolve(name, device)
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    lines = [f"# parity GPU check\n\n{summary['environment']}\n", "## Verdicts (cuda graph backend)\n",
+             "| preset | dtype | runner | scenario | expected | got | ok | s |", "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['dtype']} | {r['runner']} | {r['scenario']} | {r['expected']} | {r['got']} | "
+              f"{'✅' if r['ok'] else '❌'} | {r['seconds']} |" for r in summary["verdicts"]]
+    lines += ["\n## Replay vs eager prefill (bf16)\n", "| preset | bucket | eager ms | replay ms | speed-up | max abs diff |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['bucket']} | {r['eager_ms']:.3f} | {r['replay_ms']:.3f} | {r['speedup']:.2f}× | "
+              f"{r['max_abs_diff']:.3g} |" for r in summary["timings"]]
+    lines += ["\n## DeepStack slot memory\n", "| preset | dtype | slot bytes | formula | ok |", "|---|---|---|---|---|"]
+    lines += [f"| {r['preset']} | {r['dtype']} | {r['slot_bytes']} | {r['formula_bytes']} | {'✅' if r['ok'] else '❌'} |"
+              for r in summary["memory"]]
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="gpu-check-out")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    out = Path(args.out)
+    runs = out / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    graph_backend = "cuda" if args.device == "cuda" else "emulated"
+    env = f"torch {torch.__version__}, device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
+    summary = {"environment": env, "verdicts": [], "timings": [], "memory": []}
+    try:
+        summary["memory"] = slot_memory(args.device, graph_backend)
+        summary["verdicts"] = verdict_matrix(args.device, graph_backend, runs)
+        summary["timings"] = replay_timings(args.device, graph_backend, args.iters)
+    finally:
+        write_summary(out, summary)
+        with tarfile.open(out / "runs.tar.gz", "w:gz") as tar:
+            tar.add(runs, arcname="runs")
+    bad = [r for r in summary["verdicts"] if not r["ok"]] + [r for r in summary["memory"] if not r["ok"]]
+    print(f"{len(bad)} unexpected result(s); summary in {out / 'summary.md'}")
+
+
+if __name__ == "__main__":
+    main()
