@@ -66,6 +66,18 @@ def prepare_run_dir(out_dir: str | None, model: str) -> Path:
     return path
 
 
+def check_writable_file(option: str, path: str) -> Path:
+    """Fail before the run, not after it, when a file the run must write cannot be written."""
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "a", encoding="utf-8"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{option} {path}: cannot be written ({err.strerror or err})") from None
+    return target
+
+
 def execute_run(*, console: Console, model: str, backend: str, arm_selection: str, fixture_names, images,
                 prompt_texts, prompts_file, max_new_tokens: int, logprob_tol: float, device: str, dtype: str,
                 runner: str, graph_backend: str, buckets, scenario: str, repeat: int, out_dir, junit_path,
@@ -80,6 +92,7 @@ def execute_run(*, console: Console, model: str, backend: str, arm_selection: st
     if backend == "sglang" and dtype != "auto":
         sglang_args = (*sglang_args, "--dtype", dtype)  # the servers, not parity, load the weights
     run_dir = prepare_run_dir(out_dir, model)
+    junit = check_writable_file("--junit", junit_path) if junit_path else None
     engine = create_backend(
         backend, model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens, runner=runner,
         graph_backend=graph_backend, buckets=buckets, run_dir=run_dir, sglang_args=tuple(sglang_args),
@@ -94,11 +107,14 @@ def execute_run(*, console: Console, model: str, backend: str, arm_selection: st
     write_results(result, run_dir / "results.json")
     markdown = render_markdown(result)
     (run_dir / "report.md").write_text(markdown, encoding="utf-8")
-    if junit_path:
+    if junit is not None:
         from parity.junit import write_junit
 
-        write_junit(result, Path(junit_path))
-    append_step_summary(markdown)
+        write_junit(result, junit)
+    try:
+        append_step_summary(markdown)
+    except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning
+        console.print(f"[yellow]warning:[/] GITHUB_STEP_SUMMARY not written ({err.strerror or err})")
     print_table(result, console)
     console.print(f"results: {run_dir / 'results.json'}  report: {run_dir / 'report.md'}", highlight=False)
     return result

@@ -92,11 +92,13 @@ def _case_verdict(scenario: str, needed, arms: dict[str, ArmResult], comparisons
     failed = [n for n in needed if n in arms and arms[n].failed]
     if failed:
         first = arms[failed[0]]
-        return Verdict(ERROR, f"arm {first.name} failed: {first.error}")
+        # One line: a server's log tail stays in the arm's error, shown in the report.
+        return Verdict(ERROR, f"arm {first.name} failed: {first.error.strip().splitlines()[0] if first.error.strip() else 'no message'}")
     missing = [n for n in needed if n not in arms]
     if missing:
         return Verdict(INCOMPLETE, f"arm(s) not run: {', '.join(missing)}")
-    noisy = [(n, self_delta(arms[n])[1]) for n in needed if not self_delta(arms[n])[0]]
+    deltas = {n: self_delta(arms[n]) for n in needed}
+    noisy = [(n, worst) for n, (reproduced, worst) in deltas.items() if not reproduced]
     if noisy:
         name, worst = noisy[0]
         return Verdict(INCONCLUSIVE_NONDETERMINISTIC,

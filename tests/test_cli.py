@@ -96,3 +96,9 @@ def test_sglang_backend_unavailable_is_a_usage_error(parity_cli):
 def test_embedded_preset_on_sglang_is_a_usage_error(parity_cli):
     result, _, _ = parity_cli.run("--backend", "sglang")
     assert "embedded preset" in _one_line_error(result)
+
+
+def test_unwritable_junit_path_fails_before_the_run(parity_cli, tmp_path):
+    (tmp_path / "file").write_text("")
+    result, doc, _ = parity_cli.run("--junit", str(tmp_path / "file" / "junit.xml"))
+    assert "--junit" in _one_line_error(result) and doc is None

@@ -102,3 +102,14 @@ def test_checkpoint_not_available_offline_is_a_clear_error(monkeypatch, tmp_path
         load_model("Qwen/Qwen3-VL-8B-Instruct", device="cpu")
     with pytest.raises(ModelUnavailableError, match="could not be loaded"):
         load_model(str(tmp_path / "no-such-checkpoint"), device="cpu")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+def test_power_on_every_builtin_fixture_and_prompt(preset, request):
+    from parity.fixtures import builtin_fixtures
+
+    loaded = request.getfixturevalue(preset)
+    for fixture in builtin_fixtures():
+        for prompt in default_prompts(fixture):
+            assert _eager(loaded, "normal", fixture.name, prompt.text).token_ids != \
+                _eager(loaded, "zero", fixture.name, prompt.text).token_ids, (fixture.name, prompt.id)

@@ -20,6 +20,8 @@ def test_row1_failed_arm_is_error():
     arms[2] = make_arm(BCG_NORMAL, [], error="server died")
     v = verdict_of(arms)
     assert v.code == "ERROR" and "bcg_normal" in v.reason and "server died" in v.reason
+    arms[2] = make_arm(BCG_NORMAL, [], error="server exited with 1\n--- log tail ---\nCUDA out of memory")
+    assert verdict_of(arms).reason == "arm bcg_normal failed: server exited with 1"
     assert EXIT_CODES["ERROR"] == 4
 
 

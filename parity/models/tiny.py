@@ -46,7 +46,7 @@ _CORPUS = (
 )
 
 TOKENIZER_VOCAB = 512
-_TOKENIZER_SEED_CORPUS_REPEATS = 8
+_CORPUS_REPEATS = 8
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,14 @@ class TinyPreset:
 PRESETS: dict[str, TinyPreset] = {
     p.name: p
     for p in (
-        TinyPreset("tiny-qwen3-vl", "dense Qwen3-VL, DeepStack added after 3 decoder layers"),
-        TinyPreset("tiny-qwen3-vl-moe", "Qwen3-VL-MoE (4 experts, top-2), DeepStack after 3 layers", moe=True),
+        # Seeds picked for varied text and for DeepStack power on every built-in fixture and prompt.
+        TinyPreset("tiny-qwen3-vl", "dense Qwen3-VL, DeepStack added after 3 decoder layers", seed=4),
+        TinyPreset("tiny-qwen3-vl-moe", "Qwen3-VL-MoE (4 experts, top-2), DeepStack after 3 layers", moe=True, seed=1),
         TinyPreset(
             "tiny-qwen3-vl-nodeepstack",
             "dense Qwen3-VL with deepstack_visual_indexes=[]: the negative control for power",
             deepstack_layers=0,
+            seed=4,
         ),
         TinyPreset(
             "mid-qwen3-vl",
@@ -93,7 +95,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_CORPUS] * _TOKENIZER_SEED_CORPUS_REPEATS, trainer)
+    tok.train_from_iterator([_CORPUS] * _CORPUS_REPEATS, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
