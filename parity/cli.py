@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from parity import __version__
 from parity.errors import ParityError, UsageError
 from parity.verdict import USAGE_EXIT, exit_code
 
@@ -62,7 +63,7 @@ def _int_list(ctx, param, value):
 
 
 @click.group(cls=ParityGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="parity", message="parity %(version)s")
+@click.version_option(version=__version__, prog_name="parity", message="parity %(version)s")
 def cli() -> None:
     """parity: does prefill graph replay give the same answer as eager, and does it see DeepStack?
 

@@ -63,15 +63,17 @@ def verdict_matrix(device: str, graph_backend: str, runs_dir: Path) -> list[dict
                                                       graph_backend=graph_backend, buckets=BUCKETS)
                         run = run_experiment(spec, backend)
                         got, reason = run.verdict.code, run.verdict.reason
+                        # bcg vs eager: tells a bf16 near-tie flip (small delta) from a real divergence.
+                        graph_vs_eager = run.cases[0].comparisons[0].tuple_text if run.cases[0].comparisons else "—"
                         folder = runs_dir / name
                         folder.mkdir(parents=True)
                         write_results(run, folder / "results.json")
                         (folder / "report.md").write_text(render_markdown(run))
                     except Exception as err:  # a check that crashes is a finding, not the end of the script
-                        got, reason = "CRASH", f"{err.__class__.__name__}: {err}"
+                        got, reason, graph_vs_eager = "CRASH", f"{err.__class__.__name__}: {err}", "—"
                         traceback.print_exc()
                     rows.append({"preset": preset, "dtype": dtype, "runner": runner, "scenario": scenario,
-                                 "expected": want, "got": got, "ok": got == want, "reason": reason,
+                                 "expected": want, "got": got, "ok": got == want, "reason": reason, "graph_vs_eager": graph_vs_eager,
                                  "seconds": round(time.perf_counter() - start, 2)})
                     print(f"{name:55} {got:28} {'ok' if got == want else 'UNEXPECTED (want ' + want + ')'}", flush=True)
             del loaded
@@ -147,10 +149,11 @@ def _graph(name: str, device: torch.device):
 
 def write_summary(out: Path, summary: dict) -> None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    lines = [f"# parity GPU check\n\n{summary['environment']}\n", "## Verdicts (cuda graph backend)\n",
-             "| preset | dtype | runner | scenario | expected | got | ok | s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"# parity GPU check\n\n{summary['environment']}\n", f"## Verdicts ({summary['graph_backend']} graph backend)\n",
+             "| preset | dtype | runner | scenario | expected | got | ok | bcg vs eager | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['preset']} | {r['dtype']} | {r['runner']} | {r['scenario']} | {r['expected']} | {r['got']} | "
-              f"{'✅' if r['ok'] else '❌'} | {r['seconds']} |" for r in summary["verdicts"]]
+              f"{'✅' if r['ok'] else '❌'} | {r['graph_vs_eager']} | {r['seconds']} |" for r in summary["verdicts"]]
     lines += ["\n## Replay vs eager prefill (bf16)\n", "| preset | bucket | eager ms | replay ms | speed-up | max abs diff |",
               "|---|---|---|---|---|---|"]
     lines += [f"| {r['preset']} | {r['bucket']} | {r['eager_ms']:.3f} | {r['replay_ms']:.3f} | {r['speedup']:.2f}× | "
@@ -172,7 +175,7 @@ def main() -> None:
     runs.mkdir(parents=True, exist_ok=True)
     graph_backend = "cuda" if args.device == "cuda" else "emulated"
     env = f"torch {torch.__version__}, device {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}"
-    summary = {"environment": env, "verdicts": [], "timings": [], "memory": []}
+    summary = {"environment": env, "graph_backend": graph_backend, "verdicts": [], "timings": [], "memory": []}
     try:
         summary["memory"] = slot_memory(args.device, graph_backend)
         summary["verdicts"] = verdict_matrix(args.device, graph_backend, runs)

@@ -25,6 +25,13 @@ def test_top_level_help_documents_exit_codes(parity_cli):
     assert set(COMMANDS) <= set(cli.commands)
 
 
+def test_version(parity_cli):
+    from parity import __version__
+
+    result = parity_cli("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"parity {__version__}"
+
+
 def test_listing_commands(parity_cli, tmp_path):
     assert "bcg_zero_deepstack" in parity_cli("arms").output
     models = parity_cli("models").output

@@ -65,9 +65,10 @@ class TinyPreset:
 PRESETS: dict[str, TinyPreset] = {
     p.name: p
     for p in (
-        # Seeds picked for varied text and for DeepStack power on every built-in fixture and prompt.
+        # Seeds picked for varied text, DeepStack power on every built-in fixture and prompt, and
+        # (on the CPU) fewest bf16 near-tie flips between padded replay and eager.
         TinyPreset("tiny-qwen3-vl", "dense Qwen3-VL, DeepStack added after 3 decoder layers", seed=4),
-        TinyPreset("tiny-qwen3-vl-moe", "Qwen3-VL-MoE (4 experts, top-2), DeepStack after 3 layers", moe=True, seed=1),
+        TinyPreset("tiny-qwen3-vl-moe", "Qwen3-VL-MoE (4 experts, top-2), DeepStack after 3 layers", moe=True, seed=8),
         TinyPreset(
             "tiny-qwen3-vl-nodeepstack",
             "dense Qwen3-VL with deepstack_visual_indexes=[]: the negative control for power",
