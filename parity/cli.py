@@ -5,10 +5,7 @@ Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_*
 
 from __future__ import annotations
 
-import re
 import sys
-from datetime import datetime
-from pathlib import Path
 
 import click
 from rich.console import Console
@@ -204,11 +201,6 @@ def models() -> None:
 
     for preset in PRESETS.values():
         click.echo(f"{preset.name:26} {preset.description}")
-
-
-def default_run_dir(model: str) -> Path:
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model).strip("_")
-    return Path("reports") / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{slug}"
 
 
 def main() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
@@ -52,30 +54,33 @@ def _user_prompts(texts: Sequence[str], prompts_file: str | None) -> tuple[Promp
     return tuple(Prompt(f"prompt-{i}", text) for i, text in enumerate(lines, 1))
 
 
-def prepare_run_dir(out_dir: str | None, model: str) -> Path:
-    from parity.cli import default_run_dir
+def default_run_dir(model: str) -> Path:
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", model).strip("_")
+    return Path("reports") / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{slug}"
 
+
+def prepare_run_dir(out_dir: str | None, model: str) -> Path:
     path = Path(out_dir) if out_dir else default_run_dir(model)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".parity-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise UsageError(f"--out {path}: the output folder cannot be written ({err.strerror or err})") from None
+    probe = path / ".parity-write-test"
+    _check_writable("--out", path, probe, "the output folder cannot be written")
+    probe.unlink()
     return path
 
 
 def check_writable_file(option: str, path: str) -> Path:
     """Fail before the run, not after it, when a file the run must write cannot be written."""
     target = Path(path)
+    _check_writable(option, target, target, "cannot be written")
+    return target
+
+
+def _check_writable(option: str, shown: Path, probe: Path, problem: str) -> None:
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with open(target, "a", encoding="utf-8"):
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        with open(probe, "a", encoding="utf-8"):
             pass
     except OSError as err:
-        raise UsageError(f"{option} {path}: cannot be written ({err.strerror or err})") from None
-    return target
+        raise UsageError(f"{option} {shown}: {problem} ({err.strerror or err})") from None
 
 
 def execute_run(*, console: Console, model: str, backend: str, arm_selection: str, fixture_names, images,
@@ -89,8 +94,6 @@ def execute_run(*, console: Console, model: str, backend: str, arm_selection: st
         cases=build_cases(fixture_names, images, prompt_texts, prompts_file),
         max_new_tokens=max_new_tokens, logprob_tol=logprob_tol, dtype=dtype, scenario=scenario, repeat=repeat,
     )
-    if backend == "sglang" and dtype != "auto":
-        sglang_args = (*sglang_args, "--dtype", dtype)  # the servers, not parity, load the weights
     run_dir = prepare_run_dir(out_dir, model)
     junit = check_writable_file("--junit", junit_path) if junit_path else None
     engine = create_backend(
@@ -98,8 +101,6 @@ def execute_run(*, console: Console, model: str, backend: str, arm_selection: st
         graph_backend=graph_backend, buckets=buckets, run_dir=run_dir, sglang_args=tuple(sglang_args),
         concurrent=concurrent, gpus=tuple(gpus), ready_timeout=ready_timeout, mem_fraction=mem_fraction,
     )
-    if backend == "transformers":
-        spec = dataclasses.replace(spec, dtype=str(engine.loaded.dtype).removeprefix("torch."))
     with progress_display(console) as progress:
         result = run_experiment(spec, engine, progress)
     if not no_plot:

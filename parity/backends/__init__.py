@@ -23,14 +23,17 @@ def _transformers(*, model: str, device: str, dtype: str, max_new_tokens: int, r
         raise UsageError(str(err)) from None
 
 
-def _sglang(*, model: str, max_new_tokens: int, run_dir: Path, sglang_args: tuple[str, ...], concurrent: bool,
-            gpus: tuple[int, ...], ready_timeout: float, mem_fraction: float, **_transformers_only) -> Backend:
+def _sglang(*, model: str, dtype: str, max_new_tokens: int, run_dir: Path, sglang_args: tuple[str, ...],
+            concurrent: bool, gpus: tuple[int, ...], ready_timeout: float, mem_fraction: float,
+            **_transformers_only) -> Backend:
     from parity.models.tiny import PRESETS
     from parity.sglang.backend import create_sglang_backend
 
     if model in PRESETS:
         raise UsageError(f"{model!r} is an embedded preset, built in parity's process: it runs on the "
                          "transformers backend; give --backend sglang a Qwen3-VL checkpoint id or path")
+    if dtype != "auto":
+        sglang_args = (*sglang_args, "--dtype", dtype)  # the servers, not parity, load the weights
     return create_sglang_backend(model=model, max_new_tokens=max_new_tokens, run_dir=run_dir,
                                  sglang_args=sglang_args, concurrent=concurrent, gpus=gpus,
                                  ready_timeout=ready_timeout, mem_fraction=mem_fraction)

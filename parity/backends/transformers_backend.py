@@ -143,6 +143,7 @@ class TransformersBackend:
 
     def config(self) -> Mapping[str, Any]:
         return {
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),  # what "auto" resolved to
             "runner": self.runner_variant.value,
             "graph_backend": self.graph_backend.value,
             "buckets": list(self.buckets),
