@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from parity.results import CaseResult, Comparison, RunResult, Verdict
-from parity.verdict import ERROR, PASS, checks_for, judge_run
+from parity.verdict import ERROR, PASS, Check, checks_for, judge_run
 
 # Config keys whose difference changes what the comparisons mean. logprob_tol changes `match`;
 # max_new_tokens and dtype change the arms' answers themselves.
@@ -79,14 +79,12 @@ def _verdict(case: CaseResult | None) -> Verdict | None:
 
 def _rows(case_id: str, before: CaseResult | None, after: CaseResult | None) -> list[Row]:
     scenario = (after or before).scenario
-    b_pairs = _pairs(before)
-    a_pairs = _pairs(after)
-    return [Row(case_id, c.a, c.b, c.expect_match, b_pairs.get((c.a, c.b)), a_pairs.get((c.a, c.b)))
+    return [Row(case_id, c.a, c.b, c.expect_match, _comparison(before, c), _comparison(after, c))
             for c in checks_for(scenario)]
 
 
-def _pairs(case: CaseResult | None) -> dict[tuple[str, str], Comparison]:
-    return {} if case is None else {(c.a, c.b): c for c in case.comparisons}
+def _comparison(case: CaseResult | None, check: Check) -> Comparison | None:
+    return None if case is None else case.comparison(check.a, check.b)
 
 
 def _config_notes(before: RunResult, after: RunResult) -> tuple[str, ...]:

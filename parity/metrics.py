@@ -22,13 +22,18 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def logprob_delta(lp_a: Sequence[float], lp_b: Sequence[float], divergence: int | None) -> float:
+def position_deltas(lp_a: Sequence[float], lp_b: Sequence[float], divergence: int | None) -> tuple[float, ...]:
+    """|lp_a[i] - lp_b[i]| for i = 0..k, the steps the logprob delta covers (none when n == 0)."""
     n = min(len(lp_a), len(lp_b))
     if n == 0:
-        return 0.0
+        return ()
     # Up to and including the first divergent step: its logprobs tell how close the call was.
     k = n - 1 if divergence is None else min(divergence, n - 1)
-    return max(abs(lp_a[i] - lp_b[i]) for i in range(k + 1))
+    return tuple(abs(lp_a[i] - lp_b[i]) for i in range(k + 1))
+
+
+def logprob_delta(lp_a: Sequence[float], lp_b: Sequence[float], divergence: int | None) -> float:
+    return max(position_deltas(lp_a, lp_b, divergence), default=0.0)
 
 
 def compare(a: ArmResult, b: ArmResult, logprob_tol: float) -> Comparison:

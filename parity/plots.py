@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from parity import metrics
 from parity.metrics import DEFAULT_LOGPROB_TOL, first_divergence
 from parity.results import ArmResult, CaseResult
-from parity.verdict import checks_for
+from parity.verdict import comparable_pairs
 
 FIG_SIZE_IN = (8.0, 4.0)
 DPI = 100
@@ -36,19 +38,8 @@ def plot_filename(case_id: str) -> str:
 
 
 def position_deltas(a: ArmResult, b: ArmResult) -> tuple[float, ...]:
-    """|lp_a[i] - lp_b[i]| for i = 0..k, k as in `logprob_delta` (empty when either arm has no steps)."""
-    n = min(len(a.token_logprobs), len(b.token_logprobs))
-    if n == 0:
-        return ()
-    divergence = first_divergence(a.token_ids, b.token_ids)
-    k = n - 1 if divergence is None else min(divergence, n - 1)
-    return tuple(abs(a.token_logprobs[i] - b.token_logprobs[i]) for i in range(k + 1))
-
-
-def comparable_pairs(case: CaseResult) -> list[tuple[ArmResult, ArmResult]]:
-    """The case's comparisons, in design order, where both arms exist and did not fail."""
-    arms = {arm.name: arm for arm in case.arms if not arm.failed}
-    return [(arms[c.a], arms[c.b]) for c in checks_for(case.scenario) if c.a in arms and c.b in arms]
+    """|Δ logprob| per position over the steps `logprob_delta` covers (empty when either arm has no steps)."""
+    return metrics.position_deltas(a.token_logprobs, b.token_logprobs, first_divergence(a.token_ids, b.token_ids))
 
 
 def plot_case(case: CaseResult, out_dir: str | Path, logprob_tol: float = DEFAULT_LOGPROB_TOL) -> Path:

@@ -26,8 +26,7 @@ def _expectation(expect_match: bool) -> str:
 
 def _rows(case: CaseResult):
     """(check, comparison or None) for every check of the case's scenario, in design order."""
-    found = {(c.a, c.b): c for c in case.comparisons}
-    return [(check, found.get((check.a, check.b))) for check in checks_for(case.scenario)]
+    return [(check, case.comparison(check.a, check.b)) for check in checks_for(case.scenario)]
 
 
 # --- markdown ----------------------------------------------------------------------------------

@@ -92,6 +92,9 @@ class CaseResult:
     def arm(self, name: str) -> ArmResult | None:
         return next((a for a in self.arms if a.name == name), None)
 
+    def comparison(self, a: str, b: str) -> Comparison | None:
+        return next((c for c in self.comparisons if (c.a, c.b) == (a, b)), None)
+
 
 @dataclass(frozen=True)
 class RunResult:

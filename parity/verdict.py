@@ -76,15 +76,17 @@ def _describe(c: Comparison) -> str:
     return f"{c.a} vs {c.b} {c.tuple_text}"
 
 
+def comparable_pairs(case: CaseResult) -> list[tuple[ArmResult, ArmResult]]:
+    """The case's comparisons, in design order, where both arms exist and did not fail."""
+    arms = {arm.name: arm for arm in case.arms if not arm.failed}
+    return [(arms[c.a], arms[c.b]) for c in checks_for(case.scenario) if c.a in arms and c.b in arms]
+
+
 def judge_case(case: CaseResult, logprob_tol: float) -> CaseResult:
     """Recompute the case's comparisons and verdict from its arms alone."""
     needed = SCENARIO_ARMS[case.scenario]
     arms = {a.name: a for a in case.arms}
-    comparisons = tuple(
-        compare(arms[c.a], arms[c.b], logprob_tol)
-        for c in checks_for(case.scenario)
-        if c.a in arms and c.b in arms and not arms[c.a].failed and not arms[c.b].failed
-    )
+    comparisons = tuple(compare(a, b, logprob_tol) for a, b in comparable_pairs(case))
     return replace(case, comparisons=comparisons, verdict=_case_verdict(case.scenario, needed, arms, comparisons))
 
 
