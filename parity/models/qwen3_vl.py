@@ -22,6 +22,16 @@ class PreparedPrompt:
     deepstack: torch.Tensor | None  # [T, H * n], zero outside image rows; None without image or n == 0
 
 
+def chat_text(processor, fixture: Fixture | None, prompt: str) -> str:
+    """One user turn through the model's own chat template: the image placeholder, then the prompt.
+
+    Every backend builds its prompts here, so they all send the model the same text.
+    """
+    content = ([{"type": "image"}] if fixture is not None else []) + [{"type": "text", "text": prompt}]
+    messages = [{"role": "user", "content": content}]
+    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 class Qwen3VLAdapter:
     """The pieces of a Hugging Face Qwen3-VL that parity drives, and how requests become LM inputs."""
 
@@ -48,15 +58,10 @@ class Qwen3VLAdapter:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def chat_text(self, fixture: Fixture | None, prompt: str) -> str:
-        content = ([{"type": "image"}] if fixture is not None else []) + [{"type": "text", "text": prompt}]
-        messages = [{"role": "user", "content": content}]
-        return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
     def processor_inputs(self, fixture: Fixture | None, prompt: str) -> dict:
         """What the model's own processor makes of the request (also fed to HF `generate` in tests)."""
         images = [fixture.image] if fixture is not None else None
-        return dict(self.processor(text=[self.chat_text(fixture, prompt)], images=images, return_tensors="pt"))
+        return dict(self.processor(text=[chat_text(self.processor, fixture, prompt)], images=images, return_tensors="pt"))
 
     @torch.inference_mode()
     def prepare(self, fixture: Fixture | None, prompt: str) -> PreparedPrompt:

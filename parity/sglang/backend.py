@@ -18,7 +18,7 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Sequence
@@ -27,6 +27,7 @@ from parity.arms import MODES, load_arms
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.fixtures import Fixture
+from parity.models.qwen3_vl import chat_text
 from parity.sglang import client, launcher, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
@@ -139,10 +140,7 @@ class ChatPrompts:
                              "a local checkpoint path") from None
 
     def text(self, request: Request) -> str:
-        parts: list[dict[str, str]] = [{"type": "image"}] if request.fixture is not None else []
-        parts.append({"type": "text", "text": request.prompt})
-        text = self._processor.apply_chat_template([{"role": "user", "content": parts}],
-                                                   tokenize=False, add_generation_prompt=True)
+        text = chat_text(self._processor, request.fixture, request.prompt)
         placeholder = getattr(self._processor, "image_token", None)
         if request.fixture is not None and placeholder and placeholder not in text:
             raise UsageError(f"the chat template put no image placeholder {placeholder!r} into the prompt")
@@ -194,10 +192,9 @@ class SglangSession:
         finally:
             self.channel.disarm()
         record = plugin.request_record(self.channel.entries(tag))
-        return Generation(completion.token_ids, completion.text, completion.token_logprobs,
-                          completion.top_logprobs, record)
+        return replace(completion, deepstack_record=record)
 
-    def _post(self, body: Mapping[str, Any]) -> client.Completion:
+    def _post(self, body: Mapping[str, Any]) -> Generation:
         try:
             return client.parse_completion(client.post_json(f"{self.server.base_url}/generate", body))
         except client.ServerRejected as err:
@@ -366,16 +363,20 @@ def _installed_sglang() -> str | None:
 
 
 def _gpu_name(gpus: tuple[int, ...]) -> str | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    names = [line.strip() for line in out.splitlines() if line.strip()]
+    names = [line.strip() for line in _nvidia_smi("--query-gpu=name", "--format=csv,noheader").splitlines()
+             if line.strip()]
     index = gpus[0] if gpus else 0
     return names[index] if index < len(names) else None
+
+
+def _nvidia_smi(*args: str) -> str:
+    """nvidia-smi's output, or "" where it is missing or fails (then there is no GPU to name)."""
+    if shutil.which("nvidia-smi") is None:
+        return ""
+    try:
+        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 # --- construction ------------------------------------------------------------------------------------
@@ -404,13 +405,7 @@ def _cuda_present() -> bool:
             return True
     except ImportError:
         pass
-    if shutil.which("nvidia-smi") is None:
-        return False
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "GPU" in out
+    return "GPU" in _nvidia_smi("-L")
 
 
 def create_sglang_backend(

@@ -10,10 +10,9 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from typing import Any, Mapping
 
-from parity.results import TopLogprobs
+from parity.backends.base import Generation
 
 TOP_LOGPROBS = 5
 REQUEST_TIMEOUT_S = 600.0
@@ -25,16 +24,6 @@ class ServerUnreachable(Exception):
 
 class ServerRejected(Exception):
     """The server answered with an HTTP error or with a body that is not a generation."""
-
-
-@dataclass(frozen=True)
-class Completion:
-    """The parts of a /generate answer parity keeps."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    token_logprobs: tuple[float, ...]
-    top_logprobs: TopLogprobs | None
 
 
 def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -> dict[str, Any]:
@@ -54,23 +43,20 @@ def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -
 def post_json(url: str, body: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                      headers={"Content-Type": "application/json"})
+    return _fetch_json(request, url, timeout)
+
+
+def get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    return _fetch_json(url, url, timeout)
+
+
+def _fetch_json(request: urllib.request.Request | str, url: str, timeout: float) -> dict[str, Any]:
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             payload = response.read()
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")[:500]
         raise ServerRejected(f"HTTP {err.code} from {url}: {detail}") from None
-    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as err:
-        raise ServerUnreachable(f"{url}: {getattr(err, 'reason', err)}") from None
-    return _json_object(payload, url)
-
-
-def get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            payload = response.read()
-    except urllib.error.HTTPError as err:
-        raise ServerRejected(f"HTTP {err.code} from {url}") from None
     except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as err:
         raise ServerUnreachable(f"{url}: {getattr(err, 'reason', err)}") from None
     return _json_object(payload, url)
@@ -86,8 +72,11 @@ def _json_object(payload: bytes, url: str) -> dict[str, Any]:
     return doc
 
 
-def parse_completion(doc: Mapping[str, Any]) -> Completion:
-    """Token ids, text and logprobs from a /generate answer (§2.2); malformed → ServerRejected."""
+def parse_completion(doc: Mapping[str, Any]) -> Generation:
+    """Token ids, text and logprobs from a /generate answer (§2.2); malformed → ServerRejected.
+
+    The DeepStack record comes from the tap's channel, not the answer: the session adds it.
+    """
     try:
         meta = doc["meta_info"]
         chosen = meta["output_token_logprobs"]  # [[logprob, token_id, text|null], ...]
@@ -102,4 +91,4 @@ def parse_completion(doc: Mapping[str, Any]) -> Completion:
         raise ServerRejected(f"/generate answer lacks or garbles {err}: keys {sorted(doc)}") from None
     if tuple(int(step[1]) for step in chosen) != token_ids:
         raise ServerRejected("/generate answer: output_ids and output_token_logprobs name different tokens")
-    return Completion(token_ids, text, logprobs, top_logprobs)
+    return Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None)
