@@ -11,7 +11,7 @@ import platform
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import transformers

@@ -1,7 +1,6 @@
 """Every command through CliRunner: outputs, exit codes, and one-line errors for bad input."""
 
 import json
-from pathlib import Path
 
 import pytest
 

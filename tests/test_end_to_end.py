@@ -5,7 +5,6 @@ controls are what make a PASS mean something.
 """
 
 import json
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -28,7 +27,7 @@ def test_verdicts_from_the_cli(parity_cli, tiny, tiny_moe, tiny_nodeepstack, mod
     assert result.exit_code == exit_code, result.output
     assert doc["verdict"]["code"] == code and code in result.output
     report = (out / "report.md").read_text()
-    assert report.startswith(f"## parity: ") and f"`{code}`" in report.splitlines()[0]
+    assert report.startswith("## parity: ") and f"`{code}`" in report.splitlines()[0]
     # The file on disk re-judges to the same verdict and exit code.
     verdict = parity_cli("verdict", str(out / "results.json"))
     assert verdict.exit_code == exit_code and code in verdict.output

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parity.arms import MODES
-from parity.sglang import backend, plugin
+from parity.sglang import plugin, servers
 
 SGLANG_VERSION = "0.5.23"
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
@@ -259,12 +259,12 @@ def test_entry_point_group_and_hook_api(src: Source) -> None:
 
 
 def test_launcher_flags_exist(src: Source) -> None:
-    settings = backend.SglangSettings(model="Qwen/Qwen3-VL-8B-Instruct", max_new_tokens=20, run_dir=Path("."))
+    settings = servers.SglangSettings(model="Qwen/Qwen3-VL-8B-Instruct", max_new_tokens=20, run_dir=Path("."))
     for mode in MODES:
-        assert check_flags(src, backend.server_flags(settings, mode, 0.7)) == []
+        assert check_flags(src, servers.server_flags(settings, mode, 0.7)) == []
     assert check_flags(src, ("--host", "127.0.0.1", "--port", "30000", "--cuda-graph-max-bs-prefill", "512")) == []
     assert check_routes(src, ("/ready", "/generate", "/server_info")) == []
-    fa3 = backend.DETERMINISM_FLAGS[backend.DETERMINISM_FLAGS.index("--attention-backend") + 1]
+    fa3 = servers.DETERMINISM_FLAGS[servers.DETERMINISM_FLAGS.index("--attention-backend") + 1]
     assert check_list_member(src, "sglang.srt.arg_groups.choices", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES", fa3) == []
 
 

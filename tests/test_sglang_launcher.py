@@ -22,7 +22,7 @@ from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.fixtures import builtin_fixture
 from parity.results import ArmResult, CaseResult, FixtureInfo
 from parity.sglang import backend as sglang_backend
-from parity.sglang import launcher
+from parity.sglang import launcher, servers
 from parity.verdict import judge_case
 
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
@@ -272,30 +272,30 @@ def test_sigterm_to_parity_stops_its_servers(tmp_path: Path) -> None:
 # --- options -------------------------------------------------------------------------------------------------
 
 def test_user_args_are_split_and_reserved_flags_refused(tmp_path: Path, processor) -> None:
-    assert sglang_backend.split_user_args(("--tp-size 2", "--dtype", "bfloat16")) == (
+    assert servers.split_user_args(("--tp-size 2", "--dtype", "bfloat16")) == (
         "--tp-size", "2", "--dtype", "bfloat16")
     with pytest.raises(UsageError, match="--cuda-graph-backend-prefill"):
-        sglang_backend.split_user_args(("--cuda-graph-backend-prefill=full",))
+        servers.split_user_args(("--cuda-graph-backend-prefill=full",))
     backend = make_backend(tmp_path, processor, sglang_args=("--chunked-prefill-size 4096",))
     assert backend.config()["sglang_servers"]["bcg"][-2:] == ["--chunked-prefill-size", "4096"]
 
 
 def test_placements_split_memory_on_one_gpu_and_gpus_when_enough() -> None:
-    base = sglang_backend.SglangSettings(model="m", max_new_tokens=1, run_dir=Path("."), mem_fraction=0.8)
+    base = servers.SglangSettings(model="m", max_new_tokens=1, run_dir=Path("."), mem_fraction=0.8)
     modes = ("eager", "bcg")
-    one = sglang_backend.placements(sglang_backend.SglangSettings(**{**base.__dict__, "concurrent": True}), modes)
+    one = servers.placements(servers.SglangSettings(**{**base.__dict__, "concurrent": True}), modes)
     assert {p.mem_fraction for p in one.values()} == {0.4} and {p.gpus for p in one.values()} == {None}
-    two = sglang_backend.placements(
-        sglang_backend.SglangSettings(**{**base.__dict__, "concurrent": True, "gpus": (2, 3)}), modes)
+    two = servers.placements(
+        servers.SglangSettings(**{**base.__dict__, "concurrent": True, "gpus": (2, 3)}), modes)
     assert (two["eager"].gpus, two["bcg"].gpus, two["bcg"].mem_fraction) == ((2,), (3,), 0.8)
-    seq = sglang_backend.placements(sglang_backend.SglangSettings(**{**base.__dict__, "gpus": (1,)}), modes)
+    seq = servers.placements(servers.SglangSettings(**{**base.__dict__, "gpus": (1,)}), modes)
     assert {(p.gpus, p.mem_fraction) for p in seq.values()} == {((1,), 0.8)}
 
 
 def test_prefill_buckets_follow_sglang() -> None:
-    buckets = sglang_backend.prefill_buckets(8192)
+    buckets = servers.prefill_buckets(8192)
     assert buckets[:3] == (4, 8, 12) and 48 in buckets and 36 not in buckets and buckets[-1] == 8192
-    assert sglang_backend.prefill_buckets(100)[-1] == 96
+    assert servers.prefill_buckets(100)[-1] == 96
 
 
 def test_missing_sglang_or_port_is_backend_unavailable(tmp_path: Path, processor,

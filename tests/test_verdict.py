@@ -1,11 +1,10 @@
 """One test per row of design §3, plus the overall rules, on synthetic arms."""
 
-import pytest
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
+from parity.arms import BCG_NORMAL, EAGER_NORMAL
 from parity.results import Repeat
 from parity.verdict import EXIT_CODES, exit_code
-from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, fixed_arms, four_arms, legacy_arms, make_arm, make_case, make_run
+from tests.helpers_runs import NORMAL_IDS, fixed_arms, four_arms, legacy_arms, make_arm, make_case, make_run
 
 OTHER_IDS = (31, 32, 33, 34, 35)
 
