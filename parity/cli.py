@@ -119,7 +119,7 @@ def run(**options) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the recomputed results document.")
 def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
-    from parity.report import render_json
+    from parity.reporting.report import render_json
     from parity.results import load_results
     from parity.verdict import judge_run
 
@@ -138,7 +138,7 @@ def verdict(results_file: str, as_json: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
 def report(results_file: str, fmt: str) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table."""
-    from parity.report import print_table, render_json, render_markdown
+    from parity.reporting.report import print_table, render_json, render_markdown
     from parity.results import load_results
     from parity.verdict import judge_run
 
@@ -155,7 +155,7 @@ def report(results_file: str, fmt: str) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "table"]), default="markdown", show_default=True)
 def compare(before_file: str, after_file: str, fmt: str) -> None:
     """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
-    from parity.before_after import compare_runs, render_markdown, render_table
+    from parity.reporting.before_after import compare_runs, render_markdown, render_table
     from parity.results import load_results
 
     result = compare_runs(load_results(before_file), load_results(after_file))

@@ -12,12 +12,12 @@ from rich.console import Console
 
 from parity.arms import select_arms
 from parity.backends import create_backend
-from parity.ci_summary import append_step_summary
+from parity.reporting.ci_summary import append_step_summary
 from parity.errors import UsageError
 from parity.experiment import CaseSpec, RunSpec, run_experiment
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
-from parity.progress import progress_display
-from parity.report import print_table, render_markdown
+from parity.reporting.progress import progress_display
+from parity.reporting.report import print_table, render_markdown
 from parity.results import RunResult, write_results
 
 
@@ -109,7 +109,7 @@ def execute_run(*, console: Console, model: str, backend: str, arm_selection: st
     markdown = render_markdown(result)
     (run_dir / "report.md").write_text(markdown, encoding="utf-8")
     if junit is not None:
-        from parity.junit import write_junit
+        from parity.reporting.junit import write_junit
 
         write_junit(result, junit)
     try:
@@ -122,7 +122,7 @@ def execute_run(*, console: Console, model: str, backend: str, arm_selection: st
 
 
 def _with_plots(result: RunResult, run_dir: Path) -> RunResult:
-    from parity.plots import plot_case
+    from parity.reporting.plots import plot_case
 
     cases = tuple(
         dataclasses.replace(case, plot=plot_case(case, run_dir, logprob_tol=result.logprob_tol).name)

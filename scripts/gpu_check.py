@@ -28,7 +28,7 @@ from parity.experiment import CaseSpec, RunSpec, run_experiment
 from parity.fixtures import builtin_fixture, default_prompts
 from parity.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.models import load_model
-from parity.report import render_markdown
+from parity.reporting.report import render_markdown
 from parity.results import write_results
 
 PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack")

@@ -8,7 +8,7 @@ from dataclasses import replace
 from rich.console import Console
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL
-from parity.before_after import compare_runs, render_markdown, render_table
+from parity.reporting.before_after import compare_runs, render_markdown, render_table
 from parity.results import FixtureInfo, Verdict
 from parity.verdict import exit_code
 from tests.helpers_runs import fixed_arms, legacy_arms, make_arm, make_case, make_run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity.ci_summary import MAX_COMMENT_CHARS, append_step_summary, clip_text
+from parity.reporting.ci_summary import MAX_COMMENT_CHARS, append_step_summary, clip_text
 
 
 def test_append_creates_then_appends(tmp_path, monkeypatch):

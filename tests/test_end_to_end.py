@@ -133,7 +133,7 @@ def test_repeat_on_a_nondeterministic_arm_is_inconclusive(parity_cli, monkeypatc
 
 
 def test_plot_is_written_and_linked(parity_cli, tmp_path):
-    from parity.plots import PLOT_SIZE_PX
+    from parity.reporting.plots import PLOT_SIZE_PX
 
     out = tmp_path / "plotted"
     result = parity_cli("run", "--out", str(out))
@@ -162,7 +162,7 @@ def test_step_summary_is_appended(parity_cli, tmp_path):
 def test_report_stays_under_a_pr_comment(parity_cli):
     from dataclasses import replace
 
-    from parity.report import render_markdown
+    from parity.reporting.report import render_markdown
     from parity.verdict import judge_run
 
     _, _, out = parity_cli.run()

@@ -6,7 +6,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import replace
 
 from parity.arms import BCG_NORMAL, EAGER_ZERO
-from parity.junit import junit_xml, write_junit
+from parity.reporting.junit import junit_xml, write_junit
 from parity.results import Verdict
 from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, fixed_arms, four_arms, legacy_arms, make_arm, make_case, make_run
 

@@ -9,7 +9,7 @@ from PIL import Image
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.metrics import compare
-from parity.plots import PLOT_SIZE_PX, comparable_pairs, plot_case, plot_filename, position_deltas
+from parity.reporting.plots import PLOT_SIZE_PX, comparable_pairs, plot_case, plot_filename, position_deltas
 from tests.helpers_runs import NORMAL_IDS, fixed_arms, four_arms, make_arm, make_case, make_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

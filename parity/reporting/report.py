@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from parity.ci_summary import MAX_COMMENT_CHARS, clip_text
+from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.results import CaseResult, RunResult, run_to_json
 from parity.verdict import PASS, REPEAT_TOL, checks_for, self_delta
 
