@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -48,6 +49,24 @@ def _parse(path) -> ArmSpec:
     if spec.mode not in MODES or spec.deepstack not in DEEPSTACK_ACTIONS or spec.name != path.stem:
         raise ValueError(f"arm file {path} is inconsistent: {raw}")
     return spec
+
+
+@functools.lru_cache(maxsize=None)
+def _known_arms() -> tuple[ArmSpec, ...]:
+    return tuple(load_arms().values())
+
+
+def arm_mode_and_deepstack(name: str) -> tuple[str, str]:
+    """(mode, deepstack) of a known arm; KeyError for an unknown name."""
+    spec = next((s for s in _known_arms() if s.name == name), None)
+    if spec is None:
+        raise KeyError(name)
+    return spec.mode, spec.deepstack
+
+
+def arm_named(mode: str, deepstack: str) -> str:
+    """The known arm that runs `mode` with DeepStack `deepstack`."""
+    return next(s.name for s in _known_arms() if (s.mode, s.deepstack) == (mode, deepstack))
 
 
 def load_arms() -> dict[str, ArmSpec]:

@@ -1,13 +1,25 @@
-"""Comparing two arms (design §2): `(divergence char, token match, logprob delta)`."""
+"""Comparing two arms (design §2): `(divergence char, token match, logprob delta)`, `tie`, `tf_delta`.
+
+In `compare(a, b)` the second arm is the reference. A near-tie flip (both arms' tokens within
+`tie_margin` of each other, in both arms) is numeric noise, not a semantic change: it matches when
+the teacher-forced delta over the whole reference sequence stays within the tolerance.
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 from parity.results import ArmResult, Comparison
 
-DEFAULT_LOGPROB_TOL = 0.25
+DEFAULT_TIE_MARGIN = 0.1
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    logprob_tol: float
+    tie_margin: float | None = DEFAULT_TIE_MARGIN  # None: the v1 rule, nothing is a tie
 
 
 def common_prefix_chars(a: str, b: str) -> int:
@@ -36,10 +48,45 @@ def logprob_delta(lp_a: Sequence[float], lp_b: Sequence[float], divergence: int 
     return max(position_deltas(lp_a, lp_b, divergence), default=0.0)
 
 
-def compare(a: ArmResult, b: ArmResult, logprob_tol: float) -> Comparison:
+def forced_deltas(a: ArmResult, reference: ArmResult) -> tuple[float, ...] | None:
+    """|lp_a(ref_tok_i) - lp_ref(ref_tok_i)| at every reference position; None if not scored."""
+    forced = a.forced.get(reference.name)
+    if forced is None or len(forced) != len(reference.token_logprobs):
+        return None
+    return tuple(abs(x - y) for x, y in zip(forced, reference.token_logprobs))
+
+
+def tf_delta(a: ArmResult, reference: ArmResult) -> float | None:
+    deltas = forced_deltas(a, reference)
+    return None if deltas is None else max(deltas, default=0.0)
+
+
+def _logprob_of(arm: ArmResult, step: int, token: int) -> float | None:
+    if arm.top_logprobs is None or step >= len(arm.top_logprobs):
+        return None
+    return dict(arm.top_logprobs[step]).get(token)
+
+
+def is_tie(a: ArmResult, b: ArmResult, divergence: int | None, margin: float | None) -> bool:
+    """At the first divergent step, each arm's token is in the other's top-k and within `margin`
+    of the other arm's token, in both arms."""
+    if margin is None or divergence is None or divergence >= min(len(a.token_ids), len(b.token_ids)):
+        return False
+    x_a, x_b = a.token_ids[divergence], b.token_ids[divergence]
+    a_own, a_other = a.token_logprobs[divergence], _logprob_of(a, divergence, x_b)
+    b_own, b_other = b.token_logprobs[divergence], _logprob_of(b, divergence, x_a)
+    if a_other is None or b_other is None:
+        return False
+    return abs(a_own - a_other) <= margin and abs(b_own - b_other) <= margin
+
+
+def compare(a: ArmResult, b: ArmResult, tolerances: Tolerances, request: int | None = None) -> Comparison:
     divergence = first_divergence(a.token_ids, b.token_ids)
     delta = logprob_delta(a.token_logprobs, b.token_logprobs, divergence)
     token_match = divergence is None
+    tie = is_tie(a, b, divergence, tolerances.tie_margin)
+    forced = tf_delta(a, b)
+    tol = tolerances.logprob_tol
     return Comparison(
         a=a.name,
         b=b.name,
@@ -47,5 +94,29 @@ def compare(a: ArmResult, b: ArmResult, logprob_tol: float) -> Comparison:
         token_match=token_match,
         first_token_divergence=divergence,
         logprob_delta=delta,
-        match=token_match and delta <= logprob_tol,
+        tie=tie,
+        tf_delta=forced,
+        match=(token_match and delta <= tol) or (tie and forced is not None and forced <= tol),
+        request=request,
     )
+
+
+def format_delta(value: float, tol: float) -> str:
+    """A delta with enough digits to show which side of `tol` it is on (never `0.000` when > 0)."""
+    text = f"{value:.3f}"
+    digits = 3
+    while value > 0 and (float(text) == 0 or (float(text) > tol) != (value > tol)) and digits < 12:
+        text = f"{value:.{digits}g}"
+        digits += 1
+    return text
+
+
+def tuple_text(c: Comparison, tol: float) -> str:
+    """`(divergence char, token match, logprob delta)`, with tie and tf delta when they matter."""
+    text = f"({c.divergence_char}, {c.token_match}, {format_delta(c.logprob_delta, tol)})"
+    extras = []
+    if c.tie:
+        extras.append("tie")
+    if c.tf_delta is not None and not c.token_match:
+        extras.append(f"tf Δ {format_delta(c.tf_delta, tol)}")
+    return text + (f" [{', '.join(extras)}]" if extras else "")

@@ -1,24 +1,32 @@
-"""The results file `parity.results/1` (design §4): frozen dataclasses and their JSON boundary.
+"""The results of a run (design §4, `parity.results/2`): frozen dataclasses and their JSON form.
 
-Every report is rendered from a `RunResult`; loading validates the whole document and names the
-file and what is wrong, so a bad file is a usage error, never a traceback.
+Every report is rendered from a `RunResult`; `results_loader` reads files back (both `/1` and
+`/2`) and validates them. Written JSON never holds NaN or infinity: a backend that produces a
+non-finite logprob fails that arm instead.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from parity.errors import ResultsFileError
-from parity.tap import DeepStackRecord
+from parity.evidence import DeepStackRecord, Evidence
 
-SCHEMA = "parity.results/1"
-SCENARIOS = ("four-arm", "reuse")
+SCHEMA = "parity.results/2"
+SCHEMA_V1 = "parity.results/1"
+FOUR_ARM = "four-arm"
+REUSE = "reuse"
+STREAM = "stream"
+SCENARIOS = (FOUR_ARM, REUSE, STREAM)
+SEQUENCE_SCENARIOS = (REUSE, STREAM)
 
 TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]
+_NO_FORCED: Mapping[str, tuple[float, ...]] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,12 @@ class ArmResult:
     token_logprobs: tuple[float, ...] = ()
     top_logprobs: TopLogprobs | None = None
     deepstack_record: DeepStackRecord | None = None
+    evidence: Evidence | None = None  # required in /2 for an arm that ran; absent in /1
+    # reference arm name -> this arm's logprob of each of the reference's tokens (teacher forcing)
+    forced: Mapping[str, tuple[float, ...]] = field(default_factory=lambda: _NO_FORCED)
     error: str | None = None
-    seconds: float = 0.0
+    seconds: float = 0.0  # generation, every repeat included
+    forced_seconds: float = 0.0  # teacher-forced scoring, listed apart
     repeats: tuple[Repeat, ...] = ()
 
     @property
@@ -51,16 +63,15 @@ class ArmResult:
 @dataclass(frozen=True)
 class Comparison:
     a: str
-    b: str
+    b: str  # the reference
     divergence_char: int
     token_match: bool
     first_token_divergence: int | None
     logprob_delta: float
+    tie: bool
+    tf_delta: float | None
     match: bool
-
-    @property
-    def tuple_text(self) -> str:
-        return f"({self.divergence_char}, {self.token_match}, {self.logprob_delta:.3f})"
+    request: int | None = None  # index into the case's requests (sequence scenarios)
 
 
 @dataclass(frozen=True)
@@ -77,23 +88,73 @@ class FixtureInfo:
 
 
 @dataclass(frozen=True)
-class CaseResult:
-    id: str
-    fixture: FixtureInfo
+class RequestResult:
+    """One request of a sequence scenario, answered once per execution mode."""
+
+    label: str
+    fixture: FixtureInfo | None  # None: a text-only request
     prompt: str
     arms: tuple[ArmResult, ...]
+
+
+@dataclass(frozen=True)
+class LayerError:
+    """One point of a per-layer comparison: a decoder layer's output, or the DeepStack add after it."""
+
+    layer: int
+    deepstack_block: int | None  # set: the hidden state right after DeepStack block k was added
+    rel_error: float
+
+    @property
+    def label(self) -> str:
+        if self.deepstack_block is None:
+            return f"layer {self.layer}"
+        return f"layer {self.layer} + DeepStack block {self.deepstack_block}"
+
+
+@dataclass(frozen=True)
+class Localization:
+    """Where a replayed prefill first leaves its eager reference (design §7)."""
+
+    arm: str
+    reference: str
+    request: int | None
+    threshold: float
+    points: tuple[LayerError, ...]
+    first: int | None  # index into points of the first one above the threshold; None: none is
+
+    @property
+    def first_point(self) -> LayerError | None:
+        return None if self.first is None else self.points[self.first]
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    id: str
+    fixture: FixtureInfo | None
+    prompt: str
+    arms: tuple[ArmResult, ...] = ()  # the four arms of a four-arm case
+    requests: tuple[RequestResult, ...] = ()  # the requests of a sequence case, in order
     comparisons: tuple[Comparison, ...] = ()
     verdict: Verdict | None = None
-    scenario: str = "four-arm"
-    # For a reuse case: what ran on the same model/server just before the checked request.
-    primer: str | None = None
+    scenario: str = FOUR_ARM
     plot: str | None = None
+    localization: Localization | None = None
+    localization_plot: str | None = None
 
-    def arm(self, name: str) -> ArmResult | None:
-        return next((a for a in self.arms if a.name == name), None)
+    @property
+    def is_sequence(self) -> bool:
+        return self.scenario in SEQUENCE_SCENARIOS
 
-    def comparison(self, a: str, b: str) -> Comparison | None:
-        return next((c for c in self.comparisons if (c.a, c.b) == (a, b)), None)
+    def all_arms(self) -> tuple[ArmResult, ...]:
+        return self.arms + tuple(arm for request in self.requests for arm in request.arms)
+
+    def arm(self, name: str, request: int | None = None) -> ArmResult | None:
+        arms = self.arms if request is None else self.requests[request].arms
+        return next((a for a in arms if a.name == name), None)
+
+    def comparison(self, a: str, b: str, request: int | None = None) -> Comparison | None:
+        return next((c for c in self.comparisons if (c.a, c.b, c.request) == (a, b, request)), None)
 
 
 @dataclass(frozen=True)
@@ -104,10 +165,23 @@ class RunResult:
     cases: tuple[CaseResult, ...]
     verdict: Verdict | None = None
     schema: str = field(default=SCHEMA)
+    interrupted: bool = False  # Ctrl-C: what finished is kept, the rest is INCOMPLETE
 
     @property
     def logprob_tol(self) -> float:
         return float(self.config["logprob_tol"])
+
+    @property
+    def tie_margin(self) -> float | None:
+        """None for a /1 file: the tie rule did not exist, so nothing is a tie."""
+        value = self.config.get("tie_margin")
+        return None if value is None else float(value)
+
+    @property
+    def deepstack_layers(self) -> int | None:
+        """How many DeepStack blocks the model adds; None for a /1 file (inferred from records)."""
+        value = self.config.get("deepstack_layers")
+        return None if value is None else int(value)
 
 
 # --- to JSON -------------------------------------------------------------------------------------
@@ -122,8 +196,11 @@ def arm_to_json(arm: ArmResult) -> dict:
         "top_logprobs": None if arm.top_logprobs is None
         else [[[tid, lp] for tid, lp in step] for step in arm.top_logprobs],
         "deepstack_record": arm.deepstack_record.to_json() if arm.deepstack_record else None,
+        "forced": {ref: list(lps) for ref, lps in arm.forced.items()} or None,
+        "evidence": arm.evidence.to_json() if arm.evidence else None,
         "error": arm.error,
         "seconds": arm.seconds,
+        "forced_seconds": arm.forced_seconds,
     }
     if arm.repeats:
         out["repeats"] = [{"token_ids": list(r.token_ids), "token_logprobs": list(r.token_logprobs)}
@@ -132,9 +209,27 @@ def arm_to_json(arm: ArmResult) -> dict:
 
 
 def comparison_to_json(c: Comparison) -> dict:
-    return {"a": c.a, "b": c.b, "divergence_char": c.divergence_char, "token_match": c.token_match,
-            "first_token_divergence": c.first_token_divergence, "logprob_delta": c.logprob_delta,
-            "match": c.match}
+    out = {"a": c.a, "b": c.b, "divergence_char": c.divergence_char, "token_match": c.token_match,
+           "first_token_divergence": c.first_token_divergence, "logprob_delta": c.logprob_delta,
+           "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
+    if c.request is not None:
+        out["request"] = c.request
+    return out
+
+
+def fixture_to_json(fixture: FixtureInfo | None) -> dict | None:
+    if fixture is None:
+        return None
+    return {"name": fixture.name, "sha256": fixture.sha256, "size": list(fixture.size)}
+
+
+def localization_to_json(loc: Localization) -> dict:
+    return {
+        "arm": loc.arm, "reference": loc.reference, "request": loc.request, "threshold": loc.threshold,
+        "points": [{"layer": p.layer, "deepstack_block": p.deepstack_block, "rel_error": p.rel_error}
+                   for p in loc.points],
+        "first_divergent": loc.first,
+    }
 
 
 def _verdict_json(v: Verdict | None) -> dict | None:
@@ -142,24 +237,29 @@ def _verdict_json(v: Verdict | None) -> dict | None:
 
 
 def case_to_json(case: CaseResult) -> dict:
-    out = {
+    out: dict[str, Any] = {
         "id": case.id,
         "scenario": case.scenario,
-        "fixture": {"name": case.fixture.name, "sha256": case.fixture.sha256, "size": list(case.fixture.size)},
+        "fixture": fixture_to_json(case.fixture),
         "prompt": case.prompt,
-        "arms": {arm.name: arm_to_json(arm) for arm in case.arms},
-        "comparisons": [comparison_to_json(c) for c in case.comparisons],
-        "verdict": _verdict_json(case.verdict),
     }
-    if case.primer is not None:
-        out["primer"] = case.primer
-    if case.plot is not None:
-        out["plot"] = case.plot
+    if case.is_sequence:
+        out["requests"] = [{"label": r.label, "fixture": fixture_to_json(r.fixture), "prompt": r.prompt,
+                            "arms": {arm.name: arm_to_json(arm) for arm in r.arms}} for r in case.requests]
+    else:
+        out["arms"] = {arm.name: arm_to_json(arm) for arm in case.arms}
+    out["comparisons"] = [comparison_to_json(c) for c in case.comparisons]
+    out["verdict"] = _verdict_json(case.verdict)
+    if case.localization is not None:
+        out["localization"] = localization_to_json(case.localization)
+    for key in ("plot", "localization_plot"):
+        if getattr(case, key) is not None:
+            out[key] = getattr(case, key)
     return out
 
 
 def run_to_json(run: RunResult) -> dict:
-    return {
+    out = {
         "schema": run.schema,
         "created": run.created,
         "environment": dict(run.environment),
@@ -167,147 +267,28 @@ def run_to_json(run: RunResult) -> dict:
         "cases": [case_to_json(c) for c in run.cases],
         "verdict": _verdict_json(run.verdict),
     }
+    if run.interrupted:
+        out["interrupted"] = True
+    return out
+
+
+def dumps(run: RunResult) -> str:
+    # allow_nan=False: a bare NaN is not JSON, and no reader should have to guess what it meant.
+    return json.dumps(run_to_json(run), indent=2, ensure_ascii=False, allow_nan=False)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def write_results(run: RunResult, path: Path) -> None:
-    path.write_text(json.dumps(run_to_json(run), indent=2, ensure_ascii=False) + "\n")
-
-
-# --- from JSON, validated --------------------------------------------------------------------------
-
-class _Invalid(Exception):
-    """A structural problem, reported with the JSON path where it was found."""
-
-
-def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False) -> Any:
-    if not isinstance(obj, dict):
-        raise _Invalid(f"{where} must be an object")
-    if key not in obj:
-        if optional:
-            return None
-        raise _Invalid(f"{where} lacks {key!r}")
-    value = obj[key]
-    if optional and value is None:
-        return None
-    # bool is an int in Python; a JSON true where a number belongs is still an error.
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        names = "/".join(k.__name__ for k in _as_tuple(kind))
-        raise _Invalid(f"{where}.{key} must be {names}, got {type(value).__name__}")
-    return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _ints(values: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise _Invalid(f"{where} must be a list of integers")
-    return tuple(values)
-
-
-def _floats(values: Any, where: str) -> tuple[float, ...]:
-    if not isinstance(values, list) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
-    ):
-        raise _Invalid(f"{where} must be a list of numbers")
-    return tuple(float(v) for v in values)
-
-
-def _top(raw: Any, where: str) -> TopLogprobs | None:
-    if raw is None:
-        return None
-    try:
-        return tuple(tuple((int(tid), float(lp)) for tid, lp in step) for step in raw)
-    except (TypeError, ValueError):
-        raise _Invalid(f"{where} must be a list of [[token_id, logprob], ...] per step") from None
-
-
-def _arm(name: str, raw: Any, where: str) -> ArmResult:
-    mode = _get(raw, "mode", str, where)
-    deepstack = _get(raw, "deepstack", str, where)
-    if mode not in ("eager", "bcg") or deepstack not in ("normal", "zero"):
-        raise _Invalid(f"{where} has mode {mode!r} / deepstack {deepstack!r}; expected eager|bcg / normal|zero")
-    error = _get(raw, "error", str, where, optional=True)
-    token_ids = _ints(_get(raw, "token_ids", list, where), f"{where}.token_ids")
-    logprobs = _floats(_get(raw, "token_logprobs", list, where), f"{where}.token_logprobs")
-    if error is None and len(token_ids) != len(logprobs):
-        raise _Invalid(f"{where} has {len(token_ids)} token_ids but {len(logprobs)} token_logprobs")
-    record = _get(raw, "deepstack_record", dict, where, optional=True)
-    try:
-        record = DeepStackRecord.from_json(record) if record is not None else None
-    except (KeyError, TypeError, ValueError):
-        raise _Invalid(f"{where}.deepstack_record is malformed") from None
-    repeats = []
-    for i, rep in enumerate(_get(raw, "repeats", list, where, optional=True) or []):
-        rwhere = f"{where}.repeats[{i}]"
-        repeats.append(Repeat(_ints(_get(rep, "token_ids", list, rwhere), f"{rwhere}.token_ids"),
-                              _floats(_get(rep, "token_logprobs", list, rwhere), f"{rwhere}.token_logprobs")))
-    return ArmResult(
-        name=name, mode=mode, deepstack=deepstack, token_ids=token_ids,
-        text=_get(raw, "text", str, where), token_logprobs=logprobs,
-        top_logprobs=_top(raw.get("top_logprobs"), f"{where}.top_logprobs"),
-        deepstack_record=record, error=error,
-        seconds=float(_get(raw, "seconds", (int, float), where, optional=True) or 0.0),
-        repeats=tuple(repeats),
-    )
-
-
-def _case(raw: Any, where: str) -> CaseResult:
-    fixture = _get(raw, "fixture", dict, where)
-    size = _get(fixture, "size", list, f"{where}.fixture")
-    if len(size) != 2:
-        raise _Invalid(f"{where}.fixture.size must be [width, height]")
-    scenario = _get(raw, "scenario", str, where, optional=True) or "four-arm"
-    if scenario not in SCENARIOS:
-        raise _Invalid(f"{where}.scenario {scenario!r} is not one of {', '.join(SCENARIOS)}")
-    arms = _get(raw, "arms", dict, where)
-    return CaseResult(
-        id=_get(raw, "id", str, where),
-        fixture=FixtureInfo(_get(fixture, "name", str, f"{where}.fixture"),
-                            _get(fixture, "sha256", str, f"{where}.fixture"),
-                            tuple(_ints(size, f"{where}.fixture.size"))),
-        prompt=_get(raw, "prompt", str, where),
-        arms=tuple(_arm(name, arm, f"{where}.arms.{name}") for name, arm in arms.items()),
-        scenario=scenario,
-        primer=_get(raw, "primer", str, where, optional=True),
-        plot=_get(raw, "plot", str, where, optional=True),
-    )
-
-
-def run_from_json(doc: Any, source: str) -> RunResult:
-    """Parse a results document; stored comparisons and verdicts are dropped (recompute them)."""
-    try:
-        schema = _get(doc, "schema", str, "document")
-        if schema != SCHEMA:
-            raise _Invalid(f"schema is {schema!r}, expected {SCHEMA!r}")
-        config = _get(doc, "config", dict, "document")
-        tol = _get(config, "logprob_tol", (int, float), "config")
-        if tol < 0:
-            raise _Invalid(f"config.logprob_tol must be >= 0, got {tol}")
-        cases = _get(doc, "cases", list, "document")
-        if not cases:
-            raise _Invalid("cases is empty")
-        return RunResult(
-            created=_get(doc, "created", str, "document"),
-            environment=MappingProxyType(_get(doc, "environment", dict, "document")),
-            config=MappingProxyType(config),
-            cases=tuple(_case(c, f"cases[{i}]") for i, c in enumerate(cases)),
-        )
-    except _Invalid as err:
-        raise ResultsFileError(source, f"not valid {SCHEMA}: {err}") from None
-
-
-def load_results(path: str | Path) -> RunResult:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ResultsFileError(str(path), "no such file") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as err:
-        raise ResultsFileError(str(path), f"cannot be read ({err.__class__.__name__})") from None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ResultsFileError(str(path), f"not JSON ({err.msg} at line {err.lineno})") from None
-    return run_from_json(doc, str(path))
+    write_atomically(Path(path), dumps(run) + "\n")

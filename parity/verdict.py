@@ -1,18 +1,25 @@
-"""Verdicts (design §3): per case from its arms, overall from the cases, and their exit codes."""
+"""Verdicts (design §3): per case from its arms, overall from the cases, and their exit codes.
+
+The rules are applied in table order by `_case_verdict`; each may only rest on what the arms
+recorded as they ran. A PASS needs evidence that the graph path ran (rule 4) and that the tap
+fired (rule 1b); missing evidence is never read as "fine".
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Iterator, Mapping
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
-from parity.metrics import compare, first_divergence
-from parity.results import ArmResult, CaseResult, Comparison, RunResult, Verdict
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
+from parity.metrics import Tolerances, compare, first_divergence, tuple_text
+from parity.results import ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 
 PASS = "PASS"
 ERROR = "ERROR"
 INCOMPLETE = "INCOMPLETE"
 INCONCLUSIVE_NO_POWER = "INCONCLUSIVE_NO_POWER"
 INCONCLUSIVE_NONDETERMINISTIC = "INCONCLUSIVE_NONDETERMINISTIC"
+INCONCLUSIVE_NOT_REPLAYED = "INCONCLUSIVE_NOT_REPLAYED"
 FAIL_CONTROL_DIVERGES = "FAIL_CONTROL_DIVERGES"
 FAIL_DEEPSTACK_DROPPED = "FAIL_DEEPSTACK_DROPPED"
 FAIL_GRAPH_DIVERGES = "FAIL_GRAPH_DIVERGES"
@@ -27,11 +34,14 @@ EXIT_CODES = {
     INCOMPLETE: 3,
     INCONCLUSIVE_NO_POWER: 3,
     INCONCLUSIVE_NONDETERMINISTIC: 3,
+    INCONCLUSIVE_NOT_REPLAYED: 3,
     ERROR: 4,
 }
 USAGE_EXIT = 2
+# Verdicts that say the set-up could not be trusted: a PASS in another case does not hide them.
+SETUP_FAULTS = (INCOMPLETE, INCONCLUSIVE_NONDETERMINISTIC, INCONCLUSIVE_NOT_REPLAYED)
 
-# An arm reproduces itself when ids are equal and logprobs agree to this (design: noise floor).
+# An arm reproduces itself when ids are equal and logprobs agree to this (the noise floor).
 REPEAT_TOL = 1e-6
 
 
@@ -40,7 +50,7 @@ class Check:
     """One comparison of the experiment, what a correct runtime gives, and what it tests."""
 
     a: str
-    b: str
+    b: str  # the reference
     expect_match: bool
     meaning: str
 
@@ -51,15 +61,116 @@ FOUR_ARM_CHECKS = (
     Check(BCG_ZERO, EAGER_ZERO, True, "control: graph and eager agree with DeepStack ablated"),
     Check(EAGER_ZERO, EAGER_NORMAL, False, "power: DeepStack changes the eager answer"),
 )
-REUSE_CHECKS = (
-    Check(BCG_NORMAL, EAGER_NORMAL, True, "a follow-up request in the same bucket answers as eager"),
-)
-SCENARIO_ARMS = {"four-arm": (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO), "reuse": (EAGER_NORMAL, BCG_NORMAL)}
+FOUR_ARMS = (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO)
 
 
-def checks_for(scenario: str) -> tuple[Check, ...]:
-    return REUSE_CHECKS if scenario == "reuse" else FOUR_ARM_CHECKS
+@dataclass(frozen=True)
+class Rules:
+    """What judging needs from a run besides its arms."""
 
+    tolerances: Tolerances
+    deepstack_layers: int | None  # None (a /1 file): inferred from the tap records
+    backend: str = "transformers"
+
+    @classmethod
+    def of(cls, run: RunResult) -> "Rules":
+        return cls(Tolerances(run.logprob_tol, run.tie_margin), run.deepstack_layers,
+                   str(run.config.get("backend", "transformers")))
+
+
+@dataclass(frozen=True)
+class Group:
+    """Arms that answered one request: the four arms of a case, or one request of a sequence."""
+
+    request: int | None
+    label: str | None
+    fixture: FixtureInfo | None
+    arms: Mapping[str, ArmResult]
+    needed: tuple[str, ...]
+    checks: tuple[Check, ...]
+
+    def where(self, n_requests: int) -> str:
+        return "" if self.request is None else f"request {self.request + 1} of {n_requests} ({self.label}): "
+
+
+def sequence_check(deepstack: str, label: str) -> Check:
+    return Check(arm_named("bcg", deepstack), arm_named("eager", deepstack), True,
+                 f"{label}: the graph sequence answers as the eager one")
+
+
+def groups(case: CaseResult) -> tuple[Group, ...]:
+    if not case.is_sequence:
+        return (Group(None, None, case.fixture, {a.name: a for a in case.arms}, FOUR_ARMS, FOUR_ARM_CHECKS),)
+    out = []
+    for i, request in enumerate(case.requests):
+        deepstack = request.arms[0].deepstack if request.arms else "normal"
+        check = sequence_check(deepstack, request.label)
+        out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms},
+                         (check.b, check.a), (check,)))
+    return tuple(out)
+
+
+def checks_for(case: CaseResult) -> Iterator[tuple[Group, Check]]:
+    for group in groups(case):
+        for check in group.checks:
+            yield group, check
+
+
+def comparable_pairs(case: CaseResult) -> list[tuple[int | None, ArmResult, ArmResult]]:
+    """(request, a, reference) for every check whose two arms exist and did not fail, in design order."""
+    pairs = []
+    for group, check in checks_for(case):
+        a, b = group.arms.get(check.a), group.arms.get(check.b)
+        if a is not None and b is not None and not a.failed and not b.failed:
+            pairs.append((group.request, a, b))
+    return pairs
+
+
+# --- evidence, schema-agnostic ---------------------------------------------------------------------
+
+def replay_shown(arm: ArmResult) -> bool | None:
+    """Whether the arm's prompt prefill ran by graph replay: /2 evidence, else the /1 record."""
+    if arm.evidence is not None:
+        return arm.evidence.prefill_replayed
+    return arm.deepstack_record.replay if arm.deepstack_record is not None else None
+
+
+def tap_fired(arm: ArmResult) -> bool:
+    if arm.evidence is not None:
+        return arm.evidence.tap_calls > 0
+    return arm.deepstack_record is not None and arm.deepstack_record.nonzero_rows > 0
+
+
+def _consumes_deepstack(case: CaseResult, rules: Rules) -> bool:
+    if rules.deepstack_layers is not None:
+        return rules.deepstack_layers > 0
+    # /1: the model is shown to consume DeepStack when some arm's tap saw non-zero rows.
+    return any(tap_fired(arm) for arm in case.all_arms() if not arm.failed)
+
+
+def _not_replayed_reason(arm: ArmResult, rules: Rules) -> str | None:
+    shown = replay_shown(arm)
+    evidence = arm.evidence
+    if arm.mode == "eager":
+        if shown or (evidence is not None and evidence.replayed_calls > 0):
+            return (f"{arm.name} is an eager arm but ran by graph replay, so it is not an eager reference; "
+                    "check that the eager path really disables the prefill graph")
+        return None
+    if shown is True:
+        return None
+    tokens = "?" if evidence is None or evidence.prompt_tokens is None else evidence.prompt_tokens
+    largest = "unknown" if evidence is None or evidence.max_bucket is None else evidence.max_bucket
+    how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
+    if rules.backend == "sglang":
+        hint = (f"raise --cuda-graph-max-bs-prefill to at least {tokens} and do not disable the prefill CUDA graph "
+                "(--sglang-arg)")
+    else:
+        hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
+    return (f"{arm.name}: the prefill of its {tokens}-token prompt {how} (largest bucket: {largest}), "
+            f"so the graph path was not tested; {hint}")
+
+
+# --- judging -------------------------------------------------------------------------------------
 
 def self_delta(arm: ArmResult) -> tuple[bool, float]:
     """(reproduced exactly, max |Δ logprob| over the arm's repeats)."""
@@ -72,84 +183,106 @@ def self_delta(arm: ArmResult) -> tuple[bool, float]:
     return same and worst <= REPEAT_TOL, worst
 
 
-def _describe(c: Comparison) -> str:
-    return f"{c.a} vs {c.b} {c.tuple_text}"
-
-
-def comparable_pairs(case: CaseResult) -> list[tuple[ArmResult, ArmResult]]:
-    """The case's comparisons, in design order, where both arms exist and did not fail."""
-    arms = {arm.name: arm for arm in case.arms if not arm.failed}
-    return [(arms[c.a], arms[c.b]) for c in checks_for(case.scenario) if c.a in arms and c.b in arms]
-
-
-def judge_case(case: CaseResult, logprob_tol: float) -> CaseResult:
+def judge_case(case: CaseResult, rules: Rules) -> CaseResult:
     """Recompute the case's comparisons and verdict from its arms alone."""
-    needed = SCENARIO_ARMS[case.scenario]
-    arms = {a.name: a for a in case.arms}
-    comparisons = tuple(compare(a, b, logprob_tol) for a, b in comparable_pairs(case))
-    return replace(case, comparisons=comparisons, verdict=_case_verdict(case.scenario, needed, arms, comparisons))
+    comparisons = tuple(compare(a, b, rules.tolerances, request) for request, a, b in comparable_pairs(case))
+    return replace(case, comparisons=comparisons, verdict=_case_verdict(case, comparisons, rules))
 
 
-def _case_verdict(scenario: str, needed, arms: dict[str, ArmResult], comparisons) -> Verdict:
-    failed = [n for n in needed if n in arms and arms[n].failed]
-    if failed:
-        first = arms[failed[0]]
-        # One line: a server's log tail stays in the arm's error, shown in the report.
-        return Verdict(ERROR, f"arm {first.name} failed: {first.error.strip().splitlines()[0] if first.error.strip() else 'no message'}")
-    missing = [n for n in needed if n not in arms]
-    if missing:
-        return Verdict(INCOMPLETE, f"arm(s) not run: {', '.join(missing)}")
-    deltas = {n: self_delta(arms[n]) for n in needed}
-    noisy = [(n, worst) for n, (reproduced, worst) in deltas.items() if not reproduced]
-    if noisy:
-        name, worst = noisy[0]
-        return Verdict(INCONCLUSIVE_NONDETERMINISTIC,
-                       f"arm {name} does not reproduce itself (self-delta {worst:.3g} > {REPEAT_TOL:g} or ids differ)")
-    by_pair = {(c.a, c.b): c for c in comparisons}
-    if scenario == "reuse":
-        c = by_pair[(BCG_NORMAL, EAGER_NORMAL)]
-        if c.match:
-            return Verdict(PASS, f"{_describe(c)}: the follow-up request answers as eager")
-        return Verdict(FAIL_STALE_STATE, f"{_describe(c)}: state left by the earlier request changed the answer")
-    power = by_pair[(EAGER_ZERO, EAGER_NORMAL)]
-    if power.match:
+def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: Rules) -> Verdict:
+    all_groups = groups(case)
+    n = len(case.requests)
+    tol = rules.tolerances.logprob_tol
+    present = [(g, g.arms[name]) for g in all_groups for name in g.needed if name in g.arms]
+    for group, arm in present:  # rule 1
+        if arm.failed:
+            first_line = next((ln for ln in arm.error.strip().splitlines()), "no message")
+            return Verdict(ERROR, f"{group.where(n)}arm {arm.name} failed: {first_line}")
+    if _consumes_deepstack(case, rules):  # rule 1b
+        for group, arm in present:
+            if group.fixture is not None and not tap_fired(arm):
+                return Verdict(ERROR, f"{group.where(n)}arm {arm.name} shows no tap call at its LM entry for an "
+                                      "image request: the DeepStack ablation cannot be trusted")
+    for group in all_groups:  # rule 2
+        missing = [name for name in group.needed if name not in group.arms]
+        if missing:
+            return Verdict(INCOMPLETE, f"{group.where(n)}arm(s) not run: {', '.join(missing)}")
+    for group, arm in present:  # rule 3
+        reproduced, worst = self_delta(arm)
+        if not reproduced:
+            return Verdict(INCONCLUSIVE_NONDETERMINISTIC,
+                           f"{group.where(n)}arm {arm.name} does not reproduce itself "
+                           f"(self-delta {worst:.3g} > {REPEAT_TOL:g} or ids differ)")
+    for group, arm in present:  # rule 4
+        reason = _not_replayed_reason(arm, rules)
+        if reason:
+            return Verdict(INCONCLUSIVE_NOT_REPLAYED, group.where(n) + reason)
+    by_key = {(c.a, c.b, c.request): c for c in comparisons}
+    if case.is_sequence:
+        return _sequence_verdict(all_groups, by_key, n, tol)
+    return _four_arm_verdict(by_key, tol)
+
+
+def _describe(c: Comparison, tol: float) -> str:
+    return f"{c.a} vs {c.b} {tuple_text(c, tol)}"
+
+
+def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:
+    power = by_key[(EAGER_ZERO, EAGER_NORMAL, None)]
+    if power.match:  # rule 5
         return Verdict(INCONCLUSIVE_NO_POWER,
-                       f"{_describe(power)}: zeroing DeepStack does not change the eager answer, so nothing can be proven")
-    control = by_pair[(BCG_ZERO, EAGER_ZERO)]
-    if not control.match:
-        return Verdict(FAIL_CONTROL_DIVERGES, f"{_describe(control)}: graph and eager differ even with DeepStack ablated")
-    sees = by_pair[(BCG_NORMAL, BCG_ZERO)]
-    if sees.match:
+                       f"{_describe(power, tol)}: zeroing DeepStack does not change the eager answer, "
+                       "so nothing can be proven")
+    control = by_key[(BCG_ZERO, EAGER_ZERO, None)]
+    if not control.match:  # rule 6
+        return Verdict(FAIL_CONTROL_DIVERGES,
+                       f"{_describe(control, tol)}: graph and eager differ even with DeepStack ablated")
+    sees = by_key[(BCG_NORMAL, BCG_ZERO, None)]
+    if sees.match:  # rule 7
         return Verdict(FAIL_DEEPSTACK_DROPPED,
-                       f"{_describe(sees)}: graph replay answers as if DeepStack were zero")
-    same = by_pair[(BCG_NORMAL, EAGER_NORMAL)]
-    if same.match:
-        return Verdict(PASS, f"{_describe(same)}: graph replay answers as eager and sees DeepStack")
-    return Verdict(FAIL_GRAPH_DIVERGES, f"{_describe(same)}: graph replay differs from eager")
+                       f"{_describe(sees, tol)}: graph replay answers as if DeepStack were zero")
+    same = by_key[(BCG_NORMAL, EAGER_NORMAL, None)]
+    if same.match:  # rule 8
+        return Verdict(PASS, f"{_describe(same, tol)}: graph replay answers as eager and sees DeepStack")
+    return Verdict(FAIL_GRAPH_DIVERGES, f"{_describe(same, tol)}: graph replay differs from eager")  # rule 9
+
+
+def _sequence_verdict(all_groups: tuple[Group, ...], by_key: Mapping, n: int, tol: float) -> Verdict:
+    for group in all_groups:
+        check = group.checks[0]
+        c = by_key[(check.a, check.b, group.request)]
+        if not c.match:
+            return Verdict(FAIL_STALE_STATE,
+                           f"{group.where(n)}{_describe(c, tol)}: after the requests before it, the graph "
+                           "sequence answers differently from the eager one")
+    return Verdict(PASS, f"all {n} requests of the graph sequence answer as the eager sequence")
 
 
 def overall_verdict(cases: tuple[CaseResult, ...]) -> Verdict:
     if len(cases) == 1:
         return cases[0].verdict
     verdicts = [(c.id, c.verdict) for c in cases]
-    for code_test in (lambda code: code == ERROR, lambda code: code.startswith("FAIL_")):
-        hit = next(((cid, v) for cid, v in verdicts if code_test(v.code)), None)
+    for wanted in (lambda code: code == ERROR, lambda code: code.startswith("FAIL_"),
+                   lambda code: code in SETUP_FAULTS):
+        hit = next(((cid, v) for cid, v in verdicts if wanted(v.code)), None)
         if hit:
-            return _tagged(*hit, len(cases))
-    passed = [cid for cid, v in verdicts if v.code == PASS]
+            return Verdict(hit[1].code, f"{hit[0]}: {hit[1].reason}")
+    passed = sum(v.code == PASS for _, v in verdicts)
     if passed:
-        return Verdict(PASS, f"{len(passed)} of {len(cases)} case(s) passed"
-                       + ("" if len(passed) == len(cases) else "; the others are inconclusive or incomplete"))
-    return _tagged(*verdicts[0], len(cases))
-
-
-def _tagged(case_id: str, verdict: Verdict, n_cases: int) -> Verdict:
-    return verdict if n_cases == 1 else Verdict(verdict.code, f"{case_id}: {verdict.reason}")
+        no_power = sum(v.code == INCONCLUSIVE_NO_POWER for _, v in verdicts)
+        rest = f"; {no_power} without power (DeepStack did not change the eager answer)" if no_power else ""
+        return Verdict(PASS, f"{passed} of {len(cases)} case(s) passed{rest}")
+    case_id, first = verdicts[0]
+    return Verdict(first.code, f"{case_id}: {first.reason}")
 
 
 def judge_run(run: RunResult) -> RunResult:
-    cases = tuple(judge_case(c, run.logprob_tol) for c in run.cases)
-    return replace(run, cases=cases, verdict=overall_verdict(cases))
+    rules = Rules.of(run)
+    cases = tuple(judge_case(c, rules) for c in run.cases)
+    verdict = overall_verdict(cases)
+    if run.interrupted and verdict.code == PASS:  # what never ran cannot pass
+        verdict = Verdict(INCOMPLETE, f"interrupted before the run finished ({verdict.reason})")
+    return replace(run, cases=cases, verdict=verdict)
 
 
 def exit_code(verdict: Verdict) -> int:

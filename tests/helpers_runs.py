@@ -1,36 +1,42 @@
 """Synthetic, judged results for tests: arms from token id lists, cases from arms, runs from cases.
 
 Nothing here loads a model; a whole four-arm run is a few dataclasses, so report, verdict and CI
-tests can state the exact token ids that make a case PASS or FAIL.
+tests can state the exact token ids that make a case PASS or FAIL. Arms carry the evidence a
+correct backend records (bcg prefills replayed, the tap fired) unless a test says otherwise.
 """
 
 from __future__ import annotations
 
 import hashlib
 from types import MappingProxyType
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
-from parity.results import ArmResult, CaseResult, FixtureInfo, Repeat, RunResult
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_mode_and_deepstack
+from parity.evidence import Evidence
+from parity.results import ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult, TopLogprobs
 from parity.verdict import judge_run
 
 # Two answers that differ from the first token on: what DeepStack on/off gives a working model.
 NORMAL_IDS: tuple[int, ...] = (11, 12, 13, 14, 15)
 ZERO_IDS: tuple[int, ...] = (21, 22, 23, 24, 25)
 CREATED = "2025-01-02T03:04:05+00:00"
-
-
-def _mode_and_deepstack(name: str) -> tuple[str, str]:
-    # Canonical names carry both facts ("bcg_zero_deepstack"); anything else is a test's typo.
-    if name not in ARM_ORDER:
-        raise ValueError(f"make_arm needs a canonical arm name ({', '.join(ARM_ORDER)}), got {name!r}")
-    mode, _, rest = name.partition("_")
-    return mode, "zero" if rest.startswith("zero") else "normal"
+PROMPT_TOKENS = 39
+BUCKET = 48
+_DEFAULT = object()
 
 
 def _text_of(ids: Sequence[int]) -> str:
     # One word per id, so a token divergence is also a character divergence at a predictable place.
     return " ".join(f"w{i}" for i in ids)
+
+
+def make_evidence(mode: str, replayed: bool | None = _DEFAULT, tap_calls: int = 1, lm_calls: int = 20,
+                  max_bucket: int = 8192) -> Evidence:
+    """What a correct backend records for one arm: bcg prefills replayed, eager ones not."""
+    replayed = (mode == "bcg") if replayed is _DEFAULT else replayed
+    return Evidence(lm_calls=lm_calls, replayed_calls=int(bool(replayed)), prefill_replayed=replayed,
+                    buckets=(BUCKET,) if replayed else (), tap_calls=tap_calls, prompt_tokens=PROMPT_TOKENS,
+                    max_bucket=max_bucket)
 
 
 def make_arm(
@@ -41,40 +47,54 @@ def make_arm(
     error: str | None = None,
     repeats: Sequence[Repeat | Sequence[int]] = (),
     seconds: float = 1.0,
+    evidence: Evidence | None = _DEFAULT,
+    top: TopLogprobs | None = None,
+    forced: Mapping[str, Sequence[float]] | None = None,
 ) -> ArmResult:
-    """An arm from its token ids; text and logprobs (-0.1 each) are derived unless given.
+    """An arm from its token ids; text, logprobs (-0.1 each) and evidence are derived unless given.
 
     A repeat may be a `Repeat` or a bare id list (then it reuses the arm's logprobs, so only the
     ids decide whether the arm reproduced itself).
     """
-    mode, deepstack = _mode_and_deepstack(name)
+    mode, deepstack = arm_mode_and_deepstack(name)
     lps = tuple(float(x) for x in logprobs) if logprobs is not None else tuple(-0.1 for _ in ids)
     reps = tuple(r if isinstance(r, Repeat) else Repeat(tuple(r), lps[: len(r)]) for r in repeats)
+    if evidence is _DEFAULT:
+        evidence = None if error else make_evidence(mode)
     return ArmResult(
         name=name, mode=mode, deepstack=deepstack, token_ids=tuple(ids),
-        text=_text_of(ids) if text is None else text, token_logprobs=lps,
+        text=_text_of(ids) if text is None else text, token_logprobs=lps, top_logprobs=top,
+        evidence=evidence, forced=MappingProxyType({k: tuple(v) for k, v in (forced or {}).items()}),
         error=error, seconds=seconds, repeats=reps,
     )
 
 
-def _fixture_for(case_id: str) -> FixtureInfo:
-    # "reuse/rgb-stripes/describe" and "rgb-stripes/describe" both name fixture "rgb-stripes".
-    parts = case_id.split("/")
-    name = parts[1] if parts[0] == "reuse" and len(parts) > 2 else parts[0]
+def fixture_info(name: str) -> FixtureInfo:
     return FixtureInfo(name=name, sha256=hashlib.sha256(name.encode()).hexdigest(), size=(64, 64))
 
 
 def make_case(
     arms: Sequence[ArmResult],
     case_id: str = "rgb-stripes/describe",
-    scenario: str = "four-arm",
     prompt: str = "Describe the image.",
-    fixture: FixtureInfo | None = None,
+    fixture: FixtureInfo | None = _DEFAULT,
 ) -> CaseResult:
-    """An unjudged case; `make_run` computes its comparisons and verdict."""
+    """An unjudged four-arm case; `make_run` computes its comparisons and verdict."""
+    info = fixture_info(case_id.split("/")[0]) if fixture is _DEFAULT else fixture
+    return CaseResult(id=case_id, fixture=info, prompt=prompt, arms=tuple(arms))
+
+
+def make_sequence(
+    requests: Sequence[tuple[str, bool, Sequence[ArmResult]]],
+    case_id: str = "stream/rgb-stripes/describe",
+    scenario: str = "stream",
+) -> CaseResult:
+    """An unjudged sequence case from (label, has an image, arms) per request."""
+    info = fixture_info("rgb-stripes")
     return CaseResult(
-        id=case_id, fixture=fixture or _fixture_for(case_id), prompt=prompt, arms=tuple(arms),
-        scenario=scenario, primer="Describe the image." if scenario == "reuse" else None,
+        id=case_id, fixture=info, prompt="Describe the image.", scenario=scenario,
+        requests=tuple(RequestResult(label, info if image else None, "Describe the image.", tuple(arms))
+                       for label, image, arms in requests),
     )
 
 
@@ -84,10 +104,12 @@ def make_run(
     logprob_tol: float = 0.25,
     backend: str = "transformers",
     created: str = CREATED,
+    tie_margin: float = 0.1,
+    deepstack_layers: int = 3,
 ) -> RunResult:
     """A run judged by `judge_run`, exactly as `parity run` would store it."""
     config = {"model": model, "backend": backend, "dtype": "float32", "max_new_tokens": 20,
-              "logprob_tol": logprob_tol}
+              "logprob_tol": logprob_tol, "tie_margin": tie_margin, "deepstack_layers": deepstack_layers}
     env = {"parity": "test", "python": "3", "torch": "x", "transformers": "x", "sglang": None,
            "device": "cpu", "gpu": None}
     run = RunResult(created=created, environment=MappingProxyType(env), config=MappingProxyType(config),
@@ -117,3 +139,20 @@ def legacy_arms() -> tuple[ArmResult, ...]:
 def fixed_arms() -> tuple[ArmResult, ...]:
     """A correct runtime: graph replay answers as eager does."""
     return four_arms(bcg_normal=NORMAL_IDS)
+
+
+def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "stream/rgb-stripes/describe"):
+    """The five requests of a stream case; eager answers request i with ids (i*10+1, ...)."""
+    specs = [("image", True, "normal"), ("image, DeepStack zeroed", True, "zero"), ("twin image", True, "normal"),
+             ("text only", False, "normal"), ("image again", True, "normal")]
+    eager_ids = [tuple(range(i * 10 + 1, i * 10 + 6)) for i in range(len(specs))]
+    bcg_ids = eager_ids if bcg_ids is None else bcg_ids
+    requests = []
+    for (label, image, deepstack), e_ids, b_ids in zip(specs, eager_ids, bcg_ids):
+        eager, bcg = (EAGER_NORMAL, BCG_NORMAL) if deepstack == "normal" else (EAGER_ZERO, BCG_ZERO)
+        tap = 1 if image else 0
+        requests.append((label, image, [
+            make_arm(eager, e_ids, evidence=make_evidence("eager", tap_calls=tap)),
+            make_arm(bcg, b_ids, evidence=make_evidence("bcg", tap_calls=tap)),
+        ]))
+    return make_sequence(requests, case_id)

@@ -1,7 +1,11 @@
 import pytest
 
-from parity.metrics import common_prefix_chars, compare, first_divergence, logprob_delta
+from parity.metrics import Tolerances, common_prefix_chars, compare as _compare, first_divergence, format_delta, logprob_delta, tf_delta
 from tests.helpers_runs import make_arm
+
+
+def compare(a, b, tol):
+    return _compare(a, b, Tolerances(tol))
 
 
 def test_identical_arms_match_with_full_text_length():
@@ -46,3 +50,20 @@ def test_match_needs_tokens_and_tolerance():
     b = make_arm("bcg_normal", [1, 2], logprobs=[-0.1, -0.6])
     assert compare(a, b, 0.25).token_match and not compare(a, b, 0.25).match
     assert compare(a, b, 0.5).match
+
+
+@pytest.mark.parametrize("value, tol, shown", [
+    (0.0, 0.25, "0.000"), (0.071, 0.25, "0.071"), (0.2504, 0.25, "0.2504"), (3e-7, 1e-6, "3e-07"),
+    (2e-6, 1e-6, "2e-06"), (0.0004, 1e-4, "0.0004"), (1.5, 0.25, "1.500"),
+])
+def test_a_failing_delta_is_never_shown_as_within_the_tolerance(value, tol, shown):
+    assert format_delta(value, tol) == shown
+    assert (float(format_delta(value, tol)) > tol) == (value > tol)
+
+
+def test_tf_delta_covers_the_whole_reference_sequence():
+    ref = make_arm("eager_normal", [1, 2, 3], logprobs=[-0.1, -0.2, -0.3])
+    a = make_arm("bcg_normal", [1, 9, 9], logprobs=[-0.1, -0.2, -0.3],
+                 forced={"eager_normal": [-0.1, -0.25, -1.3]})
+    assert tf_delta(a, ref) == pytest.approx(1.0)
+    assert tf_delta(make_arm("bcg_normal", [1]), ref) is None  # not scored on this reference

@@ -1,0 +1,104 @@
+"""What an arm's execution recorded as it ran: the tap's fingerprint and the execution evidence.
+
+A verdict may only rest on what was recorded while the arm ran, never on what a configuration
+implies: a `bcg` arm whose prefill silently ran eager proves nothing (design §3 rule 4), and an
+arm whose tap never fired may not have been ablated (rule 1b). Torch-free, so the commands that
+only read results stay light.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class DeepStackRecord:
+    """Fingerprint of the DeepStack tensor the tap saw at the LM entry, before any zeroing.
+
+    `nonzero_rows` > 0 and the same `sha256` in eager and graph arms prove both modes were handed
+    the same features.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    nonzero_rows: int
+    l2_norm: float
+    sha256: str
+    action: str  # what the tap then handed on: "normal" or "zero"
+    calls: int = 1  # how many LM entries the tap saw for this request
+    replay: bool | None = None  # whether the entry was a graph replay, when the backend knows
+
+    def to_json(self) -> dict:
+        return {
+            "shape": list(self.shape), "dtype": self.dtype, "nonzero_rows": self.nonzero_rows,
+            "l2_norm": self.l2_norm, "sha256": self.sha256, "action": self.action,
+            "calls": self.calls, "replay": self.replay,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "DeepStackRecord":
+        replay = raw.get("replay")
+        if replay is not None and not isinstance(replay, bool):
+            raise ValueError("replay must be true, false or null")
+        return cls(
+            shape=tuple(int(x) for x in raw["shape"]), dtype=str(raw["dtype"]),
+            nonzero_rows=int(raw["nonzero_rows"]), l2_norm=float(raw["l2_norm"]),
+            sha256=str(raw["sha256"]), action=str(raw["action"]), calls=int(raw.get("calls", 1)),
+            replay=replay,
+        )
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """How an arm's requests were executed, counted by the backend as they ran (design §4)."""
+
+    lm_calls: int  # LM entries: prefills and decode steps
+    replayed_calls: int  # of those, how many ran by graph replay
+    # Whether every prefill that carried a prompt ran by graph replay; None: the backend cannot tell.
+    prefill_replayed: bool | None
+    buckets: tuple[int, ...]  # the buckets the replays used
+    tap_calls: int  # LM entries where the tap saw DeepStack rows
+    prompt_tokens: int | None = None  # of the request, for the verdict's reason
+    max_bucket: int | None = None  # the largest bucket the path under test could replay in
+
+    def merged(self, other: "Evidence") -> "Evidence":
+        """One arm's evidence over several runs of it (`--repeat`): every prefill must have replayed."""
+        if self.prefill_replayed is False or other.prefill_replayed is False:
+            replayed: bool | None = False
+        elif self.prefill_replayed is None or other.prefill_replayed is None:
+            replayed = None
+        else:
+            replayed = True
+        return Evidence(
+            lm_calls=self.lm_calls + other.lm_calls,
+            replayed_calls=self.replayed_calls + other.replayed_calls,
+            prefill_replayed=replayed,
+            buckets=tuple(sorted(set(self.buckets) | set(other.buckets))),
+            tap_calls=self.tap_calls + other.tap_calls,
+            prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else other.prompt_tokens,
+            max_bucket=self.max_bucket if self.max_bucket is not None else other.max_bucket,
+        )
+
+    def inconsistency(self) -> str | None:
+        """Why these counts cannot describe one real execution, or None."""
+        if min(self.lm_calls, self.replayed_calls, self.tap_calls) < 0:
+            return "counts must be >= 0"
+        if self.replayed_calls > self.lm_calls:
+            return f"replayed_calls {self.replayed_calls} > lm_calls {self.lm_calls}"
+        if self.tap_calls > self.lm_calls:
+            return f"tap_calls {self.tap_calls} > lm_calls {self.lm_calls}"
+        if self.prefill_replayed and self.replayed_calls == 0:
+            return "prefill_replayed is true but no LM entry was replayed"
+        if (self.replayed_calls > 0) != bool(self.buckets):
+            return "buckets must be listed exactly when some LM entry was replayed"
+        if any(b <= 0 for b in self.buckets):
+            return "bucket sizes must be > 0"
+        return None
+
+    def to_json(self) -> dict:
+        return {
+            "lm_calls": self.lm_calls, "replayed_calls": self.replayed_calls,
+            "prefill_replayed": self.prefill_replayed, "buckets": list(self.buckets),
+            "tap_calls": self.tap_calls, "prompt_tokens": self.prompt_tokens, "max_bucket": self.max_bucket,
+        }
