@@ -5,13 +5,18 @@ Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_*
 
 from __future__ import annotations
 
+import math
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
 
 from parity import __version__
 from parity.errors import ParityError, UsageError
+from parity.metrics import DEFAULT_TIE_MARGIN
+from parity.results import SCENARIOS
+from parity.results_loader import MIN_LOGPROB_TOL
 from parity.verdict import USAGE_EXIT, exit_code
 
 INTERRUPTED_EXIT = 130
@@ -41,19 +46,36 @@ def _positive(ctx, param, value):
     return value
 
 
-def _non_negative(ctx, param, value):
-    if value is not None and value < 0:
-        raise click.BadParameter(f"must be >= 0, got {value}")
+def _tie_margin(ctx, param, value):
+    if not math.isfinite(value) or value < 0:
+        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
     return value
+
+
+def _logprob_tol(ctx, param, value):
+    """`auto` (None: resolved from the dtype's measured noise) or a finite number >= the noise floor."""
+    if value == "auto":
+        return None
+    try:
+        tol = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
+    if not math.isfinite(tol) or tol < MIN_LOGPROB_TOL:
+        raise click.BadParameter(f"must be 'auto' or a finite number >= {MIN_LOGPROB_TOL:g} "
+                                 f"(the repeat noise floor), got {value}")
+    return tol
 
 
 def _int_list(ctx, param, value):
     if value is None or value == "":
         return ()
+    if param.name == "buckets" and value == "auto":
+        return value
     try:
         numbers = tuple(int(v) for v in value.split(","))
     except ValueError:
-        raise click.BadParameter(f"expected a comma list of integers, got {value!r}") from None
+        raise click.BadParameter(f"expected {'auto or ' if param.name == 'buckets' else ''}a comma list of "
+                                 f"integers, got {value!r}") from None
     if param.name == "buckets" and any(n <= 0 for n in numbers):
         raise click.BadParameter("bucket sizes must be > 0")
     return numbers
@@ -71,6 +93,7 @@ def cli() -> None:
 @cli.command()
 @click.option("--model", default="tiny-qwen3-vl", show_default=True,
               help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
+@click.option("--seed", type=int, default=None, help="Build the embedded preset from this seed instead of its own.")
 @click.option("--backend", type=click.Choice(["transformers", "sglang"]), default="transformers", show_default=True)
 @click.option("--arms", "arm_selection", default="all", show_default=True, help="`all` or a comma list of arm names.")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
@@ -78,22 +101,27 @@ def cli() -> None:
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=_positive)
-@click.option("--logprob-tol", type=float, default=0.25, show_default=True, callback=_non_negative)
+@click.option("--logprob-tol", default="auto", show_default=True, callback=_logprob_tol,
+              help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
+@click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=_tie_margin,
+              help="Two tokens this close in logprob, in both arms, are a near-tie: a noise flip, not a failure.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="auto: float32 for embedded presets and on CPU, bfloat16 for checkpoints on GPU.")
+@click.option("--threads", type=int, default=None, callback=_positive,
+              help="CPU threads (default: 1 for embedded presets unless OMP_NUM_THREADS is set).")
 @click.option("--runner", type=click.Choice(["fixed", "legacy", "no-clear"]), default="fixed", show_default=True,
               help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
-@click.option("--buckets", default="16,32,64,128,256,512", show_default=True, callback=_int_list,
-              help="Prefill token buckets captured by the graph runner.")
-@click.option("--scenario", type=click.Choice(["four-arm", "reuse"]), default="four-arm", show_default=True,
-              help="reuse: an image request, then a shorter text-only request in the same bucket.")
+@click.option("--buckets", default="auto", show_default=True, callback=_int_list,
+              help="Prefill token buckets: auto (SGLang's ladder, covering every prompt) or a comma list.")
+@click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
+              help="reuse: image then text request; stream: five requests back to back; all: the three.")
 @click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
               help="Run every arm N times; an arm that does not reproduce itself is INCONCLUSIVE_NONDETERMINISTIC.")
 @click.option("--out", "out_dir", help="Run folder (default reports/<timestamp>-<model>/).")
 @click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
-@click.option("--no-plot", is_flag=True, help="Skip the |Δ logprob| plot per case.")
+@click.option("--no-plot", is_flag=True, help="Skip the plots.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
 @click.option("--concurrent", is_flag=True, help="Start the eager and bcg servers at once (sglang backend).")
 @click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
@@ -103,13 +131,38 @@ def cli() -> None:
               help="SGLang --mem-fraction-static per GPU (halved per server with --concurrent on one GPU).")
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""
-    from parity.run_command import execute_run  # heavy imports (torch, transformers) only when running
+    # Heavy imports (torch, transformers) only when running.
+    from parity.arms import select_arms
+    from parity.backends import BackendOptions
+    from parity.experiment import RunSpec
+    from parity.run_command import OutputOptions, build_cases, check_writable, default_run_dir, execute_run
 
+    o = options
+    scenario = o["scenario"]
+    spec = RunSpec(
+        model=o["model"], arms=select_arms(o["arm_selection"]),
+        cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"]),
+        scenarios=SCENARIOS if scenario == "all" else (scenario,),
+        max_new_tokens=o["max_new_tokens"], logprob_tol=o["logprob_tol"], tie_margin=o["tie_margin"],
+        repeat=o["repeat"],
+    )
+    output = OutputOptions(
+        run_dir=check_writable("--out", Path(o["out_dir"]) if o["out_dir"] else default_run_dir(o["model"]), True),
+        junit=check_writable("--junit", Path(o["junit_path"]), False) if o["junit_path"] else None,
+        plots=not o["no_plot"],
+    )
+    backend = BackendOptions(
+        name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
+        threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
+        sglang_args=tuple(o["sglang_args"]), concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
+        ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"],
+    )
     console = _console()
     try:
-        run_result = execute_run(console=console, **options)
+        run_result = execute_run(spec, backend, output, console)
     except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: every process parity started was stopped")
+        console.print("[red]interrupted[/]: every process parity started was stopped; what finished is in the "
+                      "run folder, marked interrupted")
         sys.exit(INTERRUPTED_EXIT)
     sys.exit(exit_code(run_result.verdict))
 
@@ -120,7 +173,7 @@ def run(**options) -> None:
 def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json
-    from parity.results import load_results
+    from parity.results_loader import load_results
     from parity.verdict import judge_run
 
     run_result = judge_run(load_results(results_file))
@@ -139,7 +192,7 @@ def verdict(results_file: str, as_json: bool) -> None:
 def report(results_file: str, fmt: str) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table."""
     from parity.reporting.report import print_table, render_json, render_markdown
-    from parity.results import load_results
+    from parity.results_loader import load_results
     from parity.verdict import judge_run
 
     run_result = judge_run(load_results(results_file))
@@ -156,7 +209,7 @@ def report(results_file: str, fmt: str) -> None:
 def compare(before_file: str, after_file: str, fmt: str) -> None:
     """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
     from parity.reporting.before_after import compare_runs, render_markdown, render_table
-    from parity.results import load_results
+    from parity.results_loader import load_results
 
     result = compare_runs(load_results(before_file), load_results(after_file))
     if fmt == "table":

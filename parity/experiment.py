@@ -1,7 +1,9 @@
-"""Running the experiment: cases x arms on one backend, into a judged `RunResult`.
+"""Running the experiment: cases x scenarios x arms on one backend, into a judged `RunResult`.
 
-Sessions are opened once per execution mode and shared by every case and arm of that mode, so the
-model (or server) is loaded once per run, and normal/zero arms differ only in the tap.
+Sessions are opened once per execution mode (eager first, then bcg) and shared by every case and
+scenario of that mode, so the model is loaded (or a server started) once per mode, and normal and
+zero arms differ only in the tap. Within a mode, requests are served back to back in plan order:
+a sequence scenario is exactly the order a server would see.
 """
 
 from __future__ import annotations
@@ -9,24 +11,27 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable
-
-import torch
-import transformers
+from types import MappingProxyType
+from typing import Callable, Sequence
 
 from parity import __version__
-from parity.arms import BCG_NORMAL, EAGER_NORMAL, MODES, ArmSpec
+from parity.arms import ARM_ORDER, MODES, ArmSpec, arm_mode_and_deepstack, arm_named
 from parity.backends.base import Backend, Generation, Request, Session
-from parity.errors import ArmFailure
+from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture, Prompt
-from parity.results import ArmResult, CaseResult, FixtureInfo, Repeat, RunResult
-from parity.verdict import judge_run
+from parity.metrics import DEFAULT_TIE_MARGIN
+from parity.results import (
+    FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+)
+from parity.verdict import FOUR_ARM_CHECKS, judge_run
 
-SCENARIOS = ("four-arm", "reuse")
-# Appended to a reuse follow-up until it lands in the primer's bucket.
+# Appended to a text-only request until it lands in its image request's bucket.
 _FILLER = " Answer in plain words."
+_FILLER_WORD = " one"  # one token in Qwen's tokenizer and in the presets'
+# Within a mode, the reference of each four-arm comparison runs first (design §1 order of checks).
+_ARM_RUN_ORDER = ("eager_normal", "eager_zero_deepstack", "bcg_zero_deepstack", "bcg_normal")
 
 
 @dataclass(frozen=True)
@@ -41,19 +46,25 @@ class CaseSpec:
 
 @dataclass(frozen=True)
 class RunSpec:
+    """What the run is: model, arms, cases, scenarios, and how answers are compared."""
+
     model: str
     arms: tuple[ArmSpec, ...]
     cases: tuple[CaseSpec, ...]
+    scenarios: tuple[str, ...] = (FOUR_ARM,)
     max_new_tokens: int = 20
-    logprob_tol: float = 0.25
-    dtype: str = "float32"
-    scenario: str = "four-arm"
+    logprob_tol: float | None = None  # None: auto, from the dtype's measured noise
+    tie_margin: float = DEFAULT_TIE_MARGIN
     repeat: int = 1
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return tuple(m for m in MODES if any(a.mode == m for a in self.arms))
 
 
 @dataclass(frozen=True)
 class Progress:
-    """One event for a progress display: an arm of a case is about to run (index of total)."""
+    """One event for a progress display: a request of a case is about to run (index of total)."""
 
     index: int
     total: int
@@ -64,123 +75,271 @@ class Progress:
 ProgressFn = Callable[[Progress], None]
 
 
+class RunInterrupted(Exception):
+    """Ctrl-C during a run: `result` holds every arm that finished, the run marked interrupted."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__("interrupted")
+        self.result = result
+
+
+# --- the plan ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    label: str
+    request: Request
+    deepstack: str
+
+
+@dataclass(frozen=True)
+class PlannedCase:
+    id: str
+    scenario: str
+    spec: CaseSpec
+    requests: tuple[PlannedRequest, ...]
+    arms: tuple[ArmSpec, ...] = ()  # four-arm only: the selected arms, in run order
+
+
+def scenario_case_id(scenario: str, case: CaseSpec) -> str:
+    return case.id if scenario == FOUR_ARM else f"{scenario}/{case.id}"
+
+
+def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
+    planned = []
+    for scenario in spec.scenarios:
+        for case in spec.cases:
+            image = Request(case.fixture, case.prompt.text)
+            if scenario == FOUR_ARM:
+                arms = tuple(sorted(spec.arms, key=lambda a: _ARM_RUN_ORDER.index(a.name)))
+                requests = (PlannedRequest("image", image, "normal"),)
+            elif scenario == REUSE:
+                arms = ()
+                requests = (PlannedRequest("primer (image)", image, "normal"),
+                            PlannedRequest("follow-up (text only)", text_request_in_bucket(backend, image, False), "normal"))
+            else:
+                arms = ()
+                requests = (
+                    PlannedRequest("image", image, "normal"),
+                    PlannedRequest("image, DeepStack zeroed", image, "zero"),
+                    PlannedRequest("twin image (same size, other pixels)", Request(case.fixture.twin(), case.prompt.text),
+                                   "normal"),
+                    PlannedRequest("text only", text_request_in_bucket(backend, image, True), "normal"),
+                    PlannedRequest("image again", image, "normal"),
+                )
+            planned.append(PlannedCase(scenario_case_id(scenario, case), scenario, case, requests, arms))
+    ids = [p.id for p in planned]
+    if len(set(ids)) != len(ids):
+        raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
+    return tuple(planned)
+
+
+def text_request_in_bucket(backend: Backend, image: Request, same_length: bool) -> Request:
+    """The image request's prompt without the image, lengthened with filler until it lands in the
+    image request's bucket: shorter than it (reuse), or exactly as long where reachable (stream),
+    so a stale DeepStack slot has rows to leak into."""
+    limit = backend.prompt_length(image)
+    target = backend.bucket_of(limit)
+    text = image.prompt
+    if target is None:
+        return Request(None, text)
+    longest = limit if same_length else limit - 1
+    for filler in (_FILLER, _FILLER_WORD):  # coarse steps first, then one word at a time
+        length = backend.prompt_length(Request(None, text))
+        while not (backend.bucket_of(length) == target and (not same_length or length == limit)):
+            longer = backend.prompt_length(Request(None, text + filler))
+            if longer > longest or longer <= length:
+                break
+            text, length = text + filler, longer
+    return Request(None, text)
+
+
+# --- running ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Collected:
+    """Arm results as they finish: (case id, request index, arm name) -> ArmResult."""
+
+    arms: dict[tuple[str, int, str], ArmResult] = field(default_factory=dict)
+
+    def get(self, case_id: str, request: int, name: str) -> ArmResult | None:
+        return self.arms.get((case_id, request, name))
+
+
 def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None) -> RunResult:
-    modes = [m for m in MODES if any(a.mode == m for a in _arms_in_scope(spec))]
-    results: dict[tuple[str, str], ArmResult] = {}
-    plan = [(case, arm) for mode in modes for case in spec.cases for arm in _arms_in_scope(spec) if arm.mode == mode]
-    counter = iter(range(1, len(plan) + 1))
+    collected = _Collected()
+    planned: tuple[PlannedCase, ...] = ()
+    interrupted = False
     try:
-        checked = {case.id: _checked_request(spec, backend, case) for case in spec.cases}
-        backend.prepare(modes)
-        for mode in modes:
-            mode_plan = [(c, a) for c, a in plan if a.mode == mode]
-            try:
-                with backend.session(mode) as session:
-                    for case, arm in mode_plan:
-                        if progress:
-                            progress(Progress(next(counter), len(plan), _case_id(spec, case), arm.name))
-                        results[(case.id, arm.name)] = _run_arm(spec, session, case, checked[case.id], arm)
-            except ArmFailure as failure:  # the mode never came up, or died mid-run
-                for case, arm in mode_plan:
-                    results.setdefault((case.id, arm.name), _failed(arm, failure))
-        config = dict(backend.config())
+        planned = plan_cases(spec, backend)
+        lengths = _check_lengths(spec, backend, planned)
+        total = sum(len(_arms_for(case, mode, req)) for mode in spec.modes for case in planned for req in case.requests)
+        counter = iter(range(1, total + 1))
+
+        def announce(case_id: str, label: str) -> None:
+            if progress:
+                progress(Progress(next(counter), total, case_id, label))
+
+        backend.prepare(spec.modes, lengths)
+        for mode in spec.modes:
+            _run_mode(spec, backend, planned, mode, collected, announce)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
+        config = dict(backend.config())
         backend.close()
-    cases = tuple(_case_result(spec, case, checked[case.id], results) for case in spec.cases)
-    run = RunResult(
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        environment=_environment(backend),
-        config={
-            "model": spec.model, "backend": backend.name, "dtype": spec.dtype,
-            "max_new_tokens": spec.max_new_tokens, "logprob_tol": spec.logprob_tol,
-            "scenario": spec.scenario, "repeat": spec.repeat, "arms": [a.name for a in spec.arms], **config,
-        },
-        cases=cases,
-    )
-    return judge_run(run)
+    run = _run_result(spec, backend, planned, collected, config, interrupted)
+    if interrupted:
+        raise RunInterrupted(run)
+    return run
 
 
-def _arms_in_scope(spec: RunSpec) -> tuple[ArmSpec, ...]:
-    if spec.scenario == "reuse":  # the follow-up is checked with DeepStack as computed
-        return tuple(a for a in spec.arms if a.name in (EAGER_NORMAL, BCG_NORMAL))
-    return spec.arms
+def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase]) -> list[int]:
+    lengths = []
+    for case in planned:
+        for req in case.requests:
+            length = backend.prompt_length(req.request)
+            limit = backend.max_positions
+            if limit is not None and length + spec.max_new_tokens > limit:
+                raise UsageError(
+                    f"case {case.id}: a prompt of {length} tokens plus --max-new-tokens {spec.max_new_tokens} "
+                    f"exceeds the model's context of {limit} positions; use a shorter prompt or fewer new tokens")
+            lengths.append(length)
+    return lengths
 
 
-def _case_id(spec: RunSpec, case: CaseSpec) -> str:
-    return f"reuse/{case.id}" if spec.scenario == "reuse" else case.id
+def _arms_for(case: PlannedCase, mode: str, req: PlannedRequest) -> list[str]:
+    if case.scenario == FOUR_ARM:
+        return [a.name for a in case.arms if a.mode == mode]
+    return [arm_named(mode, req.deepstack)]
 
 
-def _checked_request(spec: RunSpec, backend: Backend, case: CaseSpec) -> Request:
-    request = Request(case.fixture, case.prompt.text)
-    return reuse_followup(backend, request) if spec.scenario == "reuse" else request
+def _run_mode(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase], mode: str, collected: _Collected,
+              announce: Callable[[str, str], object]) -> None:
+    work = [(case, i, req, name) for case in planned for i, req in enumerate(case.requests)
+            for name in _arms_for(case, mode, req)]
+    try:
+        with backend.session(mode) as session:
+            for case, i, req, name in work:
+                announce(case.id, _progress_label(case, req, name))
+                refs = _references(case, i, name, collected)
+                collected.arms[(case.id, i, name)] = _run_arm(spec, session, req, name, refs)
+    except ArmFailure as failure:  # the mode never came up, or died mid-run
+        for case, i, _, name in work:
+            collected.arms.setdefault((case.id, i, name), _failed(name, failure))
 
 
-def _run_arm(spec: RunSpec, session: Session, case: CaseSpec, request: Request, arm: ArmSpec) -> ArmResult:
-    if spec.scenario == "reuse":
-        # The image request leaves its state in the session; the checked request is the follow-up.
-        _timed(session, Request(case.fixture, case.prompt.text), arm)
-    first, seconds = _timed(session, request, arm)
+def _progress_label(case: PlannedCase, req: PlannedRequest, name: str) -> str:
+    return name if case.scenario == FOUR_ARM else f"{name} · {req.label}"
+
+
+def _references(case: PlannedCase, request: int, name: str, collected: _Collected) -> list[ArmResult]:
+    """The finished, successful references this arm is compared against (teacher forcing)."""
+    if case.scenario == FOUR_ARM:
+        names = [c.b for c in FOUR_ARM_CHECKS if c.a == name]
+    else:
+        mode, deepstack = arm_mode_and_deepstack(name)
+        names = [arm_named("eager", deepstack)] if mode == "bcg" else []
+    refs = [collected.get(case.id, request, n) for n in names]
+    return [r for r in refs if r is not None and not r.failed]
+
+
+def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, refs: list[ArmResult]) -> ArmResult:
+    mode, deepstack = arm_mode_and_deepstack(name)
+    first, seconds = _timed(session, req.request, deepstack, [r.token_ids for r in refs])
     if isinstance(first, ArmFailure):
-        return _failed(arm, first, seconds)
-    repeats = []
+        return _failed(name, first, seconds)
+    evidence, repeats = first.evidence, []
     for _ in range(spec.repeat - 1):
-        again, _ = _timed(session, request, arm)
+        again, more = _timed(session, req.request, deepstack, [])
+        seconds += more
         if isinstance(again, ArmFailure):
-            return _failed(arm, again, seconds)
+            return _failed(name, again, seconds)
         repeats.append(Repeat(again.token_ids, again.token_logprobs))
+        if evidence is not None and again.evidence is not None:
+            evidence = evidence.merged(again.evidence)
     return ArmResult(
-        name=arm.name, mode=arm.mode, deepstack=arm.deepstack, token_ids=first.token_ids, text=first.text,
+        name=name, mode=mode, deepstack=deepstack, token_ids=first.token_ids, text=first.text,
         token_logprobs=first.token_logprobs, top_logprobs=first.top_logprobs,
-        deepstack_record=first.deepstack_record, seconds=round(seconds, 4), repeats=tuple(repeats),
+        deepstack_record=first.deepstack_record, evidence=evidence,
+        forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced)}),
+        seconds=round(seconds - first.forced_seconds, 4), forced_seconds=round(first.forced_seconds, 4),
+        repeats=tuple(repeats),
     )
 
 
-def _timed(session: Session, request: Request, arm: ArmSpec) -> tuple[Generation | ArmFailure, float]:
+def _timed(session: Session, request: Request, deepstack: str, force) -> tuple[Generation | ArmFailure, float]:
     start = time.perf_counter()
     try:
-        result: Generation | ArmFailure = session.generate(request, arm.deepstack)
+        result: Generation | ArmFailure = session.generate(request, deepstack, force)
     except ArmFailure as failure:
         result = failure
     return result, time.perf_counter() - start
 
 
-def _failed(arm: ArmSpec, failure: ArmFailure, seconds: float = 0.0) -> ArmResult:
+def _failed(name: str, failure: ArmFailure, seconds: float = 0.0) -> ArmResult:
+    mode, deepstack = arm_mode_and_deepstack(name)
     message = str(failure) + (f"\n--- log tail ---\n{failure.log_tail}" if failure.log_tail else "")
-    return ArmResult(name=arm.name, mode=arm.mode, deepstack=arm.deepstack, error=message, seconds=round(seconds, 4))
+    return ArmResult(name=name, mode=mode, deepstack=deepstack, error=message, seconds=round(seconds, 4))
 
 
-def reuse_followup(backend: Backend, primer: Request) -> Request:
-    """A text-only request, shorter than the primer, in the primer's bucket when buckets are known."""
-    limit = backend.prompt_length(primer)
-    target = backend.bucket_of(limit)
-    text = primer.prompt
-    while target is not None and backend.bucket_of(backend.prompt_length(Request(None, text))) != target:
-        longer = text + _FILLER
-        if backend.prompt_length(Request(None, longer)) >= limit:
-            break
-        text = longer
-    return Request(None, text)
+# --- into results ----------------------------------------------------------------------------------
+
+def _fixture_info(fixture: Fixture | None) -> FixtureInfo | None:
+    return None if fixture is None else FixtureInfo(fixture.name, fixture.sha256, fixture.size)
 
 
-def _case_result(spec: RunSpec, case: CaseSpec, request: Request, results) -> CaseResult:
-    arms = tuple(results[(case.id, a.name)] for a in _arms_in_scope(spec) if (case.id, a.name) in results)
-    reuse = spec.scenario == "reuse"
-    return CaseResult(
-        id=_case_id(spec, case),
-        fixture=FixtureInfo(case.fixture.name, case.fixture.sha256, case.fixture.size),
-        prompt=request.prompt,
-        arms=arms,
-        scenario=spec.scenario,
-        primer=f"image request {case.id}: {case.prompt.text}" if reuse else None,
+def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
+    def arms_of(i: int, names) -> tuple[ArmResult, ...]:
+        found = (collected.get(case.id, i, n) for n in names)
+        return tuple(a for a in found if a is not None)
+
+    info = _fixture_info(case.spec.fixture)
+    if case.scenario == FOUR_ARM:
+        names = sorted((a.name for a in case.arms), key=ARM_ORDER.index)
+        return CaseResult(case.id, info, case.spec.prompt.text, arms=arms_of(0, names), scenario=FOUR_ARM)
+    requests = tuple(
+        RequestResult(req.label, _fixture_info(req.request.fixture), req.request.prompt,
+                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES]))
+        for i, req in enumerate(case.requests)
     )
+    return CaseResult(case.id, info, case.spec.prompt.text, requests=requests, scenario=case.scenario)
+
+
+def _run_result(spec, backend, planned, collected, config, interrupted) -> RunResult:
+    dtype = str(config.get("dtype", "float32"))
+    tol = spec.logprob_tol if spec.logprob_tol is not None else auto_logprob_tol(dtype)
+    run = RunResult(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        environment=_environment(backend),
+        config={
+            "model": spec.model, "backend": backend.name, "max_new_tokens": spec.max_new_tokens,
+            "logprob_tol": tol, "logprob_tol_source": "user" if spec.logprob_tol is not None else "auto",
+            "tie_margin": spec.tie_margin, "scenarios": list(spec.scenarios), "repeat": spec.repeat,
+            "arms": [a.name for a in spec.arms], **config,
+        },
+        cases=tuple(_case_result(case, collected) for case in planned),
+        interrupted=interrupted,
+    )
+    return judge_run(run)
+
+
+# Measured on a correct (fixed) runner, CPU and GPU: see docs/verdicts.md, "Tolerances".
+AUTO_LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
+
+
+def auto_logprob_tol(dtype: str) -> float:
+    return AUTO_LOGPROB_TOL.get(dtype, AUTO_LOGPROB_TOL["bfloat16"])
 
 
 def _environment(backend: Backend) -> dict:
-    try:
-        sglang = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        sglang = None
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
     return {
-        "parity": __version__, "python": platform.python_version(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "sglang": sglang, **backend.environment(),
+        "parity": __version__, "python": platform.python_version(), "torch": version("torch"),
+        "transformers": version("transformers"), "sglang": version("sglang"), **backend.environment(),
     }

@@ -18,7 +18,7 @@ from torch import nn
 
 from parity.lm_body import ConsumesDeepStack
 
-DEFAULT_BUCKETS = (16, 32, 64, 128, 256, 512)
+Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is the bucket's rows
 
 
 class RunnerVariant(str, enum.Enum):
@@ -66,17 +66,18 @@ class _EmulatedGraph:
     replay semantics, not replay speed.
     """
 
-    def __init__(self, fn: Callable[[], torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[[], Outputs]) -> None:
         self._fn = fn
-        self.output = fn()
+        self.outputs = fn()
 
     def replay(self) -> None:
-        # In place, as a CUDA graph writes its static output: what a caller kept is overwritten.
-        self.output.copy_(self._fn())
+        # In place, as a CUDA graph writes its static outputs: what a caller kept is overwritten.
+        for static, fresh in zip(self.outputs, self._fn()):
+            static.copy_(fresh)
 
 
 class _CudaGraph:
-    def __init__(self, fn: Callable[[], torch.Tensor], pool) -> None:
+    def __init__(self, fn: Callable[[], Outputs], pool) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
@@ -85,7 +86,7 @@ class _CudaGraph:
         torch.cuda.current_stream().wait_stream(stream)
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph, pool=pool):
-            self.output = fn()
+            self.outputs = fn()
 
     def replay(self) -> None:
         self._graph.replay()
@@ -104,7 +105,10 @@ class PrefillGraphRunner:
     Public verbs: `can_replay`, `replay`, `close`. Slots (allocated once, at the largest bucket):
     `input_embeds` [max_tokens, H] and `positions` [3, max_tokens], padding ZERO; `deepstack`
     [max_tokens, H*n], padding ZERO (KEEP in the no-clear variant), only when the body consumes
-    DeepStack with n > 0 and something is captured.
+    DeepStack with n > 0 and something is captured. The body's outputs (hidden states, the
+    prefill's keys and values) are the graph's static outputs; `replay` returns copies of their
+    real rows. `replay(..., probe=True)` replays a probe graph of the same body on the same slots,
+    whose extra output is the hidden state after every layer (design §7), captured on first use.
     """
 
     def __init__(
@@ -114,7 +118,7 @@ class PrefillGraphRunner:
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
-        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        buckets: tuple[int, ...],
         variant: RunnerVariant = RunnerVariant.FIXED,
         graph_backend: GraphBackend = GraphBackend.EMULATED,
     ) -> None:
@@ -132,22 +136,27 @@ class PrefillGraphRunner:
             else Slot("deepstack", torch.zeros(max_tokens, width, dtype=dtype, device=device), padding)
         )
         self._graphs: dict[int, _EmulatedGraph | _CudaGraph] = {}
-        self._capture_all()
+        self._probe_graphs: dict[int, _EmulatedGraph | _CudaGraph] = {}
+        pool = torch.cuda.graph_pool_handle() if graph_backend is GraphBackend.CUDA else None
+        # Largest first: later, smaller graphs reuse the pool memory the largest one reserved.
+        for size in sorted(self.buckets, reverse=True):
+            self._graphs[size] = self._capture(size, pool, probe=False)
 
     # -- capture ------------------------------------------------------------------------------
 
-    def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle() if self.graph_backend is GraphBackend.CUDA else None
+    def _capture(self, size: int, pool, probe: bool) -> _EmulatedGraph | _CudaGraph:
+        fn = self._bound_body(size, probe)
         with torch.inference_mode():
-            # Largest first: later, smaller graphs reuse the pool memory the largest one reserved.
-            for size in sorted(self.buckets, reverse=True):
-                fn = self._bound_body(size)
-                self._graphs[size] = _CudaGraph(fn, pool) if pool is not None else _EmulatedGraph(fn)
+            if self.graph_backend is GraphBackend.CUDA:
+                return _CudaGraph(fn, pool)
+            return _EmulatedGraph(fn)
 
-    def _bound_body(self, size: int) -> Callable[[], torch.Tensor]:
+    def _bound_body(self, size: int, probe: bool) -> Callable[[], Outputs]:
         embeds, positions = self._embeds.bucket(size), self._positions.bucket(size)
         # Binding the slot (not the live tensor) is what puts the DeepStack add into the graph.
         deepstack = self._deepstack.bucket(size) if self._deepstack is not None else None
+        if probe:
+            return lambda: self._body(embeds, positions, deepstack, probe=True)
         return lambda: self._body(embeds, positions, deepstack)
 
     # -- replay -------------------------------------------------------------------------------
@@ -169,21 +178,34 @@ class PrefillGraphRunner:
         return num_tokens > 0 and self.bucket_for(num_tokens) is not None
 
     def replay(
-        self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None
-    ) -> torch.Tensor:
-        """Refresh every slot from the live inputs, replay the bucket's graph, return [T, H] (a copy)."""
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
+        probe: bool = False,
+    ) -> Outputs:
+        """Refresh every slot from the live inputs, replay the bucket's graph, return copies of the
+        outputs' real rows: (hidden [T, H], keys, values[, probe points])."""
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         if bucket is None or num_tokens == 0:
             raise ValueError(f"no captured bucket fits {num_tokens} tokens (buckets: {self.buckets})")
         self.refresh_deepstack(deepstack, num_tokens, bucket)  # validates first: may raise
-        self._fill(self._embeds, input_embeds, num_tokens, bucket)
-        self._fill(self._positions, positions, num_tokens, bucket)
-        graph = self._graphs[bucket]
-        with torch.inference_mode():  # as at capture: the graph's output is an inference tensor
+        self.refresh_inputs(input_embeds, positions, num_tokens, bucket)
+        graph = self._graph(bucket, probe)
+        with torch.inference_mode():  # as at capture: the graph's outputs are inference tensors
             graph.replay()
         # Graph outputs are borrowed: the next replay overwrites them.
-        return graph.output[:num_tokens].clone()
+        return tuple(output[:num_tokens].clone() for output in graph.outputs)
+
+    def _graph(self, bucket: int, probe: bool) -> _EmulatedGraph | _CudaGraph:
+        if not probe:
+            return self._graphs[bucket]
+        if bucket not in self._probe_graphs:  # its own pool: captured after the others, kept apart
+            self._probe_graphs[bucket] = self._capture(
+                bucket, torch.cuda.graph_pool_handle() if self.graph_backend is GraphBackend.CUDA else None, True)
+        return self._probe_graphs[bucket]
+
+    def refresh_inputs(self, input_embeds: torch.Tensor, positions: torch.Tensor, num_tokens: int, bucket: int) -> None:
+        self._fill(self._embeds, input_embeds, num_tokens, bucket)
+        self._fill(self._positions, positions, num_tokens, bucket)
 
     def refresh_deepstack(self, deepstack: torch.Tensor | None, num_tokens: int, bucket: int) -> None:
         """The DeepStack slot contract; validation happens before any write (fail closed)."""
@@ -206,8 +228,13 @@ class PrefillGraphRunner:
         if slot.padding is Padding.ZERO and bucket > num_tokens:
             slot.buffer.narrow(slot.token_axis, num_tokens, bucket - num_tokens).zero_()
 
+    @property
+    def max_bucket(self) -> int | None:
+        return self.buckets[-1] if self.buckets else None
+
     def close(self) -> None:
         self._graphs.clear()
+        self._probe_graphs.clear()
         self._deepstack = None
 
 

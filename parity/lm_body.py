@@ -5,10 +5,15 @@ mask; SGLang (and the graph runner) carry one dense `input_deepstack_embeds` of 
 `[num_tokens, hidden * n]`, zero outside image rows, whose column block k is added to the hidden
 states after decoder layer k. A fixed-shape dense tensor is what a captured graph can read from a
 slot. The layers, rotary embedding and final norm are Hugging Face's own modules.
+
+A request is served as a server does it: one prefill of the prompt (`forward`, the path a graph
+replays), whose keys and values are outputs, then KV-cached decode steps (`decode_step`), which
+carry no DeepStack and run eagerly in every arm.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -28,11 +33,54 @@ class ConsumesDeepStack(Protocol):
     def hidden_size(self) -> int: ...
 
 
-class Qwen3VLTextBody(nn.Module):
-    """`(input_embeds [T, H], positions [3, T], deepstack [T, H*n] | None) -> hidden [T, H]`.
+class KVCache:
+    """Keys and values per layer, in the one call Hugging Face's attention makes on a cache:
+    `update(key, value, layer_idx, ...) -> (all keys, all values)`.
 
-    One sequence, causal attention, no KV cache: every call is a full prefill, which is exactly
-    the path a prefill graph replays. Padded rows after the real ones cannot reach real rows.
+    Duck-typed on purpose: transformers renamed the layer argument (`past_key_values` in 5.17,
+    `cache` in 5.24) and changed `update`'s extra arguments between releases.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, T, head_dim]
+        self.values: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def from_prefill(cls, keys: torch.Tensor, values: torch.Tensor) -> "KVCache":
+        """A cache holding a prefill's rows; `keys`/`values` are [T, layers, kv_heads, head_dim]."""
+        cache = cls()
+        for layer in range(keys.shape[1]):
+            cache.keys[layer] = keys[:, layer].transpose(0, 1).unsqueeze(0)
+            cache.values[layer] = values[:, layer].transpose(0, 1).unsqueeze(0)
+        return cache
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx in self.keys:
+            key_states = torch.cat([self.keys[layer_idx], key_states], dim=-2)
+            value_states = torch.cat([self.values[layer_idx], value_states], dim=-2)
+        self.keys[layer_idx], self.values[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) as [T, layers, kv_heads, head_dim]: token-major, like every body output."""
+        order = sorted(self.keys)
+        keys = torch.stack([self.keys[i][0] for i in order]).permute(2, 0, 1, 3).contiguous()
+        values = torch.stack([self.values[i][0] for i in order]).permute(2, 0, 1, 3).contiguous()
+        return keys, values
+
+
+def _cache_argument(layer: nn.Module) -> str:
+    params = inspect.signature(layer.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class Qwen3VLTextBody(nn.Module):
+    """Prefill: `(input_embeds [T, H], positions [3, T], deepstack [T, H*n] | None)` ->
+    `(hidden [T, H], keys [T, L, kv, d], values [T, L, kv, d])`, plus, with `probe=True`, the hidden
+    state at every probe point `[T, P, H]` (after each decoder layer and after each DeepStack add).
+
+    Every output is token-major, so a runner can cut a padded bucket's real rows with `[:T]`.
+    Causal attention: padded rows after the real ones cannot reach real rows.
     """
 
     def __init__(self, language_model: nn.Module, deepstack_count: int) -> None:
@@ -46,6 +94,7 @@ class Qwen3VLTextBody(nn.Module):
         self.rotary_emb = language_model.rotary_emb
         self._hidden_size = int(config.hidden_size)
         self._deepstack_count = int(deepstack_count)
+        self._cache_kw = _cache_argument(self.layers[0])
 
     @property
     def deepstack_count(self) -> int:
@@ -55,14 +104,48 @@ class Qwen3VLTextBody(nn.Module):
     def hidden_size(self) -> int:
         return self._hidden_size
 
+    def deepstack_block_after(self, layer: int) -> int | None:
+        """Which DeepStack block is added after decoder layer `layer` (SGLang: block k after layer k)."""
+        return layer if layer < self._deepstack_count else None
+
+    def probe_points(self) -> tuple[tuple[int, int | None], ...]:
+        """(layer, DeepStack block added there or None) for each probe output, in order."""
+        points = []
+        for layer in range(len(self.layers)):
+            points.append((layer, None))
+            block = self.deepstack_block_after(layer)
+            if block is not None:
+                points.append((layer, block))
+        return tuple(points)
+
     def forward(
-        self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None
-    ) -> torch.Tensor:
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
+        probe: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
+        cache = KVCache()
         hidden = input_embeds.unsqueeze(0)  # [1, T, H]
-        position_embeddings = self.rotary_emb(hidden, positions.unsqueeze(1))  # positions: [3, 1, T]
         width = self._hidden_size
+        points = []
+        position_embeddings = self.rotary_emb(hidden, positions.unsqueeze(1))  # positions: [3, 1, T]
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=None, position_ids=None)
-            if deepstack is not None and index < self._deepstack_count:
-                hidden = hidden + deepstack[:, index * width:(index + 1) * width].unsqueeze(0)
+            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=None,
+                           position_ids=None, **{self._cache_kw: cache})
+            points.append(hidden)
+            block = self.deepstack_block_after(index)
+            if deepstack is not None and block is not None:
+                hidden = hidden + deepstack[:, block * width:(block + 1) * width].unsqueeze(0)
+            if block is not None:
+                points.append(hidden)
+        outputs = (self.norm(hidden).squeeze(0), *cache.stacked())
+        if probe:
+            outputs += (torch.stack([p[0] for p in points], dim=1),)  # [T, P, H]
+        return outputs
+
+    def decode_step(self, embed: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One token `[1, H]` at `position` `[3, 1]` after the rows in `cache` -> hidden `[1, H]`."""
+        hidden = embed.unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, position.unsqueeze(1))
+        for layer in self.layers:
+            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=None,
+                           position_ids=None, **{self._cache_kw: cache})
         return self.norm(hidden).squeeze(0)

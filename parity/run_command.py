@@ -1,41 +1,66 @@
-"""`parity run`: options into a RunSpec and a backend, then the run folder's files."""
+"""`parity run`: options into a RunSpec, a backend and an output plan, then the run folder's files.
+
+Everything a user can get wrong is checked before a model loads, a server starts or a file is
+created; files are written last, each whole or not at all, also when the run is interrupted.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
 
-from parity.arms import select_arms
-from parity.backends import create_backend
-from parity.reporting.ci_summary import append_step_summary
+from parity.backends import BackendOptions, create_backend
 from parity.errors import UsageError
-from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.experiment import CaseSpec, RunInterrupted, RunSpec, run_experiment
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
+from parity.reporting.ci_summary import append_step_summary
 from parity.reporting.progress import progress_display
 from parity.reporting.report import print_table, render_markdown
-from parity.results import RunResult, write_results
+from parity.results import RunResult, write_atomically, write_results
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """Where the run's files go."""
+
+    run_dir: Path
+    junit: Path | None = None
+    plots: bool = True
 
 
 def build_cases(fixture_names: Sequence[str], images: Sequence[str], prompt_texts: Sequence[str],
                 prompts_file: str | None) -> tuple[CaseSpec, ...]:
-    fixtures = _fixtures(fixture_names, images)
+    fixtures = _unique_names(_fixtures(fixture_names, images))
     prompts = _user_prompts(prompt_texts, prompts_file)
     # Every fixture x prompt is a case; without user prompts, each fixture's first own prompt.
     return tuple(CaseSpec(f, p) for f in fixtures for p in (prompts or default_prompts(f)[:1]))
 
 
 def _fixtures(names: Sequence[str], images: Sequence[str]) -> list[Fixture]:
-    if "all" in names:
-        chosen = builtin_fixtures()
-    else:
-        chosen = [builtin_fixture(n) for n in dict.fromkeys(names)]
+    for name in names:
+        if name != "all":
+            builtin_fixture(name)  # every name is checked, also next to `all`
+    chosen = builtin_fixtures() if "all" in names else [builtin_fixture(n) for n in dict.fromkeys(names)]
     chosen += [image_fixture(path) for path in images]
     return chosen or [builtin_fixture(DEFAULT_FIXTURE)]
+
+
+def _unique_names(fixtures: list[Fixture]) -> list[Fixture]:
+    """Two images called `cat.png` (or a user image named like a built-in) stay two cases."""
+    seen: dict[str, int] = {}
+    unique = []
+    for fixture in fixtures:
+        count = seen.get(fixture.name, 0) + 1
+        seen[fixture.name] = count
+        unique.append(fixture if count == 1 else dataclasses.replace(fixture, name=f"{fixture.name}-{count}"))
+    return unique
 
 
 def _user_prompts(texts: Sequence[str], prompts_file: str | None) -> tuple[Prompt, ...]:
@@ -59,73 +84,68 @@ def default_run_dir(model: str) -> Path:
     return Path("reports") / f"{datetime.now().strftime('%Y%m%d-%H%M%S')}-{slug}"
 
 
-def prepare_run_dir(out_dir: str | None, model: str) -> Path:
-    path = Path(out_dir) if out_dir else default_run_dir(model)
-    probe = path / ".parity-write-test"
-    _check_writable("--out", path, probe, "the output folder cannot be written")
-    probe.unlink()
+def check_writable(option: str, path: Path, directory: bool) -> Path:
+    """Fail before the run, not after it, when a file or folder the run must write cannot be
+    written; creates nothing (a usage error later must not leave empty folders or files)."""
+    if path.exists():
+        if path.is_dir() != directory:
+            raise UsageError(f"{option} {path}: is {'not ' if directory else ''}a folder")
+        if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
+            raise UsageError(f"{option} {path}: cannot be written (permission denied)")
+        return path
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"{option} {path}: cannot be written ({ancestor} is a file)")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UsageError(f"{option} {path}: cannot be written (permission denied in {ancestor})")
     return path
 
 
-def check_writable_file(option: str, path: str) -> Path:
-    """Fail before the run, not after it, when a file the run must write cannot be written."""
-    target = Path(path)
-    _check_writable(option, target, target, "cannot be written")
-    return target
-
-
-def _check_writable(option: str, shown: Path, probe: Path, problem: str) -> None:
+def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
+    engine = create_backend(backend, spec.max_new_tokens, output.run_dir)
     try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        with open(probe, "a", encoding="utf-8"):
-            pass
-    except OSError as err:
-        raise UsageError(f"{option} {shown}: {problem} ({err.strerror or err})") from None
+        with progress_display(console) as progress:
+            result = run_experiment(spec, engine, progress)
+    except RunInterrupted as interrupted:
+        write_outputs(interrupted.result, output, console, plots=False)
+        raise KeyboardInterrupt from None
+    result = write_outputs(result, output, console, plots=output.plots)
+    print_table(result, console)
+    console.print(f"results: {output.run_dir / 'results.json'}  report: {output.run_dir / 'report.md'}",
+                  highlight=False)
+    return result
 
 
-def execute_run(*, console: Console, model: str, backend: str, arm_selection: str, fixture_names, images,
-                prompt_texts, prompts_file, max_new_tokens: int, logprob_tol: float, device: str, dtype: str,
-                runner: str, graph_backend: str, buckets, scenario: str, repeat: int, out_dir, junit_path,
-                no_plot: bool, sglang_args, concurrent: bool, gpus, ready_timeout: float,
-                mem_fraction: float) -> RunResult:
-    # Everything a user can get wrong is checked before a model loads or a server starts.
-    spec = RunSpec(
-        model=model, arms=select_arms(arm_selection),
-        cases=build_cases(fixture_names, images, prompt_texts, prompts_file),
-        max_new_tokens=max_new_tokens, logprob_tol=logprob_tol, dtype=dtype, scenario=scenario, repeat=repeat,
-    )
-    run_dir = prepare_run_dir(out_dir, model)
-    junit = check_writable_file("--junit", junit_path) if junit_path else None
-    engine = create_backend(
-        backend, model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens, runner=runner,
-        graph_backend=graph_backend, buckets=buckets, run_dir=run_dir, sglang_args=tuple(sglang_args),
-        concurrent=concurrent, gpus=tuple(gpus), ready_timeout=ready_timeout, mem_fraction=mem_fraction,
-    )
-    with progress_display(console) as progress:
-        result = run_experiment(spec, engine, progress)
-    if not no_plot:
-        result = _with_plots(result, run_dir)
-    write_results(result, run_dir / "results.json")
+def write_outputs(result: RunResult, output: OutputOptions, console: Console, plots: bool) -> RunResult:
+    """results.json first (the evidence must survive a failing plot), then plots, report, JUnit."""
+    results_path = output.run_dir / "results.json"
+    write_results(result, results_path)
+    if plots:
+        result = _with_plots(result, output.run_dir, console)
+        write_results(result, results_path)
     markdown = render_markdown(result)
-    (run_dir / "report.md").write_text(markdown, encoding="utf-8")
-    if junit is not None:
-        from parity.reporting.junit import write_junit
+    write_atomically(output.run_dir / "report.md", markdown)
+    if output.junit is not None:
+        from parity.reporting.junit import junit_xml
 
-        write_junit(result, junit)
+        write_atomically(output.junit, junit_xml(result))
     try:
         append_step_summary(markdown)
     except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning
         console.print(f"[yellow]warning:[/] GITHUB_STEP_SUMMARY not written ({err.strerror or err})")
-    print_table(result, console)
-    console.print(f"results: {run_dir / 'results.json'}  report: {run_dir / 'report.md'}", highlight=False)
     return result
 
 
-def _with_plots(result: RunResult, run_dir: Path) -> RunResult:
+def _with_plots(result: RunResult, run_dir: Path, console: Console) -> RunResult:
     from parity.reporting.plots import plot_case
 
-    cases = tuple(
-        dataclasses.replace(case, plot=plot_case(case, run_dir, logprob_tol=result.logprob_tol).name)
-        for case in result.cases
-    )
-    return dataclasses.replace(result, cases=cases)
+    cases = []
+    for case in result.cases:
+        try:
+            cases.append(dataclasses.replace(case, plot=plot_case(case, run_dir, result).name))
+        except (OSError, ValueError, RuntimeError) as err:  # a plot is a view; results.json is already written
+            console.print(f"[yellow]warning:[/] no plot for {case.id} ({err.__class__.__name__}: {err})")
+            cases.append(case)
+    return dataclasses.replace(result, cases=tuple(cases))

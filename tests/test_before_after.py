@@ -24,9 +24,9 @@ def test_deepstack_dropped_to_pass():
     assert (ba.before_verdict.code, ba.after_verdict.code) == ("FAIL_DEEPSTACK_DROPPED", "PASS")
     assert exit_code(ba.after_verdict) == 0
     assert ba.notes == () and ba.comparable  # negative control: same experiment, nothing to warn about
-    assert [(r.a, r.b, r.expect_match) for r in ba.rows] == [
-        ("bcg_normal", "eager_normal", True), ("bcg_normal", "bcg_zero_deepstack", False),
-        ("bcg_zero_deepstack", "eager_zero_deepstack", True), ("eager_zero_deepstack", "eager_normal", False)]
+    assert [(r.label, r.expect_match) for r in ba.rows] == [
+        ("bcg_normal vs eager_normal", True), ("bcg_normal vs bcg_zero_deepstack", False),
+        ("bcg_zero_deepstack vs eager_zero_deepstack", True), ("eager_zero_deepstack vs eager_normal", False)]
     sees = ba.rows[1]
     assert sees.before.match and not sees.after.match
     assert [(c.case_id, c.before.code, c.after.code) for c in ba.cases] == [

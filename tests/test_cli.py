@@ -37,7 +37,10 @@ def test_listing_commands(parity_cli, tmp_path):
     assert all(name in models for name in ("tiny-qwen3-vl ", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack"))
     result = parity_cli("fixtures", "--write", str(tmp_path / "pngs"))
     assert result.exit_code == 0 and "rgb-stripes" in result.output and "128x96" in result.output
-    assert sorted(p.name for p in (tmp_path / "pngs").iterdir()) == ["checkerboard.png", "gradient-circle.png", "rgb-stripes.png"]
+    from parity.fixtures import builtin_fixtures
+
+    written = {p.name for p in (tmp_path / "pngs").iterdir()}
+    assert {f"{f.name}.png" for f in builtin_fixtures()} | {f"{f.twin().name}.png" for f in builtin_fixtures()} == written
 
 
 def _one_line_error(result, code=2):
@@ -53,7 +56,18 @@ def _one_line_error(result, code=2):
     (["--image", "/nonexistent/cat.png"], "no such file"),
     (["--max-new-tokens", "0"], "must be > 0"),
     (["--max-new-tokens", "-3"], "must be > 0"),
-    (["--logprob-tol", "-0.1"], "must be >= 0"),
+    (["--logprob-tol", "-0.1"], "finite number >= 1e-06"),
+    (["--logprob-tol", "1e-9"], "finite number >= 1e-06"),
+    (["--logprob-tol", "nan"], "finite number >= 1e-06"),
+    (["--logprob-tol", "inf"], "finite number >= 1e-06"),
+    (["--logprob-tol", "tight"], "expected 'auto' or a number"),
+    (["--tie-margin", "nan"], "finite number >= 0"),
+    (["--tie-margin", "-0.1"], "finite number >= 0"),
+    (["--fixture", "all", "--fixture", "nope"], "unknown fixture 'nope'"),
+    (["--max-new-tokens", "100000"], "exceeds the model's context of 4096 positions"),
+    (["--prompt", "describe the colors " * 1000], "exceeds the model's context"),
+    (["--threads", "0"], "must be > 0"),
+    (["--seed", "3", "--model", "Qwen/Qwen3-VL-8B-Instruct"], "a seed builds an embedded preset"),
     (["--repeat", "0"], "must be > 0"),
     (["--buckets", "16,x"], "comma list of integers"),
     (["--device", "tpu"], "Invalid value"),
@@ -66,10 +80,21 @@ def test_run_bad_input_is_a_usage_error(parity_cli, monkeypatch, args, message):
     assert message in _one_line_error(result)
 
 
-def test_non_image_file_is_a_usage_error(parity_cli, tmp_path):
+def test_bad_images_are_usage_errors_that_leave_no_files(parity_cli, tmp_path, monkeypatch):
+    from PIL import Image
+
     (tmp_path / "fake.png").write_text("hello")
-    result, _, _ = parity_cli.run("--image", str(tmp_path / "fake.png"))
-    assert "not a readable image" in _one_line_error(result)
+    Image.new("RGB", (64 * 210, 64)).save(tmp_path / "thin.png")
+    Image.new("RGB", (512, 512)).save(tmp_path / "big.png")
+    junit = tmp_path / "out" / "junit.xml"
+    for image, message in (("fake.png", "not a readable image"), ("thin.png", "processor refuses image 'thin'"),
+                           ("big.png", "decompression")):
+        with monkeypatch.context() as patch:
+            if image == "big.png":
+                patch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+            result, doc, out = parity_cli.run("--image", str(tmp_path / image), "--junit", str(junit))
+        assert message in _one_line_error(result).lower().replace("decompressionbomb", "decompression")
+        assert doc is None and not out.exists() and not junit.exists()
 
 
 def test_unwritable_output_folder(parity_cli, tmp_path):

@@ -1,7 +1,7 @@
 """`parity run` from the CLI on the embedded models: the verdicts the harness must give.
 
-The fixed runner must PASS and every buggy variant must FAIL in the right way: the negative
-controls are what make a PASS mean something.
+The fixed runner must PASS and every buggy variant must FAIL in the right way, and no option may
+turn a buggy runner into a PASS: the negative controls are what make a PASS mean something.
 """
 
 import json
@@ -9,7 +9,7 @@ import json
 import pytest
 from PIL import Image
 
-from parity.results import load_results
+from parity.results_loader import load_results
 
 
 @pytest.mark.parametrize("model, args, code, exit_code", [
@@ -18,9 +18,10 @@ from parity.results import load_results
     ("tiny-qwen3-vl", ["--runner", "legacy"], "FAIL_DEEPSTACK_DROPPED", 1),
     ("tiny-qwen3-vl-moe", ["--runner", "legacy"], "FAIL_DEEPSTACK_DROPPED", 1),
     ("tiny-qwen3-vl", ["--runner", "no-clear", "--scenario", "reuse"], "FAIL_STALE_STATE", 1),
-    ("tiny-qwen3-vl", ["--scenario", "reuse"], "PASS", 0),
+    ("tiny-qwen3-vl", ["--scenario", "all"], "PASS", 0),
     ("tiny-qwen3-vl-nodeepstack", [], "INCONCLUSIVE_NO_POWER", 3),
     ("tiny-qwen3-vl", ["--arms", "eager_normal,eager_zero_deepstack"], "INCOMPLETE", 3),
+    ("tiny-qwen3-vl", ["--buckets", "16"], "INCONCLUSIVE_NOT_REPLAYED", 3),
 ])
 def test_verdicts_from_the_cli(parity_cli, tiny, tiny_moe, tiny_nodeepstack, model, args, code, exit_code):
     result, doc, out = parity_cli.run("--model", model, *args)
@@ -33,22 +34,95 @@ def test_verdicts_from_the_cli(parity_cli, tiny, tiny_moe, tiny_nodeepstack, mod
     assert verdict.exit_code == exit_code and code in verdict.output
 
 
+@pytest.mark.parametrize("args", [
+    [], ["--buckets", "16"], ["--buckets", "40"], ["--buckets", "16,32"], ["--max-new-tokens", "1"],
+    ["--scenario", "reuse"], ["--scenario", "stream"], ["--scenario", "all"], ["--repeat", "2"],
+    ["--dtype", "bfloat16"], ["--fixture", "all"], ["--logprob-tol", "100"], ["--tie-margin", "100"],
+])
+def test_the_upstream_drop_never_passes(parity_cli, args):
+    result, doc, _ = parity_cli.run("--runner", "legacy", *args)
+    assert result.exit_code != 0 and doc["verdict"]["code"] != "PASS", result.output
+
+
+def test_a_primer_that_never_replays_never_passes(parity_cli):
+    result, doc, _ = parity_cli.run("--runner", "no-clear", "--scenario", "reuse", "--buckets", "32")
+    assert result.exit_code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED"
+    assert "request 1 of 2 (primer (image))" in doc["verdict"]["reason"]
+
+
 def test_results_file_and_report_contents(parity_cli):
     result, doc, out = parity_cli.run()
     case = doc["cases"][0]
-    assert doc["schema"] == "parity.results/1" and doc["config"]["max_new_tokens"] == 20
-    assert doc["environment"]["device"] == "cpu" and doc["environment"]["sglang"] is None
+    assert doc["schema"] == "parity.results/2" and doc["config"]["max_new_tokens"] == 20
+    assert doc["config"]["logprob_tol"] == 1e-3 and doc["config"]["logprob_tol_source"] == "auto"
+    assert doc["config"]["tie_margin"] == 0.1 and doc["config"]["deepstack_layers"] == 3
+    assert doc["config"]["captured_buckets"] == [48] and doc["config"]["buckets"] == "auto"
+    assert doc["environment"]["device"] == "cpu" and doc["environment"]["threads"] == 1
     assert case["id"] == "rgb-stripes/describe" and case["fixture"]["size"] == [128, 96]
     assert list(case["arms"]) == ["eager_normal", "eager_zero_deepstack", "bcg_normal", "bcg_zero_deepstack"]
     for name, arm in case["arms"].items():
-        record = arm["deepstack_record"]
-        assert record["nonzero_rows"] > 0 and record["replay"] is name.startswith("bcg")
+        evidence = arm["evidence"]
+        assert evidence["prefill_replayed"] is name.startswith("bcg") and evidence["tap_calls"] == 1
+        assert evidence["buckets"] == ([48] if name.startswith("bcg") else []) and evidence["prompt_tokens"] == 39
+        assert arm["deepstack_record"]["nonzero_rows"] > 0
         assert len(arm["top_logprobs"][0]) == 5 and len(arm["token_ids"]) == 20
     assert len({a["deepstack_record"]["sha256"] for a in case["arms"].values()}) == 1
+    # Each arm was scored on the tokens of every reference it is compared against.
+    assert sorted(case["arms"]["bcg_normal"]["forced"]) == ["bcg_zero_deepstack", "eager_normal"]
+    assert list(case["arms"]["eager_zero_deepstack"]["forced"]) == ["eager_normal"]
+    assert case["arms"]["eager_normal"]["forced"] is None
+    assert all(c["tf_delta"] is not None for c in case["comparisons"])
     report = (out / "report.md").read_text()
-    for needle in ("graph replay sees DeepStack", case["fixture"]["sha256"], "<details>", "Environment and config"):
+    for needle in ("graph replay sees DeepStack", case["fixture"]["sha256"], "<details>", "Environment and config",
+                   "prefill replayed: yes", "prefill replayed: NO"):
         assert needle in report
     assert [c["a"] for c in case["comparisons"]] == ["bcg_normal", "bcg_normal", "bcg_zero_deepstack", "eager_zero_deepstack"]
+    assert "prefill replayed: yes · 1/" in result.output  # the terminal shows the evidence too
+
+
+def test_stream_and_reuse_cases_record_every_request(parity_cli):
+    result, doc, out = parity_cli.run("--scenario", "all")
+    assert [c["id"] for c in doc["cases"]] == ["rgb-stripes/describe", "reuse/rgb-stripes/describe",
+                                               "stream/rgb-stripes/describe"]
+    reuse, stream = doc["cases"][1], doc["cases"][2]
+    assert [r["label"] for r in reuse["requests"]] == ["primer (image)", "follow-up (text only)"]
+    assert [r["fixture"] and r["fixture"]["name"] for r in stream["requests"]] == [
+        "rgb-stripes", "rgb-stripes", "rgb-stripes-twin", None, "rgb-stripes"]
+    assert list(stream["requests"][1]["arms"]) == ["eager_zero_deepstack", "bcg_zero_deepstack"]
+    lengths = {r["label"]: r["arms"]["bcg_normal" if "zeroed" not in r["label"] else "bcg_zero_deepstack"]
+               ["evidence"]["prompt_tokens"] for r in stream["requests"]}
+    # Equal shapes back to back: the twin and the text-only request are as long as the image request.
+    assert len(set(lengths.values())) == 1, lengths
+    assert all(r["arms"]["bcg_normal" if "zeroed" not in r["label"] else "bcg_zero_deepstack"]["evidence"]
+               ["prefill_replayed"] for r in stream["requests"])
+    assert "5. bcg_normal" in (out / "report.md").read_text()
+
+
+def test_report_formats_and_no_bare_nan(parity_cli):
+    _, _, out = parity_cli.run()
+    for fmt, needle in (("markdown", "## parity:"), ("json", '"schema": "parity.results/2"'), ("table", "bcg_normal vs")):
+        result = parity_cli("report", str(out / "results.json"), "--format", fmt)
+        assert result.exit_code == 0 and needle in result.output and "NaN" not in result.output
+
+
+@pytest.mark.parametrize("edit, code", [
+    (lambda arms: arms["bcg_normal"].update(evidence=dict(arms["bcg_normal"]["evidence"], prefill_replayed=False,
+                                                          replayed_calls=0, buckets=[])), 3),
+    (lambda arms: arms["bcg_zero_deepstack"].update(evidence=None), 2),
+    (lambda arms: arms.update(bcg_normal=arms["eager_normal"], bcg_zero_deepstack=arms["eager_zero_deepstack"]), 2),
+    (lambda arms: arms.update(bcg_normal=dict(arms["eager_normal"], mode="bcg"),
+                              bcg_zero_deepstack=dict(arms["eager_zero_deepstack"], mode="bcg")), 3),
+    (lambda arms: arms["bcg_normal"].update(mode="eager"), 2),
+    (lambda arms: arms["eager_normal"]["token_logprobs"].__setitem__(3, float("nan")), 2),
+    (lambda arms: arms["bcg_normal"]["evidence"].update(tap_calls=0), 4),
+])
+def test_verdict_refuses_to_pass_an_edited_file(parity_cli, tmp_path, edit, code):
+    _, doc, _ = parity_cli.run()
+    edit(doc["cases"][0]["arms"])
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == code and "Traceback" not in result.output, result.output
 
 
 def test_verdict_recomputes_from_arms_alone(parity_cli, tmp_path):
@@ -68,49 +142,46 @@ def test_verdict_recomputes_from_arms_alone(parity_cli, tmp_path):
     assert parity_cli("verdict", str(forged)).exit_code == 1
 
 
-@pytest.mark.parametrize("fmt, needle", [("markdown", "## parity:"), ("json", '"schema": "parity.results/1"'), ("table", "bcg_normal vs")])
-def test_report_formats(parity_cli, fmt, needle):
-    _, _, out = parity_cli.run()
-    result = parity_cli("report", str(out / "results.json"), "--format", fmt)
-    assert result.exit_code == 0 and needle in result.output
-
-
-def test_user_image_and_prompt(parity_cli, tmp_path):
+def test_user_images_with_the_same_name_stay_two_cases(parity_cli, tmp_path):
     from parity.fixtures import builtin_fixture
 
-    builtin_fixture("gradient-circle").image.save(tmp_path / "mine.png")
-    result, doc, _ = parity_cli.run("--image", str(tmp_path / "mine.png"), "--prompt", "What is this?")
+    for folder, name in (("a", "gradient-circle"), ("b", "checkerboard")):
+        (tmp_path / folder).mkdir()
+        builtin_fixture(name).image.save(tmp_path / folder / "mine.png")
+    builtin_fixture("checkerboard").image.save(tmp_path / "rgb-stripes.png")
+    result, doc, _ = parity_cli.run("--fixture", "rgb-stripes", "--image", str(tmp_path / "a" / "mine.png"),
+                                    "--image", str(tmp_path / "b" / "mine.png"), "--image", str(tmp_path / "rgb-stripes.png"),
+                                    "--prompt", "What is this?")
     assert result.exit_code == 0, result.output
-    assert doc["cases"][0]["id"] == "mine/prompt-1" and doc["cases"][0]["prompt"] == "What is this?"
-    assert doc["cases"][0]["fixture"]["sha256"] == builtin_fixture("gradient-circle").sha256
+    ids = [c["id"] for c in doc["cases"]]
+    assert ids == ["rgb-stripes/prompt-1", "mine/prompt-1", "mine-2/prompt-1", "rgb-stripes-2/prompt-1"]
+    assert doc["cases"][1]["fixture"]["sha256"] == builtin_fixture("gradient-circle").sha256
+    assert doc["cases"][2]["fixture"]["sha256"] == builtin_fixture("checkerboard").sha256
 
 
-def test_two_fixtures_by_two_prompts_share_one_model(parity_cli, tmp_path, monkeypatch):
+def test_many_cases_share_one_model_and_one_preparation_per_request(parity_cli, tmp_path, monkeypatch):
     import parity.models as models
+    from parity.models.qwen3_vl import Qwen3VLAdapter
 
-    loads = []
-    real = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real(*a, **k))
+    loads, prepares = [], []
+    real_load, real_prepare = models.load_model, Qwen3VLAdapter.prepare
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    monkeypatch.setattr(Qwen3VLAdapter, "prepare", lambda self, *a: prepares.append(a) or real_prepare(self, *a))
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# two prompts\nWhat colors?\n\nDescribe it.\n")
     junit = tmp_path / "junit.xml"
     result, doc, out = parity_cli.run("--fixture", "rgb-stripes", "--fixture", "checkerboard", "--prompts", str(prompts),
-                                      "--junit", str(junit))
+                                      "--junit", str(junit), "--repeat", "2")
     assert result.exit_code == 0, result.output
     assert [c["id"] for c in doc["cases"]] == ["rgb-stripes/prompt-1", "rgb-stripes/prompt-2",
                                                "checkerboard/prompt-1", "checkerboard/prompt-2"]
-    assert len(loads) == 1
+    assert len(loads) == 1 and len(prepares) == 4  # 4 requests x 4 arms x 2 repeats, prepared once each
     import xml.etree.ElementTree as ET
 
     suite = ET.parse(junit).getroot().find("testsuite")
     assert suite.get("tests") == "4" and len(suite.findall("testcase")) == 4
     assert "[16/16]" in result.output  # plain progress lines when not on a terminal
-
-
-def test_repeat_passes_on_a_deterministic_model(parity_cli):
-    result, doc, out = parity_cli.run("--repeat", "2")
-    assert result.exit_code == 0
-    assert all(len(a["repeats"]) == 1 for a in doc["cases"][0]["arms"].values())
+    assert all(len(a["repeats"]) == 1 for c in doc["cases"] for a in c["arms"].values())
     assert "self-delta" in (out / "report.md").read_text()
 
 
@@ -122,8 +193,8 @@ def test_repeat_on_a_nondeterministic_arm_is_inconclusive(parity_cli, monkeypatc
     real = TransformersSession.generate
     calls = {"n": 0}
 
-    def jittery(self, request, deepstack):
-        gen = real(self, request, deepstack)
+    def jittery(self, request, deepstack, force=()):
+        gen = real(self, request, deepstack, force)
         calls["n"] += 1
         return dataclasses.replace(gen, token_logprobs=tuple(lp + calls["n"] * 1e-3 for lp in gen.token_logprobs))
 
@@ -159,7 +230,7 @@ def test_step_summary_is_appended(parity_cli, tmp_path):
     assert result.exit_code == 0 and summary.read_text().startswith("## parity:")
 
 
-def test_report_stays_under_a_pr_comment(parity_cli):
+def test_report_stays_under_a_pr_comment_and_fences_hold(parity_cli):
     from dataclasses import replace
 
     from parity.reporting.report import render_markdown
@@ -167,6 +238,33 @@ def test_report_stays_under_a_pr_comment(parity_cli):
 
     _, _, out = parity_cli.run()
     run = load_results(out / "results.json")
-    huge = tuple(replace(c, arms=tuple(replace(a, text="x" * 30_000) for a in c.arms)) for c in run.cases * 3)
+    huge = tuple(replace(c, id=f"{c.id}-{i}", arms=tuple(replace(a, text="x" * 30_000) for a in c.arms))
+                 for i, c in enumerate(run.cases * 3))
     markdown = render_markdown(judge_run(replace(run, cases=huge)))
     assert len(markdown) <= 65_536 and "## parity:" in markdown
+    fence = "```\n## not a heading\n````"
+    fenced = tuple(replace(c, arms=tuple(replace(a, text=fence) for a in c.arms)) for c in run.cases)
+    markdown = render_markdown(judge_run(replace(run, cases=fenced)))
+    assert "\n`````text\n" + fence + "\n`````\n" in markdown
+
+
+def test_ctrl_c_keeps_every_finished_arm(parity_cli, tmp_path, monkeypatch):
+    from parity.backends.transformers_backend import TransformersSession
+
+    real = TransformersSession.generate
+    calls = {"n": 0}
+
+    def interrupted_on_the_third(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersSession, "generate", interrupted_on_the_third)
+    junit = tmp_path / "junit.xml"
+    result, doc, out = parity_cli.run("--junit", str(junit))
+    assert result.exit_code == 130 and "interrupted" in result.output
+    assert doc["interrupted"] is True and doc["verdict"]["code"] == "INCOMPLETE"
+    assert list(doc["cases"][0]["arms"]) == ["eager_normal", "eager_zero_deepstack"]
+    assert "<testsuites" in junit.read_text() and "Interrupted" in (out / "report.md").read_text()
+    assert not list(out.glob(".*.tmp"))

@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from parity.buckets import BucketPolicy, prefill_bucket_ladder
 from parity.graph_runner import PrefillGraphRunner, RunnerVariant, deepstack_slot_width
 
 HIDDEN, N_DS = 4, 2
@@ -16,19 +17,19 @@ class ToyBody(nn.Module):
     deepstack_count = N_DS
     hidden_size = HIDDEN
 
-    def forward(self, embeds, positions, deepstack):
+    def forward(self, embeds, positions, deepstack, probe=False):
         out = embeds + positions[0].unsqueeze(1).to(embeds.dtype)
         if deepstack is not None:
             for k in range(N_DS):
                 out = out + deepstack[:, k * HIDDEN:(k + 1) * HIDDEN]
-        return out
+        return (out,)
 
 
 class PlainBody(nn.Module):
     """A body that does not declare the DeepStack capability."""
 
-    def forward(self, embeds, positions, deepstack):
-        return embeds
+    def forward(self, embeds, positions, deepstack, probe=False):
+        return (embeds,)
 
 
 def make_runner(variant=RunnerVariant.FIXED, body=None, buckets=(4, 8)):
@@ -45,20 +46,24 @@ def inputs(n, ds_value=1.0):
 
 def eager(n, deepstack):
     embeds, positions, _ = inputs(n)
-    return ToyBody()(embeds, positions, deepstack)
+    return ToyBody()(embeds, positions, deepstack)[0]
+
+
+def replay(runner, *args):
+    return runner.replay(*args)[0]
 
 
 def test_replay_sees_deepstack_through_the_slot_and_equals_eager():
     runner = make_runner()
     embeds, positions, deepstack = inputs(6, 0.5)
-    assert torch.equal(runner.replay(embeds, positions, deepstack), eager(6, deepstack))
+    assert torch.equal(replay(runner, embeds, positions, deepstack), eager(6, deepstack))
     assert torch.equal(runner.deepstack_slot[:6], deepstack)
 
 
 def test_shorter_request_zeroes_the_tail_of_its_bucket():
     runner = make_runner()
-    runner.replay(*inputs(8, 1.0))
-    runner.replay(*inputs(5, 2.0))
+    replay(runner, *inputs(8, 1.0))
+    replay(runner, *inputs(5, 2.0))
     slot = runner.deepstack_slot
     assert torch.equal(slot[:5], torch.full((5, WIDTH), 2.0)) and not slot[5:8].any()
 
@@ -66,9 +71,9 @@ def test_shorter_request_zeroes_the_tail_of_its_bucket():
 @pytest.mark.parametrize("absent", [None, torch.empty(0, WIDTH), torch.empty(0)])
 def test_absence_clears_the_bucket_slice(absent):
     runner = make_runner()
-    runner.replay(*inputs(7, 3.0))
+    replay(runner, *inputs(7, 3.0))
     embeds, positions, _ = inputs(6)
-    out = runner.replay(embeds, positions, absent)
+    out = replay(runner, embeds, positions, absent)
     assert not runner.deepstack_slot[:8].any()
     assert torch.equal(out, eager(6, None))
 
@@ -82,11 +87,11 @@ def test_absence_clears_the_bucket_slice(absent):
 ])
 def test_malformed_input_raises_and_leaves_the_slot_byte_identical(bad, problem):
     runner = make_runner()
-    runner.replay(*inputs(8, 4.0))
+    replay(runner, *inputs(8, 4.0))
     before = runner.deepstack_slot.clone()
     embeds, positions, _ = inputs(6)
     with pytest.raises(RuntimeError, match=problem):
-        runner.replay(embeds, positions, bad)
+        replay(runner, embeds, positions, bad)
     assert torch.equal(runner.deepstack_slot, before)
 
 
@@ -94,15 +99,15 @@ def slot_contract_violations(runner) -> list[str]:
     """Drive a runner through the contract's lifecycle and name every broken promise."""
     violations = []
     embeds, positions, deepstack = inputs(8, 1.0)
-    if not torch.equal(runner.replay(embeds, positions, deepstack), eager(8, deepstack)):
+    if not torch.equal(replay(runner, embeds, positions, deepstack), eager(8, deepstack)):
         violations.append("replay does not see the live DeepStack")
     embeds, positions, deepstack = inputs(5, 2.0)
-    if not torch.equal(runner.replay(embeds, positions, deepstack), eager(5, deepstack)):
+    if not torch.equal(replay(runner, embeds, positions, deepstack), eager(5, deepstack)):
         violations.append("a second request does not see its own DeepStack")
     if runner.deepstack_slot is not None and runner.deepstack_slot[5:8].any():
         violations.append("padded tail not zeroed")
     embeds, positions, _ = inputs(7)
-    out = runner.replay(embeds, positions, None)
+    out = replay(runner, embeds, positions, None)
     if not torch.equal(out, eager(7, None)):
         violations.append("absence leaks stale rows")
     return violations
@@ -139,7 +144,8 @@ def test_zero_cost_for_nodeepstack_model_and_exact_cost_for_tiny(tiny, tiny_node
     from parity.backends.transformers_backend import TransformersBackend
 
     def slot_bytes(loaded):
-        backend = TransformersBackend(loaded, max_new_tokens=1, buckets=(16, 64))
+        backend = TransformersBackend(loaded, max_new_tokens=1, buckets=BucketPolicy((16, 64), 4096))
+        backend.prepare(["bcg"], [10, 50])
         try:
             return backend.runner.deepstack_slot_bytes, backend.runner.deepstack_slot
         finally:
@@ -150,17 +156,39 @@ def test_zero_cost_for_nodeepstack_model_and_exact_cost_for_tiny(tiny, tiny_node
     assert nbytes == 64 * tiny.adapter.hidden_size * 3 * 4 and slot.shape == (64, tiny.adapter.hidden_size * 3)
 
 
+def test_only_the_buckets_a_run_uses_are_captured(tiny):
+    from parity.backends.transformers_backend import TransformersBackend
+
+    explicit = TransformersBackend(tiny, max_new_tokens=1, buckets=BucketPolicy((16, 32, 64, 128), 4096))
+    explicit.prepare(["bcg"], [39, 40, 20])
+    auto = TransformersBackend(tiny, max_new_tokens=1)
+    auto.prepare(["bcg"], [39, 49, 4])
+    try:
+        assert explicit.runner.buckets == (32, 64) and auto.runner.buckets == (4, 48, 64)
+    finally:
+        explicit.close()
+        auto.close()
+
+
+def test_auto_buckets_follow_sglangs_ladder_and_cover_the_context():
+    policy = BucketPolicy.parse("auto", 4096)
+    assert [policy.bucket_of(n) for n in (1, 4, 5, 32, 33, 48, 49, 257, 4096)] == [4, 4, 8, 32, 48, 48, 64, 288, 4096]
+    assert policy.bucket_of(4097) is None and policy.bucket_of(0) is None
+    assert prefill_bucket_ladder(8192)[-1] == 8192 and len(prefill_bucket_ladder(8192)) == 58
+    assert BucketPolicy.parse((64, 16), 4096).bucket_of(39) == 64 and BucketPolicy.parse((16,), 4096).bucket_of(39) is None
+
+
 def test_bucket_choice_and_limits():
     runner = make_runner(buckets=(8, 4))
     assert runner.buckets == (4, 8) and runner.bucket_for(3) == 4 and runner.bucket_for(5) == 8
     assert not runner.can_replay(9) and not runner.can_replay(0)
     with pytest.raises(ValueError, match="no captured bucket"):
-        runner.replay(*inputs(9))
+        replay(runner, *inputs(9))
 
 
 def test_outputs_are_copies_not_borrowed_buffers():
     runner = make_runner()
-    first = runner.replay(*inputs(4, 1.0))
+    first = replay(runner, *inputs(4, 1.0))
     kept = first.clone()
-    runner.replay(*inputs(4, 9.0))
+    replay(runner, *inputs(4, 9.0))
     assert torch.equal(first, kept)

@@ -5,7 +5,7 @@ import torch
 
 from parity.arms import select_arms
 from parity.backends.base import Request
-from parity.backends.transformers_backend import LMExecutor, TransformersBackend, TransformersSession
+from parity.backends.transformers_backend import TransformersBackend
 from parity.errors import ModelUnavailableError
 from parity.experiment import CaseSpec, RunSpec, run_experiment
 from parity.fixtures import builtin_fixture, default_prompts
@@ -15,9 +15,9 @@ from parity.models.tiny import SPECIAL_TOKENS
 PROMPT = "Describe the image in one sentence."
 
 
-def _eager(loaded, deepstack="normal", fixture="rgb-stripes", prompt=PROMPT):
-    session = TransformersSession(LMExecutor(loaded.adapter, None), max_new_tokens=20)
-    return session.generate(Request(builtin_fixture(fixture) if fixture else None, prompt), deepstack)
+def _eager(loaded, deepstack="normal", fixture="rgb-stripes", prompt=PROMPT, force=()):
+    with TransformersBackend(loaded, max_new_tokens=20).session("eager") as session:
+        return session.generate(Request(builtin_fixture(fixture) if fixture else None, prompt), deepstack, force)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
@@ -28,9 +28,11 @@ def test_eager_reference_equals_hf_generate(preset, request):
                                  output_logits=True, return_dict_in_generate=True)
     hf_ids = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
     hf_logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, hf_ids)]
-    mine = _eager(request.getfixturevalue(preset))
+    mine = _eager(request.getfixturevalue(preset), force=[hf_ids])
     assert list(mine.token_ids) == hf_ids and len(hf_ids) == 20
     assert max(abs(a - b) for a, b in zip(mine.token_logprobs, hf_logprobs)) <= 1e-5
+    # Teacher forcing on the model's own answer scores exactly what generation chose.
+    assert mine.forced == (mine.token_logprobs,)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_nodeepstack"])
@@ -41,7 +43,7 @@ def test_lm_body_logits_equal_hf_forward(preset, request):
     prepared = adapter.prepare(fixture, PROMPT)
     with torch.no_grad():
         reference = adapter.model(**inputs).logits[0]
-        mine = adapter.lm_head(adapter.body(prepared.input_embeds, prepared.positions, prepared.deepstack))
+        mine = adapter.lm_head(adapter.body(prepared.input_embeds, prepared.positions, prepared.deepstack)[0])
     assert torch.allclose(mine, reference, atol=1e-5, rtol=0)
 
 

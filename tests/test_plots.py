@@ -8,20 +8,22 @@ import pytest
 from PIL import Image
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
-from parity.metrics import compare
+from parity.metrics import Tolerances, compare
 from parity.reporting.plots import PLOT_SIZE_PX, comparable_pairs, plot_case, plot_filename, position_deltas
-from tests.helpers_runs import NORMAL_IDS, fixed_arms, four_arms, make_arm, make_case, make_run
+from tests.helpers_runs import NORMAL_IDS, fixed_arms, four_arms, legacy_arms, make_arm, make_case, make_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def _judged_case(arms, case_id="rgb-stripes/describe", scenario="four-arm"):
-    return make_run([make_case(arms, case_id, scenario)]).cases[0]
+def _judged(arms, case_id="rgb-stripes/describe"):
+    run = make_run([make_case(arms, case_id)])
+    return run.cases[0], run
 
 
 def test_png_has_signature_and_documented_size(tmp_path):
     arms = four_arms(NORMAL_IDS, logprobs=[-0.1, -0.2, -0.3, -0.4, -0.5])
-    path = plot_case(_judged_case(arms), tmp_path / "plots", logprob_tol=0.25)
+    case, run = _judged(arms)
+    path = plot_case(case, tmp_path / "plots", run)
     assert path == tmp_path / "plots" / "rgb-stripes__describe.png"
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     with Image.open(path) as image:
@@ -30,26 +32,46 @@ def test_png_has_signature_and_documented_size(tmp_path):
 
 def test_case_without_comparable_pairs_still_plots(tmp_path):
     arms = [make_arm(EAGER_NORMAL, NORMAL_IDS, error="boom"), make_arm(BCG_NORMAL, NORMAL_IDS)]
-    case = _judged_case(arms, "reuse/rgb-stripes/describe", "reuse")
+    case, run = _judged(arms, "reuse/rgb-stripes/describe")
     assert comparable_pairs(case) == []
-    path = plot_case(case, tmp_path)
+    path = plot_case(case, tmp_path, run)
     assert path.name == "reuse__rgb-stripes__describe.png"
     with Image.open(path) as image:
         assert image.size == PLOT_SIZE_PX
 
 
 def test_no_pyplot_state_leaks(tmp_path):
-    plot_case(_judged_case(fixed_arms()), tmp_path)
+    case, run = _judged(fixed_arms())
+    plot_case(case, tmp_path, run)
     pyplot = sys.modules.get("matplotlib.pyplot")
     assert pyplot is None or pyplot.get_fignums() == []
 
 
 def test_comparable_pairs_follow_design_order_and_skip_failed_arms():
-    names = [(a.name, b.name) for a, b in comparable_pairs(_judged_case(fixed_arms()))]
+    names = [(a.name, b.name) for _, a, b in comparable_pairs(_judged(fixed_arms())[0])]
     assert names == [(BCG_NORMAL, EAGER_NORMAL), (BCG_NORMAL, BCG_ZERO), (BCG_ZERO, EAGER_ZERO), (EAGER_ZERO, EAGER_NORMAL)]
     failed = [a for a in fixed_arms() if a.name != BCG_ZERO] + [make_arm(BCG_ZERO, (), error="x")]
-    names = [(a.name, b.name) for a, b in comparable_pairs(_judged_case(failed))]
+    names = [(a.name, b.name) for _, a, b in comparable_pairs(_judged(failed)[0])]
     assert names == [(BCG_NORMAL, EAGER_NORMAL), (EAGER_ZERO, EAGER_NORMAL)]
+
+
+def test_teacher_forced_deltas_cover_the_whole_reference_sequence():
+    a = make_arm(BCG_NORMAL, (1, 2, 9, 9), logprobs=(-0.1, -0.5, -0.2, -3.0),
+                 forced={EAGER_NORMAL: (-0.1, -0.2, -1.5, -0.1)})
+    b = make_arm(EAGER_NORMAL, (1, 2, 3, 4), logprobs=(-0.1, -0.2, -1.0, -0.1))
+    assert position_deltas(a, b) == pytest.approx((0.0, 0.0, 0.5, 0.0))
+
+
+def test_a_failing_comparison_under_the_tolerance_is_drawn_and_labelled(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    labels = []
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: labels.append((k.get("label"), k.get("color"))) or real(self, *a, **k))
+    case, run = _judged(legacy_arms())
+    plot_case(case, tmp_path, run)
+    assert ("bcg_normal vs bcg_zero_deepstack: expected differ, ✗", "tab:red") in labels
 
 
 def test_position_deltas_stop_where_the_metric_stops():
@@ -58,7 +80,7 @@ def test_position_deltas_stop_where_the_metric_stops():
     deltas = position_deltas(a, b)
     assert deltas == pytest.approx((0.0, 0.3, 0.8))
     assert len(deltas) == 3  # position 3 (after the divergence) is left out: its 2.9 must not show
-    assert max(deltas) == compare(a, b, 0.25).logprob_delta
+    assert max(deltas) == compare(a, b, Tolerances(0.25)).logprob_delta
     same = make_arm(EAGER_NORMAL, (1, 2, 3, 4), logprobs=(-0.1, -0.5, -0.2, -3.0))
     assert position_deltas(a, same) == (0.0, 0.0, 0.0, 0.0)
     assert position_deltas(a, make_arm(EAGER_NORMAL, ())) == ()

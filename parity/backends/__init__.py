@@ -1,48 +1,92 @@
-"""Backends by name: each turns a model name and options into a `Backend` (see base.py)."""
+"""Backends by name: each turns `BackendOptions` into a `Backend` (see base.py)."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from parity.backends.base import Backend
 from parity.errors import UsageError
 
+# Measured with scripts/bench_cpu.py: the embedded presets' matrices are so small that a second
+# intra-op thread only adds synchronisation, and on a busy machine it waits for a core.
+PRESET_THREADS = 1
 
-def _transformers(*, model: str, device: str, dtype: str, max_new_tokens: int, runner: str,
-                  graph_backend: str, buckets: tuple[int, ...], **_sglang_only) -> Backend:
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What the backend needs: which model, where and how it runs."""
+
+    name: str = "transformers"
+    model: str = "tiny-qwen3-vl"
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int | None = None  # embedded presets only: build with another seed
+    threads: int | None = None  # CPU intra-op threads; None: parity's policy
+    # transformers
+    runner: str = "fixed"
+    graph_backend: str = "auto"
+    buckets: str | tuple[int, ...] = "auto"
+    # sglang
+    sglang_args: tuple[str, ...] = ()
+    concurrent: bool = False
+    gpus: tuple[int, ...] = ()
+    ready_timeout: float = 1800.0
+    mem_fraction: float = 0.70
+
+
+def apply_thread_policy(requested: int | None, embedded: bool) -> None:
+    """--threads wins; else a thread count the user set in the environment stays; else one thread
+    for the embedded presets (a default torch picks for big matrices, not for these)."""
+    import torch
+
+    if requested is not None:
+        torch.set_num_threads(requested)
+    elif embedded and not any(os.environ.get(v) for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")):
+        torch.set_num_threads(PRESET_THREADS)
+
+
+def _transformers(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     from parity.backends.transformers_backend import TransformersBackend
+    from parity.buckets import BucketPolicy
     from parity.graph_runner import RunnerVariant
     from parity.models import load_model
+    from parity.models.tiny import PRESETS
 
-    loaded = load_model(model, device=device, dtype=dtype)
+    apply_thread_policy(options.threads, options.model in PRESETS)
+    loaded = load_model(options.model, device=options.device, dtype=options.dtype, seed=options.seed)
+    buckets = BucketPolicy.parse(options.buckets, loaded.adapter.max_positions)
     try:
-        return TransformersBackend(loaded, max_new_tokens=max_new_tokens, runner_variant=RunnerVariant(runner),
-                                   graph_backend=graph_backend, buckets=buckets)
+        return TransformersBackend(loaded, max_new_tokens=max_new_tokens, runner_variant=RunnerVariant(options.runner),
+                                   graph_backend=options.graph_backend, buckets=buckets)
     except ValueError as err:  # e.g. --graph-backend cuda with the model on the CPU
         raise UsageError(str(err)) from None
 
 
-def _sglang(*, model: str, dtype: str, max_new_tokens: int, run_dir: Path, sglang_args: tuple[str, ...],
-            concurrent: bool, gpus: tuple[int, ...], ready_timeout: float, mem_fraction: float,
-            **_transformers_only) -> Backend:
+def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     from parity.models.tiny import PRESETS
     from parity.sglang.backend import create_sglang_backend
 
-    if model in PRESETS:
-        raise UsageError(f"{model!r} is an embedded preset, built in parity's process: it runs on the "
+    if options.model in PRESETS:
+        raise UsageError(f"{options.model!r} is an embedded preset, built in parity's process: it runs on the "
                          "transformers backend; give --backend sglang a Qwen3-VL checkpoint id or path")
-    if dtype != "auto":
-        sglang_args = (*sglang_args, "--dtype", dtype)  # the servers, not parity, load the weights
-    return create_sglang_backend(model=model, max_new_tokens=max_new_tokens, run_dir=run_dir,
-                                 sglang_args=sglang_args, concurrent=concurrent, gpus=gpus,
-                                 ready_timeout=ready_timeout, mem_fraction=mem_fraction)
+    if options.seed is not None:
+        raise UsageError("--seed builds an embedded preset; the sglang backend serves checkpoints")
+    sglang_args = options.sglang_args
+    if options.dtype != "auto":
+        sglang_args = (*sglang_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
+    return create_sglang_backend(model=options.model, max_new_tokens=max_new_tokens, run_dir=run_dir,
+                                 sglang_args=sglang_args, concurrent=options.concurrent, gpus=options.gpus,
+                                 ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction)
 
 
-BACKENDS: dict[str, Callable[..., Backend]] = {"transformers": _transformers, "sglang": _sglang}
+BACKENDS: dict[str, Callable[[BackendOptions, int, Path], Backend]] = {"transformers": _transformers,
+                                                                      "sglang": _sglang}
 
 
-def create_backend(name: str, **options) -> Backend:
-    if name not in BACKENDS:
-        raise UsageError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
-    return BACKENDS[name](**options)
+def create_backend(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
+    if options.name not in BACKENDS:
+        raise UsageError(f"unknown backend {options.name!r}; known backends: {', '.join(BACKENDS)}")
+    return BACKENDS[options.name](options, max_new_tokens, run_dir)

@@ -6,9 +6,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
+from parity.evidence import DeepStackRecord, Evidence
 from parity.fixtures import Fixture
 from parity.results import TopLogprobs
-from parity.tap import DeepStackRecord
 
 
 @dataclass(frozen=True)
@@ -21,25 +21,31 @@ class Request:
 
 @dataclass(frozen=True)
 class Generation:
-    """What one greedy generation produced; the experiment adds the arm's name, timing and errors."""
+    """What one greedy generation produced, and how it was executed; the experiment adds the arm."""
 
     token_ids: tuple[int, ...]
     text: str
     token_logprobs: tuple[float, ...]
     top_logprobs: TopLogprobs | None
     deepstack_record: DeepStackRecord | None
+    evidence: Evidence | None
+    # forced[i][j]: this execution's logprob of force[i][j], teacher-forced after force[i][:j].
+    forced: tuple[tuple[float, ...], ...] = ()
+    forced_seconds: float = 0.0
 
 
 class Session(Protocol):
     """A loaded model (or running server) in one execution mode, reused for every request of a run.
 
-    Requests are served one at a time, in the order given: the reuse scenario relies on it.
+    Requests are served one at a time, in the order given: the sequence scenarios rely on it.
     """
 
-    def generate(self, request: Request, deepstack: str) -> Generation:
+    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
         """Greedy generation with DeepStack `normal` (fingerprinted) or `zero` at the LM entry.
 
-        Raises `ArmFailure` when the runtime fails; `UsageError` only for bad input.
+        For each token list in `force`, also score it teacher-forced under this same execution
+        (mode and tap) of the same request. Raises `ArmFailure` when the runtime fails;
+        `UsageError` only for bad input.
         """
         ...
 
@@ -47,8 +53,25 @@ class Session(Protocol):
 class Backend(Protocol):
     name: str
 
-    def prepare(self, modes: Sequence[str]) -> None:
-        """Called once with every mode the run needs, before the first session (may start work early)."""
+    def prompt_length(self, request: Request) -> int:
+        """Number of prompt tokens the request expands to (image tokens included).
+
+        Raises `UsageError` when the model's processor refuses the request (e.g. an image's shape).
+        """
+        ...
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's context length (prompt + generated tokens), when known."""
+        ...
+
+    def bucket_of(self, num_tokens: int) -> int | None:
+        """The prefill bucket a request of that many tokens replays in, when the backend knows."""
+        ...
+
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
+        """Called once, before the first session, with every mode the run needs and the prompt
+        length of every request it will make (so only the buckets those need are captured)."""
         ...
 
     def session(self, mode: str) -> AbstractContextManager[Session]:
@@ -58,20 +81,12 @@ class Backend(Protocol):
         """
         ...
 
-    def bucket_of(self, num_tokens: int) -> int | None:
-        """The prefill bucket a request of that many tokens replays in, when the backend knows."""
-        ...
-
-    def prompt_length(self, request: Request) -> int:
-        """Number of prompt tokens the request expands to (image tokens included)."""
-        ...
-
     def environment(self) -> Mapping[str, Any]:
-        """Keys for the results' `environment` (versions, device, gpu)."""
+        """Keys for the results' `environment` (versions, device, gpu, threads)."""
         ...
 
     def config(self) -> Mapping[str, Any]:
-        """Backend-specific keys for the results' `config`."""
+        """Backend keys for the results' `config`; must include `dtype` and `deepstack_layers`."""
         ...
 
     def close(self) -> None:

@@ -1,30 +1,47 @@
-"""The in-process backend: eager arms call the LM body, bcg arms replay it through the graph runner.
+"""The in-process backend: a request is one prefill (eager body, or a graph replay in bcg arms),
+then KV-cached greedy decode steps that run the same way in every arm, as a server does it.
 
-A generation step is a full prefill of the whole sequence so far (no KV cache), so every token of
-every arm goes through the path under test: the eager body or a graph replay.
+Everything but the prefill's execution is shared by the arms: input preparation (once per request
+and run), the tap at the LM entry, the decode loop and the teacher-forced scoring, which reuses the
+very prefill the generation used, so a forced score measures what that execution computed.
 """
 
 from __future__ import annotations
 
+import math
 import platform
+import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from parity.backends.base import Generation, Request
+from parity.buckets import BucketPolicy
 from parity.errors import ArmFailure
-from parity.graph_runner import DEFAULT_BUCKETS, GraphBackend, PrefillGraphRunner, RunnerVariant
+from parity.evidence import Evidence
+from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
+from parity.lm_body import KVCache
 from parity.models import LoadedModel
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
-from parity.tap import DeepStackRecord, apply_tap
+from parity.tap import apply_tap
 
 TOP_K = 5
 
 
+@dataclass(frozen=True)
+class Prefill:
+    """One prompt prefill's outputs (real rows only) and how it ran."""
+
+    hidden: torch.Tensor  # [T, H]
+    keys: torch.Tensor  # [T, layers, kv_heads, head_dim]
+    values: torch.Tensor
+    bucket: int | None  # the bucket it replayed in; None: eager
+
+
 class LMExecutor:
-    """The one place that decides eager vs replay for an LM body call."""
+    """The one place that decides eager vs replay for a prefill."""
 
     def __init__(self, adapter: Qwen3VLAdapter, runner: PrefillGraphRunner | None) -> None:
         self.adapter = adapter
@@ -33,60 +50,111 @@ class LMExecutor:
     def will_replay(self, num_tokens: int) -> bool:
         return self.runner is not None and self.runner.can_replay(num_tokens)
 
-    def hidden_states(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None) -> torch.Tensor:
-        if self.will_replay(prompt.input_embeds.shape[0]):
-            return self.runner.replay(prompt.input_embeds, prompt.positions, deepstack)
-        return self.adapter.body(prompt.input_embeds, prompt.positions, deepstack)
+    def prefill(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None, probe: bool = False):
+        """(Prefill, probe points [T, P, H] or None)."""
+        num_tokens = prompt.input_embeds.shape[0]
+        if self.will_replay(num_tokens):
+            outputs = self.runner.replay(prompt.input_embeds, prompt.positions, deepstack, probe=probe)
+            bucket = self.runner.bucket_for(num_tokens)
+        else:
+            outputs = self.adapter.body(prompt.input_embeds, prompt.positions, deepstack, probe=probe)
+            bucket = None
+        points = outputs[3] if probe else None
+        return Prefill(outputs[0], outputs[1], outputs[2], bucket), points
 
 
 class TransformersSession:
-    def __init__(self, executor: LMExecutor, max_new_tokens: int) -> None:
+    def __init__(self, executor: LMExecutor, backend: "TransformersBackend") -> None:
         self._executor = executor
-        self._max_new_tokens = max_new_tokens
+        self._backend = backend
 
-    def generate(self, request: Request, deepstack: str) -> Generation:
+    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
         try:
-            return self._generate(request, "record" if deepstack == "normal" else "zero")
-        except (RuntimeError, ValueError) as err:  # a forward or a fail-closed slot refresh
+            return self._generate(request, "record" if deepstack == "normal" else "zero", force)
+        except (RuntimeError, ValueError) as err:  # a forward, a fail-closed slot refresh, a NaN
             raise ArmFailure(f"{err.__class__.__name__}: {err}") from err
 
     @torch.inference_mode()
-    def _generate(self, request: Request, tap_mode: str) -> Generation:
+    def _generate(self, request: Request, tap_mode: str, force: Sequence[Sequence[int]]) -> Generation:
         adapter = self._executor.adapter
-        prompt = adapter.prepare(request.fixture, request.prompt)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        top: list[tuple[tuple[int, float], ...]] = []
-        first_record: DeepStackRecord | None = None
-        calls = 0
-        for _ in range(self._max_new_tokens):
-            # The tap at the LM entry, outside anything a graph captured.
-            deepstack, record = apply_tap(tap_mode, prompt.deepstack)
-            if record is not None:
-                calls += 1
-                if first_record is None:
-                    first_record = replace(record, replay=self._executor.will_replay(prompt.input_ids.shape[0]))
-            hidden = self._executor.hidden_states(prompt, deepstack)
-            step_logprobs = torch.log_softmax(adapter.lm_head(hidden[-1]).float(), dim=-1)
-            token = int(step_logprobs.argmax())
-            ids.append(token)
-            logprobs.append(float(step_logprobs[token]))
-            values, indices = step_logprobs.topk(TOP_K)
-            top.append(tuple((int(i), float(v)) for i, v in zip(indices, values)))
-            if token in adapter.eos_token_ids:
-                break
-            prompt = adapter.append_token(prompt, token)
+        prompt = self._backend.prepared(request)
+        # The tap at the LM entry, outside anything a graph captured.
+        deepstack, record = apply_tap(tap_mode, prompt.deepstack)
+        prefill, _ = self._executor.prefill(prompt, deepstack)
+        first = self._logprobs(prefill.hidden[-1])
+        ids, logprobs, top, decode_steps = self._greedy(prompt, prefill, first)
+        start = time.perf_counter()
+        forced = tuple(self._forced(prompt, prefill, first, tuple(tokens)) for tokens in force)
+        forced_seconds = time.perf_counter() - start
+        num_tokens = int(prompt.input_ids.shape[0])
+        evidence = Evidence(
+            lm_calls=1 + decode_steps + sum(max(len(t) - 1, 0) for t in force),
+            replayed_calls=int(prefill.bucket is not None),
+            prefill_replayed=prefill.bucket is not None,
+            buckets=() if prefill.bucket is None else (prefill.bucket,),
+            tap_calls=int(record is not None),
+            prompt_tokens=num_tokens,
+            max_bucket=self._backend.max_bucket,
+        )
         return Generation(
             token_ids=tuple(ids),
             text=adapter.tokenizer.decode(ids, skip_special_tokens=True),
             token_logprobs=tuple(logprobs),
             top_logprobs=tuple(top),
-            deepstack_record=None if first_record is None else replace(first_record, calls=calls),
+            deepstack_record=None if record is None else replace(record, replay=prefill.bucket is not None),
+            evidence=evidence,
+            forced=forced,
+            forced_seconds=forced_seconds,
         )
+
+    def _logprobs(self, hidden_row: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self._executor.adapter.lm_head(hidden_row).float(), dim=-1)
+
+    def _decode(self, prompt: PreparedPrompt, cache: KVCache, step: int, token: int) -> torch.Tensor:
+        """The logprobs after feeding `token` as generated token number `step` (0-based)."""
+        adapter = self._executor.adapter
+        embed = adapter.embed_tokens(torch.tensor([token], device=adapter.device))
+        position = prompt.positions[:, -1:] + 1 + step  # text after the prompt: t = h = w
+        return self._logprobs(adapter.body.decode_step(embed, position, cache)[-1])
+
+    def _greedy(self, prompt: PreparedPrompt, prefill: Prefill, logprobs: torch.Tensor):
+        adapter = self._executor.adapter
+        cache = KVCache.from_prefill(prefill.keys, prefill.values)
+        ids: list[int] = []
+        chosen: list[float] = []
+        top: list[tuple[tuple[int, float], ...]] = []
+        steps = 0
+        for step in range(self._backend.max_new_tokens):
+            token = int(logprobs.argmax())
+            ids.append(token)
+            chosen.append(_finite(float(logprobs[token]), step))
+            values, indices = logprobs.topk(TOP_K)
+            top.append(tuple((int(i), float(v)) for i, v in zip(indices, values)))
+            if token in adapter.eos_token_ids or step == self._backend.max_new_tokens - 1:
+                break
+            logprobs = self._decode(prompt, cache, step, token)
+            steps += 1
+        return ids, chosen, top, steps
+
+    def _forced(self, prompt: PreparedPrompt, prefill: Prefill, first: torch.Tensor, tokens: tuple[int, ...]):
+        """This execution's logprob of each reference token, fed the reference's own prefix."""
+        cache = KVCache.from_prefill(prefill.keys, prefill.values)
+        logprobs, scores = first, []
+        for step, token in enumerate(tokens):
+            scores.append(_finite(float(logprobs[token]), step))
+            if step + 1 < len(tokens):
+                logprobs = self._decode(prompt, cache, step, token)
+        return tuple(scores)
+
+
+def _finite(value: float, step: int) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"non-finite logprob {value} at step {step}")
+    return value
 
 
 class TransformersBackend:
-    """One loaded model for every mode; the graph runner is built (and captured) once per run."""
+    """One loaded model for every mode; the graph runner captures the needed buckets once per run."""
 
     name = "transformers"
 
@@ -97,27 +165,48 @@ class TransformersBackend:
         max_new_tokens: int,
         runner_variant: RunnerVariant = RunnerVariant.FIXED,
         graph_backend: str = "auto",
-        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        buckets: BucketPolicy | None = None,
+        runner_class: type[PrefillGraphRunner] = PrefillGraphRunner,
     ) -> None:
         self.loaded = loaded
         self.max_new_tokens = max_new_tokens
         self.runner_variant = runner_variant
         self.graph_backend = GraphBackend.resolve(graph_backend, loaded.device)
-        self.buckets = tuple(sorted(set(buckets)))
+        self.buckets = buckets or BucketPolicy(None, loaded.adapter.max_positions)
+        self.runner_class = runner_class  # tests substitute runners with bugs parity must catch
+        self._capture: tuple[int, ...] = ()
         self._runner: PrefillGraphRunner | None = None
+        self._prepared: dict[tuple, PreparedPrompt] = {}
+
+    @property
+    def max_positions(self) -> int:
+        return self.loaded.adapter.max_positions
+
+    @property
+    def max_bucket(self) -> int | None:
+        return max(self.buckets.candidates, default=None)
+
+    def prepared(self, request: Request) -> PreparedPrompt:
+        """The request's LM inputs, prepared once per run: every arm and repeat gets the same tensors
+        (the tap copies before zeroing), and the vision tower runs once per image."""
+        fixture = request.fixture
+        key = (None if fixture is None else (fixture.name, fixture.sha256), request.prompt)
+        if key not in self._prepared:
+            self._prepared[key] = self.loaded.adapter.prepare(fixture, request.prompt)
+        return self._prepared[key]
 
     @property
     def runner(self) -> PrefillGraphRunner:
         if self._runner is None:
             adapter = self.loaded.adapter
-            self._runner = PrefillGraphRunner(
+            self._runner = self.runner_class(
                 adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
-                buckets=self.buckets, variant=self.runner_variant, graph_backend=self.graph_backend,
+                buckets=self._capture, variant=self.runner_variant, graph_backend=self.graph_backend,
             )
         return self._runner
 
-    def prepare(self, modes: Sequence[str]) -> None:
-        pass  # the model is already loaded; the runner is captured on first use
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
+        self._capture = self.buckets.needed(prompt_lengths)
 
     @contextmanager
     def session(self, mode: str) -> Iterator[TransformersSession]:
@@ -125,10 +214,10 @@ class TransformersBackend:
             runner = self.runner if mode == "bcg" else None
         except (RuntimeError, ValueError) as err:
             raise ArmFailure(f"graph capture failed: {err}") from err
-        yield TransformersSession(LMExecutor(self.loaded.adapter, runner), self.max_new_tokens)
+        yield TransformersSession(LMExecutor(self.loaded.adapter, runner), self)
 
     def bucket_of(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+        return self.buckets.bucket_of(num_tokens)
 
     def prompt_length(self, request: Request) -> int:
         return int(self.loaded.adapter.processor_inputs(request.fixture, request.prompt)["input_ids"].shape[1])
@@ -139,15 +228,19 @@ class TransformersBackend:
             "device": device.type,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
         }
 
     def config(self) -> Mapping[str, Any]:
         return {
             "dtype": str(self.loaded.dtype).removeprefix("torch."),  # what "auto" resolved to
+            "deepstack_layers": self.loaded.adapter.deepstack_count,
             "runner": self.runner_variant.value,
             "graph_backend": self.graph_backend.value,
-            "buckets": list(self.buckets),
+            "buckets": self.buckets.describe(),
+            "captured_buckets": list(self._capture),
             "deepstack_slot_bytes": self._runner.deepstack_slot_bytes if self._runner else None,
+            "preset_seed": self.loaded.seed,
         }
 
     def close(self) -> None:

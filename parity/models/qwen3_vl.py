@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from parity.errors import UsageError
 from parity.fixtures import Fixture
 from parity.lm_body import Qwen3VLTextBody
 
@@ -58,10 +59,23 @@ class Qwen3VLAdapter:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def max_positions(self) -> int:
+        return int(self.config.text_config.max_position_embeddings)
+
     def processor_inputs(self, fixture: Fixture | None, prompt: str) -> dict:
-        """What the model's own processor makes of the request (also fed to HF `generate` in tests)."""
+        """What the model's own processor makes of the request (also fed to HF `generate` in tests).
+
+        A request the processor refuses (an image too small or too elongated for its patching) is
+        bad input, not a runtime failure: a `UsageError` naming the image.
+        """
         images = [fixture.image] if fixture is not None else None
-        return dict(self.processor(text=[chat_text(self.processor, fixture, prompt)], images=images, return_tensors="pt"))
+        try:
+            return dict(self.processor(text=[chat_text(self.processor, fixture, prompt)], images=images,
+                                       return_tensors="pt"))
+        except ValueError as err:
+            what = f"image {fixture.name!r} {fixture.size[0]}x{fixture.size[1]}" if fixture else "the prompt"
+            raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
 
     @torch.inference_mode()
     def prepare(self, fixture: Fixture | None, prompt: str) -> PreparedPrompt:
@@ -85,20 +99,6 @@ class Qwen3VLAdapter:
             video_grid_thw=None,
         )
         return PreparedPrompt(input_ids[0], embeds, positions[:, 0, :], deepstack)
-
-    def append_token(self, prepared: PreparedPrompt, token_id: int) -> PreparedPrompt:
-        """The prompt extended by one generated text token (positions continue after the last)."""
-        token = torch.tensor([token_id], device=self.device)
-        deepstack = prepared.deepstack
-        if deepstack is not None:
-            deepstack = torch.cat([deepstack, deepstack.new_zeros(1, deepstack.shape[1])])
-        with torch.inference_mode():
-            return PreparedPrompt(
-                input_ids=torch.cat([prepared.input_ids, token]),
-                input_embeds=torch.cat([prepared.input_embeds, self.embed_tokens(token)]),
-                positions=torch.cat([prepared.positions, prepared.positions[:, -1:] + 1], dim=1),
-                deepstack=deepstack,
-            )
 
 
 def _eos_ids(model: nn.Module) -> frozenset[int]:

@@ -17,7 +17,9 @@ from rich.table import Table
 from rich.text import Text
 
 from parity.results import CaseResult, Comparison, RunResult, Verdict
-from parity.verdict import ERROR, PASS, Check, checks_for, judge_run
+from parity.metrics import tuple_text
+from parity.reporting.report import check_label
+from parity.verdict import ERROR, PASS, Check, Group, checks_for, judge_run
 
 # Config keys whose difference changes what the comparisons mean. logprob_tol changes `match`;
 # max_new_tokens and dtype change the arms' answers themselves.
@@ -30,15 +32,10 @@ class Row:
     """One comparison of one case, before and after; None where it could not be computed there."""
 
     case_id: str
-    a: str
-    b: str
+    label: str  # `bcg_normal vs eager_normal`, with its request in a sequence
     expect_match: bool
     before: Comparison | None
     after: Comparison | None
-
-    @property
-    def label(self) -> str:
-        return f"{self.a} vs {self.b}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +52,8 @@ class BeforeAfter:
     before_verdict: Verdict
     after_verdict: Verdict
     notes: tuple[str, ...]  # why the two files may not be comparable; empty when they are
+    before_tol: float = 0.25
+    after_tol: float = 0.25
 
     @property
     def comparable(self) -> bool:
@@ -70,7 +69,7 @@ def compare_runs(before: RunResult, after: RunResult) -> BeforeAfter:
     rows = tuple(row for cid in ids for row in _rows(cid, b_cases.get(cid), a_cases.get(cid)))
     changes = tuple(CaseChange(cid, _verdict(b_cases.get(cid)), _verdict(a_cases.get(cid))) for cid in ids)
     notes = _config_notes(before, after) + _case_notes(ids, b_cases, a_cases)
-    return BeforeAfter(rows, changes, before.verdict, after.verdict, notes)
+    return BeforeAfter(rows, changes, before.verdict, after.verdict, notes, before.logprob_tol, after.logprob_tol)
 
 
 def _verdict(case: CaseResult | None) -> Verdict | None:
@@ -78,13 +77,12 @@ def _verdict(case: CaseResult | None) -> Verdict | None:
 
 
 def _rows(case_id: str, before: CaseResult | None, after: CaseResult | None) -> list[Row]:
-    scenario = (after or before).scenario
-    return [Row(case_id, c.a, c.b, c.expect_match, _comparison(before, c), _comparison(after, c))
-            for c in checks_for(scenario)]
+    return [Row(case_id, check_label(g, c), c.expect_match, _comparison(before, g, c), _comparison(after, g, c))
+            for g, c in checks_for(after or before)]
 
 
-def _comparison(case: CaseResult | None, check: Check) -> Comparison | None:
-    return None if case is None else case.comparison(check.a, check.b)
+def _comparison(case: CaseResult | None, group: Group, check: Check) -> Comparison | None:
+    return None if case is None else case.comparison(check.a, check.b, group.request)
 
 
 def _config_notes(before: RunResult, after: RunResult) -> tuple[str, ...]:
@@ -108,9 +106,8 @@ def _case_notes(ids: list[str], before: dict[str, CaseResult], after: dict[str, 
         if b is None or a is None:
             notes.append(f"case {cid} is only in the {'after' if b is None else 'before'} file")
             continue
-        if (b.fixture.name, b.fixture.sha256) != (a.fixture.name, a.fixture.sha256):
-            notes.append(f"case {cid}: different fixture: before {b.fixture.name} ({b.fixture.sha256[:12]}), "
-                         f"after {a.fixture.name} ({a.fixture.sha256[:12]})")
+        if b.fixture != a.fixture:
+            notes.append(f"case {cid}: different fixture: before {_fixture_text(b)}, after {_fixture_text(a)}")
         if b.prompt != a.prompt:
             notes.append(f"case {cid}: different prompt: before {b.prompt!r}, after {a.prompt!r}")
         if b.scenario != a.scenario:
@@ -118,13 +115,17 @@ def _case_notes(ids: list[str], before: dict[str, CaseResult], after: dict[str, 
     return tuple(notes)
 
 
+def _fixture_text(case: CaseResult) -> str:
+    return "none" if case.fixture is None else f"{case.fixture.name} ({case.fixture.sha256[:12]})"
+
+
 # --- rendering -----------------------------------------------------------------------------------
 
-def cell(comparison: Comparison | None, expect_match: bool) -> str:
+def cell(comparison: Comparison | None, expect_match: bool, tol: float) -> str:
     """`(15, True, 0.071)`, with a ✗ when the result is not what a correct runtime gives."""
     if comparison is None:
         return MISSING
-    return comparison.tuple_text + ("" if comparison.match == expect_match else " ✗")
+    return tuple_text(comparison, tol) + ("" if comparison.match == expect_match else " ✗")
 
 
 def _expected(expect_match: bool) -> str:
@@ -143,7 +144,7 @@ def _md_escape(text: str) -> str:
 def render_markdown(ba: BeforeAfter) -> str:
     lines = ["| case | comparison | expected | before fix | after fix |", "|---|---|---|---|---|"]
     lines += [f"| {_md_escape(r.case_id)} | {r.label} | {_expected(r.expect_match)} | "
-              f"{cell(r.before, r.expect_match)} | {cell(r.after, r.expect_match)} |" for r in ba.rows]
+              f"{cell(r.before, r.expect_match, ba.before_tol)} | {cell(r.after, r.expect_match, ba.after_tol)} |" for r in ba.rows]
     lines += ["", f"**Verdict — before: {ba.before_verdict.code} → after: {ba.after_verdict.code}**", ""]
     # Right under the verdict, before any detail: a reader must not take the arrow at face value.
     lines += _markdown_notes(ba.notes)
@@ -171,7 +172,7 @@ def render_table(ba: BeforeAfter, console: Console) -> None:
     for r in ba.rows:
         # Text, not str: rich would read brackets in a case id as markup.
         table.add_row(Text(r.case_id), r.label, _expected(r.expect_match),
-                      _styled(r.before, r.expect_match), _styled(r.after, r.expect_match))
+                      _styled(r.before, r.expect_match, ba.before_tol), _styled(r.after, r.expect_match, ba.after_tol))
     console.print(table)
     console.print(Text.assemble("before: ", _verdict_text(ba.before_verdict), " → after: ",
                                 _verdict_text(ba.after_verdict)))
@@ -182,10 +183,10 @@ def render_table(ba: BeforeAfter, console: Console) -> None:
         console.print(Text(f"WARNING: {note}", style="bold yellow"))
 
 
-def _styled(comparison: Comparison | None, expect_match: bool) -> Text:
+def _styled(comparison: Comparison | None, expect_match: bool, tol: float) -> Text:
     if comparison is None:
         return Text(MISSING, style="dim")
-    return Text(cell(comparison, expect_match), style="green" if comparison.match == expect_match else "red")
+    return Text(cell(comparison, expect_match, tol), style="green" if comparison.match == expect_match else "red")
 
 
 def _verdict_text(verdict: Verdict) -> Text:

@@ -23,7 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from parity.results import CaseResult, RunResult, Verdict
-from parity.verdict import ERROR, PASS, checks_for, judge_run
+from parity.metrics import tuple_text
+from parity.reporting.report import arms_with_labels, check_label, evidence_text, rows
+from parity.verdict import ERROR, PASS, judge_run
 
 SUITE_PREFIX = "parity"
 
@@ -43,7 +45,7 @@ def junit_xml(run: RunResult) -> str:
     suite = ET.SubElement(root, "testsuite", _suite_attributes(judged))
     _add_properties(suite, judged)
     for case in judged.cases:
-        _add_testcase(suite, case, _classname(judged))
+        _add_testcase(suite, case, _classname(judged), judged.logprob_tol)
     # The root repeats the totals: some consumers (GitLab) read only the outermost element.
     for key in ("tests", "failures", "errors", "skipped", "time"):
         root.set(key, suite.get(key))
@@ -113,14 +115,14 @@ def _add_properties(suite: ET.Element, run: RunResult) -> None:
 # --- cases ---------------------------------------------------------------------------------------
 
 def _case_seconds(case: CaseResult) -> float:
-    return sum(arm.seconds for arm in case.arms)
+    return sum(arm.seconds + arm.forced_seconds for arm in case.all_arms())
 
 
 def _seconds(value: float) -> str:
     return f"{value:.3f}"
 
 
-def _add_testcase(suite: ET.Element, case: CaseResult, classname: str) -> None:
+def _add_testcase(suite: ET.Element, case: CaseResult, classname: str, tol: float) -> None:
     testcase = ET.SubElement(suite, "testcase", name=xml_safe(case.id), classname=classname,
                              time=_seconds(_case_seconds(case)))
     outcome = _outcome_element(case.verdict)
@@ -128,7 +130,7 @@ def _add_testcase(suite: ET.Element, case: CaseResult, classname: str) -> None:
         element = ET.SubElement(testcase, outcome, message=xml_safe(f"{case.verdict.code}: {case.verdict.reason}"),
                                 type=case.verdict.code)
         element.text = xml_safe(case.verdict.reason)
-    ET.SubElement(testcase, "system-out").text = xml_safe(_case_log(case))
+    ET.SubElement(testcase, "system-out").text = xml_safe(_case_log(case, tol))
 
 
 def _outcome_element(verdict: Verdict) -> str | None:
@@ -137,19 +139,20 @@ def _outcome_element(verdict: Verdict) -> str | None:
     return "error" if verdict.code == ERROR else "failure"
 
 
-def _case_log(case: CaseResult) -> str:
-    """What a reader of the CI log needs: the verdict, every comparison with its expectation, arm errors."""
-    lines = [f"verdict: {case.verdict.code}: {case.verdict.reason}", f"prompt: {case.prompt}",
-             f"fixture: {case.fixture.name} sha256={case.fixture.sha256}"]
-    by_pair = {(c.a, c.b): c for c in case.comparisons}
-    for check in checks_for(case.scenario):
-        comparison = by_pair.get((check.a, check.b))
+def _case_log(case: CaseResult, tol: float) -> str:
+    """What a reader of the CI log needs: the verdict, every comparison with its expectation, the
+    evidence that the path under test ran, arm errors."""
+    fixture = "none" if case.fixture is None else f"{case.fixture.name} sha256={case.fixture.sha256}"
+    lines = [f"verdict: {case.verdict.code}: {case.verdict.reason}", f"prompt: {case.prompt}", f"fixture: {fixture}"]
+    for group, check, comparison in rows(case):
         expected = "match" if check.expect_match else "differ"
+        label = check_label(group, check)
         if comparison is None:
-            lines.append(f"{check.a} vs {check.b}: not compared (arm missing or failed); expected {expected}")
+            lines.append(f"{label}: not compared (arm missing or failed); expected {expected}")
             continue
         ok = comparison.match == check.expect_match
-        lines.append(f"{check.a} vs {check.b} {comparison.tuple_text} match={comparison.match} "
+        lines.append(f"{label} {tuple_text(comparison, tol)} match={comparison.match} "
                      f"expected {expected} [{'ok' if ok else 'UNEXPECTED'}] ({check.meaning})")
-    lines += [f"arm {arm.name} failed: {arm.error}" for arm in case.arms if arm.failed]
+    for label, arm in arms_with_labels(case):
+        lines.append(f"arm {label} failed: {arm.error}" if arm.failed else f"arm {label}: {evidence_text(arm.evidence)}")
     return "\n".join(lines) + "\n"

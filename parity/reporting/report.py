@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import json
+import re
+from typing import Iterator
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from parity.evidence import Evidence
+from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
-from parity.results import CaseResult, RunResult, run_to_json
-from parity.verdict import PASS, REPEAT_TOL, checks_for, self_delta
+from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps
+from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
 
 FORMATS = ("markdown", "json", "table")
 _ARM_TEXT_LIMIT = 4000  # per arm in report.md; the whole report must fit a PR comment
+_BACKTICKS = re.compile(r"`+")
 
 
 def _ok(expect_match: bool, match: bool) -> bool:
@@ -24,18 +28,47 @@ def _expectation(expect_match: bool) -> str:
     return "match" if expect_match else "differ"
 
 
-def _rows(case: CaseResult):
-    """(check, comparison or None) for every check of the case's scenario, in design order."""
-    return [(check, case.comparison(check.a, check.b)) for check in checks_for(case.scenario)]
+def rows(case: CaseResult) -> list[tuple[Group, Check, Comparison | None]]:
+    """(group, check, comparison or None) for every check of the case, in design order."""
+    return [(g, c, case.comparison(c.a, c.b, g.request)) for g, c in checks_for(case)]
+
+
+def check_label(group: Group, check: Check) -> str:
+    prefix = "" if group.request is None else f"request {group.request + 1} ({group.label}): "
+    return f"{prefix}{check.a} vs {check.b}"
+
+
+def arms_with_labels(case: CaseResult) -> Iterator[tuple[str, ArmResult]]:
+    """Every arm of the case, named as a reader finds it (`3. bcg_normal` in a sequence)."""
+    for arm in case.arms:
+        yield arm.name, arm
+    for i, request in enumerate(case.requests, 1):
+        for arm in request.arms:
+            yield f"{i}. {arm.name}", arm
+
+
+def evidence_text(evidence: Evidence | None) -> str:
+    """One line a reviewer reads to know whether the path under test really ran."""
+    if evidence is None:
+        return "no execution evidence recorded"
+    replayed = {True: "yes", False: "NO", None: "unknown"}[evidence.prefill_replayed]
+    buckets = ", ".join(map(str, evidence.buckets)) or "—"
+    tokens = "?" if evidence.prompt_tokens is None else evidence.prompt_tokens
+    return (f"prefill replayed: {replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens")
+
+
+def fenced(text: str, info: str = "text") -> str:
+    """A code block no backtick run inside `text` can close early."""
+    longest = max((len(m) for m in _BACKTICKS.findall(text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{info}\n{text}\n{fence}"
 
 
 # --- markdown ----------------------------------------------------------------------------------
 
 def render_markdown(run: RunResult) -> str:
-    parts = [_md_header(run)]
-    for case in run.cases:
-        parts.append(_md_case(case, run))
-    parts.append(_md_environment(run))
+    parts = [_md_header(run)] + [_md_case(case, run) for case in run.cases] + [_md_environment(run)]
     text = "\n".join(parts)
     if len(text) > MAX_COMMENT_CHARS:  # drop arm texts wholesale rather than exceed a PR comment
         parts = [_md_header(run)] + [_md_case(c, run, with_texts=False) for c in run.cases] + [_md_environment(run)]
@@ -45,51 +78,95 @@ def render_markdown(run: RunResult) -> str:
 
 def _md_header(run: RunResult) -> str:
     icon = "✅" if run.verdict.code == PASS else "❌"
+    interrupted = "**Interrupted: only the arms that finished are reported.**\n\n" if run.interrupted else ""
+    tie = "" if run.tie_margin is None else (f"; a near-tie flip (margin ≤ {run.tie_margin:g}) matches when the "
+                                             f"teacher-forced delta is within it too")
     return (
-        f"## parity: {icon} `{run.verdict.code}`\n\n{run.verdict.reason}\n\n"
+        f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{_md_line(run.verdict.reason)}\n\n"
         f"Model `{run.config.get('model')}` · backend `{run.config.get('backend')}` · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
-        f"match = token match and delta ≤ {run.logprob_tol:g}\n"
+        f"match = token match and delta ≤ {run.logprob_tol:g}{tie}\n"
     )
 
 
+def _md_line(text: str) -> str:
+    return text.replace("\n", " ")
+
+
 def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True) -> str:
-    lines = [
-        f"### `{case.id}`: `{case.verdict.code}`\n",
-        f"{case.verdict.reason}\n",
-        f"Fixture `{case.fixture.name}` {case.fixture.size[0]}×{case.fixture.size[1]}, "
-        f"sha256 `{case.fixture.sha256}` · prompt: {case.prompt!r}\n",
-    ]
-    if case.primer:
-        lines.append(f"Ran first on the same model/server: {case.primer}\n")
-    lines += ["| # | comparison | tuple | expected | ok |", "|---|---|---|---|---|"]
-    for i, (check, comp) in enumerate(_rows(case), 1):
-        tup = f"`{comp.tuple_text}`" if comp else "—"
+    tol = run.logprob_tol
+    fixture = "text only" if case.fixture is None else (
+        f"fixture `{case.fixture.name}` {case.fixture.size[0]}×{case.fixture.size[1]}, "
+        f"sha256 `{case.fixture.sha256}`")
+    lines = [f"### `{case.id}`: `{case.verdict.code}`\n", f"{_md_line(case.verdict.reason)}\n",
+             f"Scenario `{case.scenario}` · {fixture} · prompt: {case.prompt!r}\n"]
+    if case.localization is not None:
+        lines.append(f"**{localization_sentence(case)}**\n")
+    if case.requests:
+        lines.append("Requests, served back to back in each mode: "
+                     + "; ".join(f"{i}. {r.label}" for i, r in enumerate(case.requests, 1)) + "\n")
+    lines += ["| # | comparison | tuple | tf Δ | expected | ok |", "|---|---|---|---|---|---|"]
+    for i, (group, check, comp) in enumerate(rows(case), 1):
+        tup = f"`{tuple_text(comp, tol)}`" if comp else "—"
+        tf = "—" if comp is None or comp.tf_delta is None else format_delta(comp.tf_delta, tol)
         ok = "—" if comp is None else ("✅" if _ok(check.expect_match, comp.match) else "❌")
-        lines.append(f"| {i} | `{check.a}` vs `{check.b}` ({check.meaning}) | {tup} | {_expectation(check.expect_match)} | {ok} |")
+        lines.append(f"| {i} | `{check_label(group, check)}` ({check.meaning}) | {tup} | {tf} | "
+                     f"{_expectation(check.expect_match)} | {ok} |")
+    lines += ["", "| arm | execution evidence |", "|---|---|"]
+    lines += [f"| `{label}` | {'failed' if arm.failed else evidence_text(arm.evidence)} |"
+              for label, arm in arms_with_labels(case)]
     lines.append("")
-    if any(a.repeats for a in case.arms):
-        lines += ["| arm | repeats | self-delta | tolerance | reproduces |", "|---|---|---|---|---|"]
-        for arm in case.arms:
-            same, worst = self_delta(arm)
-            lines.append(f"| `{arm.name}` | {len(arm.repeats) + 1} | {worst:.3g} | {REPEAT_TOL:g} | {'✅' if same else '❌'} |")
-        lines.append("")
-    records = [(a.name, a.deepstack_record) for a in case.arms if a.deepstack_record]
-    if records:
-        lines += ["| arm | DeepStack seen at LM entry | non-zero rows | L2 norm | sha256 | handed on | replay |",
-                  "|---|---|---|---|---|---|---|"]
-        for name, r in records:
-            lines.append(f"| `{name}` | {list(r.shape)} {r.dtype} | {r.nonzero_rows} | {r.l2_norm:.4g} | "
-                         f"`{r.sha256[:16]}…` | {r.action} | {'—' if r.replay is None else r.replay} |")
-        lines.append("")
-    if case.plot:
-        lines.append(f"![|Δ logprob| per position]({case.plot})\n")
+    lines += _md_repeats(case) + _md_records(case)
+    for plot, alt in ((case.plot, "teacher-forced |Δ logprob| per position"),
+                      (case.localization_plot, "relative error per layer")):
+        if plot:
+            lines.append(f"![{alt}]({plot})\n")
     if with_texts:
-        for arm in case.arms:
+        for label, arm in arms_with_labels(case):
             body = f"error: {arm.error}" if arm.error else clip_text(arm.text, _ARM_TEXT_LIMIT)
-            lines.append(f"<details><summary><code>{arm.name}</code> ({len(arm.token_ids)} tokens, "
-                         f"{arm.seconds:.2f} s)</summary>\n\n```text\n{body}\n```\n</details>\n")
+            lines.append(f"<details><summary><code>{label}</code> ({len(arm.token_ids)} tokens, "
+                         f"{arm.seconds:.2f} s)</summary>\n\n{fenced(body)}\n</details>\n")
     return "\n".join(lines)
+
+
+def _md_repeats(case: CaseResult) -> list[str]:
+    if not any(a.repeats for a in case.all_arms()):
+        return []
+    lines = ["| arm | runs | self-delta | tolerance | reproduces |", "|---|---|---|---|---|"]
+    for label, arm in arms_with_labels(case):
+        same, worst = self_delta(arm)
+        lines.append(f"| `{label}` | {len(arm.repeats) + 1} | {worst:.3g} | {REPEAT_TOL:g} | {'✅' if same else '❌'} |")
+    return lines + [""]
+
+
+def _md_records(case: CaseResult) -> list[str]:
+    records = [(label, a.deepstack_record) for label, a in arms_with_labels(case) if a.deepstack_record]
+    if not records:
+        return []
+    lines = ["| arm | DeepStack seen at LM entry | non-zero rows | L2 norm | sha256 | handed on |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| `{label}` | {list(r.shape)} {r.dtype} | {r.nonzero_rows} | {r.l2_norm:.4g} | `{r.sha256[:16]}…` | "
+              f"{r.action} |" for label, r in records]
+    return lines + [""]
+
+
+def localization_sentence(case: CaseResult) -> str:
+    loc = case.localization
+    point = loc.first_point
+    if point is None:
+        return (f"no layer of {loc.arm} leaves {loc.reference} by more than {loc.threshold:g} (relative error): "
+                "the divergence starts after the prefill (decode) or is below the threshold")
+    where = "" if loc.request is None else f" (request {loc.request + 1})"
+    if point.deepstack_block is None:
+        detail = "" if _added_before(loc, point.layer) else ", before any DeepStack add"
+        text = f"first divergent layer{where}: {point.layer}{detail}"
+    else:
+        text = f"first divergent layer{where}: {point.layer}, after DeepStack block {point.deepstack_block} is added"
+    return f"{text} (relative error {point.rel_error:.3g} > {loc.threshold:g})"
+
+
+def _added_before(loc, layer: int) -> bool:
+    return any(p.deepstack_block is not None and p.layer < layer for p in loc.points)
 
 
 def _md_environment(run: RunResult) -> str:
@@ -101,21 +178,26 @@ def _md_environment(run: RunResult) -> str:
 # --- terminal ----------------------------------------------------------------------------------
 
 def print_table(run: RunResult, console: Console) -> None:
+    tol = run.logprob_tol
     for case in run.cases:
         table = Table(title=f"{case.id}  ·  {case.verdict.code}", title_justify="left")
         for column in ("#", "comparison", "(div char, token match, Δ logprob)", "expected", "ok"):
             table.add_column(column)
-        for i, (check, comp) in enumerate(_rows(case), 1):
+        for i, (group, check, comp) in enumerate(rows(case), 1):
             ok = "—" if comp is None else ("[green]yes[/]" if _ok(check.expect_match, comp.match) else "[red]NO[/]")
-            table.add_row(str(i), f"{check.a} vs {check.b}", comp.tuple_text if comp else "not run",
+            table.add_row(str(i), escape(check_label(group, check)), tuple_text(comp, tol) if comp else "not run",
                           _expectation(check.expect_match), ok)
         console.print(table)
-        for arm in case.arms:
+        for label, arm in arms_with_labels(case):
             if arm.error:
-                console.print(f"[red]{arm.name} failed:[/] {escape(arm.error)}", highlight=False)
+                console.print(f"[red]{escape(label)} failed:[/] {escape(arm.error)}", highlight=False)
+            else:
+                console.print(f"  {escape(label)}: {escape(evidence_text(arm.evidence))}", highlight=False)
+        if case.localization is not None:
+            console.print(f"  {escape(localization_sentence(case))}", highlight=False)
     style = "green" if run.verdict.code == PASS else "red"
     console.print(f"[bold {style}]{run.verdict.code}[/]: {escape(run.verdict.reason)}", highlight=False)
 
 
 def render_json(run: RunResult) -> str:
-    return json.dumps(run_to_json(run), indent=2, ensure_ascii=False)
+    return dumps(run)
