@@ -11,10 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
+from parity.backends import PRESET_THREADS
 from parity.cli import cli
 from parity.models import LoadedModel, load_model
+
+# The thread policy `parity run` applies to the embedded presets, for tests that call the library.
+torch.set_num_threads(PRESET_THREADS)
 
 
 @pytest.fixture(scope="session")
