@@ -2,16 +2,25 @@
 
 It is NOT SGLang. It speaks the small part of SGLang's HTTP API parity uses (`GET /ready`,
 `GET /server_info`, `POST /generate` with the native request/answer shapes of
-sglang-0.5.23.md §2) and mimics the server life parity must handle: a start-up delay, an image
-warm-up request before /ready turns 200, a scheduler child process in the same process group,
-and on request a crash, a start-up failure or a server that never gets ready.
+sglang-0.5.23.md §2: text or input_ids, image_data, output and input logprobs from
+`logprob_start_len`, `return_prompt_token_ids`) and mimics the server life parity must handle: a
+start-up delay, an image warm-up request before /ready turns 200, a scheduler child process in
+the same process group, and on request a crash, a start-up failure or a server that never gets
+ready.
 
 Its "model" runs parity's real plugin hook (`parity.sglang.plugin.activate()`, what SGLang's
-plugin loader does) on a kwargs dict shaped like `prepare_mm_inputs`'s, with a padded bucket and
-the `replay_layer_forward` instance attribute under `--cuda-graph-backend-prefill breakable`.
-Like SGLang 0.5.23, its replayed "graph" ignores DeepStack, unless `--standin-deepstack-replay`
-(the upstream fix) is given. Answers are a deterministic function of the prompt, the image and
-the DeepStack rows the "LM" used, so the four arms give the verdicts a real run would.
+plugin loader does) once per LM entry, on arguments shaped like `prepare_mm_inputs`'s: the
+prefill (an extend batch, padded to its bucket and with `replay_layer_forward` installed on the
+LM instance when it replays) and each decode step. Like SGLang 0.5.23 it replays a prefill under
+`--cuda-graph-backend-prefill breakable` when the prompt fits a captured bucket
+(`--cuda-graph-max-bs-prefill N`, `--cuda-graph-bs-prefill a b c`), and its replayed "graph"
+ignores DeepStack unless `--standin-deepstack-replay` (the upstream fix) is given. Each step's
+distribution is a deterministic function of the tokens so far, the image and the DeepStack rows
+the "LM" used, so generation and teacher-forced scoring agree and the arms give the verdicts a
+real run would.
+
+Its tokenizer is its own (one token per UTF-8 byte, each image placeholder expanded to
+IMAGE_TOKENS image tokens), so its token counts are not a real model's.
 
 Only the standard library at start-up; torch is imported on the first image forward.
 """
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import random
 import subprocess
@@ -34,11 +44,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
 
-from parity.sglang import plugin  # noqa: E402  (stdlib-only at import time)
+from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
+from parity.sglang import plugin  # noqa: E402
 
 VERSION = "0.5.23+standin"
 DEEPSTACK_WIDTH = 12  # hidden 4 x 3 DeepStack levels
-BUCKET = 16
+IMAGE_TOKENS = 16
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+BYTE_OFFSET = 1000  # text token = byte + offset; generated tokens are below it
+VOCAB = range(3, 67)
+
+
+class Rejected(Exception):
+    """A request SGLang would answer with HTTP 400."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -47,6 +65,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--cuda-graph-backend-prefill", default="breakable")
+    parser.add_argument("--cuda-graph-max-bs-prefill", type=int, default=8192)
+    parser.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None)
+    parser.add_argument("--standin-image-token-id", type=int, default=151655)
     parser.add_argument("--standin-startup-delay", type=float, default=0.0)
     parser.add_argument("--standin-warmup", choices=("image", "text"), default="image")
     parser.add_argument("--standin-never-ready", action="store_true")
@@ -55,57 +76,38 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="exit on start only when --cuda-graph-backend-prefill has this value")
     parser.add_argument("--standin-crash-after", type=int, default=None, help="die on request N+1")
     parser.add_argument("--standin-deepstack-replay", action="store_true", help="the upstream fix")
-    parser.add_argument("--standin-no-plugin", action="store_true", help="as if parity were not installed")
+    parser.add_argument("--standin-no-plugin", action="store_true",
+                        help="the hook is never called (parity not installed, or apply_hooks failed)")
+    parser.add_argument("--standin-no-deepstack-key", action="store_true",
+                        help="the hook is called, but image prefills never carry input_deepstack_embeds")
+    parser.add_argument("--standin-no-replay", action="store_true",
+                        help="a breakable server whose prefills all run eager")
+    parser.add_argument("--standin-replay-image-fault", action="store_true",
+                        help="replaying an image prefill kills the process (the fault 0.5.23's comment names)")
     args, _ = parser.parse_known_args(argv)  # every other SGLang flag is accepted and ignored
     return args
 
 
-class Model:
-    """The fake forward: hook at the LM entry, then an answer from what the LM used."""
+# --- tokens --------------------------------------------------------------------------------------------
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.graph = args.cuda_graph_backend_prefill != "disabled"
-        self.deepstack_replay = args.standin_deepstack_replay
-        self.hook = None if args.standin_no_plugin else plugin.activate()
-        self.language_model = SimpleNamespace()
-        if self.graph:
-            # What BCG installs on the LM instance before the outer eager forward (§3.3).
-            def replay_layer_forward(*_: Any, **__: Any) -> None:
-                return None
+def tokenize(text: str, image_token: int) -> list[int]:
+    ids: list[int] = []
+    for i, part in enumerate(text.split(IMAGE_PLACEHOLDER)):
+        if i:
+            ids.append(image_token)
+        ids += [b + BYTE_OFFSET for b in part.encode()]
+    return ids
 
-            self.language_model.forward = replay_layer_forward
 
-    def generate(self, text: str, image: str | None, max_new_tokens: int) -> tuple[list[int], list[float], list]:
-        deepstack_sum = self._prefill(text, image) if image is not None else 0.0
-        for _ in range(max_new_tokens):
-            self._call_hook({"positions": None})  # decode steps: the key is absent
-        pixels = image_key(image) if image is not None else "-"
-        digest = hashlib.sha256(f"{text}|{pixels}|{deepstack_sum:.6f}".encode()).hexdigest()
-        rng = random.Random(digest)
-        ids = [rng.randrange(3, 500) for _ in range(max_new_tokens)]
-        logprobs = [-round(rng.random(), 6) for _ in ids]
-        top = [[[lp, tid, None]] + [[lp - 1.0 - k, (tid + k + 1) % 500, None] for k in range(4)]
-               for tid, lp in zip(ids, logprobs)]
-        return ids, logprobs, top
-
-    def _prefill(self, text: str, image: str) -> float:
-        import torch
-
-        raw = 8 + len(text) % 5  # real tokens of this prefill
-        rows = BUCKET if self.graph else raw  # BCG pads the batch to its bucket
-        seed = int(image_key(image)[:8], 16)
-        deepstack = torch.zeros(rows, DEEPSTACK_WIDTH)
-        deepstack[2:6] = torch.randn(4, DEEPSTACK_WIDTH, generator=torch.Generator().manual_seed(seed))
-        lm_kwargs = {"positions": None, plugin.DEEPSTACK_KEY: deepstack}  # as prepare_mm_inputs leaves it
-        self._call_hook(lm_kwargs, forward_batch=SimpleNamespace(extend_seq_lens_cpu=[raw]))
-        if self.graph and not self.deepstack_replay:
-            return 0.0  # the captured body never traced the DeepStack add: SGLang 0.5.23's drop
-        return float(lm_kwargs[plugin.DEEPSTACK_KEY][:raw].abs().sum())
-
-    def _call_hook(self, lm_kwargs: dict, forward_batch: Any = None) -> None:
-        if self.hook is not None:
-            # Positional, like general_mm_embed_routine's call; AFTER hooks get the result first.
-            self.hook(None, None, forward_batch, self.language_model, lm_kwargs, None, None, None, {}, None)
+def expand(ids: list[int], images: int, image_token: int) -> list[int]:
+    """Each placeholder becomes IMAGE_TOKENS image tokens, as SGLang's Qwen-VL processor does;
+    a placeholder count that does not match the images is refused (already expanded ids too)."""
+    if ids.count(image_token) != images:
+        raise Rejected(f"{ids.count(image_token)} image placeholder(s) for {images} image(s)")
+    out: list[int] = []
+    for token in ids:
+        out += [token] * (IMAGE_TOKENS if token == image_token else 1)
+    return out
 
 
 def image_key(image: str) -> str:
@@ -113,6 +115,122 @@ def image_key(image: str) -> str:
     path = Path(image)
     return hashlib.sha256(path.read_bytes() if path.is_file() else image.encode()).hexdigest()
 
+
+# --- the model ------------------------------------------------------------------------------------------
+
+class ForwardMode:
+    def __init__(self, extend: bool) -> None:
+        self._extend = extend
+
+    def is_extend(self) -> bool:
+        return self._extend
+
+
+class Model:
+    """The fake forward: the hook at each LM entry, then distributions from what the LM used."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.graph = args.cuda_graph_backend_prefill != "disabled" and not args.standin_no_replay
+        self.buckets = args.cuda_graph_bs_prefill or prefill_bucket_ladder(args.cuda_graph_max_bs_prefill)
+        self.hook = None if args.standin_no_plugin else plugin.activate()
+
+        class LanguageModel:
+            def forward(self) -> None:
+                return None
+
+        self.language_model = LanguageModel()
+
+    def prefill(self, ids: list[int], image: str | None) -> float:
+        """Run the prompt's LM entry; the DeepStack "sum" the LM used (0: none, zeroed or dropped)."""
+        bucket = min((b for b in self.buckets if b >= len(ids)), default=None) if self.graph else None
+        rows = bucket or len(ids)  # BCG pads the batch to its bucket
+        lm_kwargs: dict[str, Any] = {"positions": None}
+        if image is not None and not self.args.standin_no_deepstack_key:
+            import torch
+
+            seed = int(image_key(image)[:8], 16)
+            deepstack = torch.zeros(rows, DEEPSTACK_WIDTH)  # [tokens, hidden * n_ds], text rows zero
+            deepstack[2:6] = torch.randn(4, DEEPSTACK_WIDTH, generator=torch.Generator().manual_seed(seed))
+            lm_kwargs[plugin.DEEPSTACK_KEY] = deepstack  # as prepare_mm_inputs leaves it
+        if bucket is not None:
+            if image is not None and self.args.standin_replay_image_fault:
+                print("standin: CUDA error: an illegal memory access was encountered (image prefill replay)", flush=True)
+                os._exit(1)
+
+            # What BCG installs on the LM instance for the replay (§3.3); restored as a bound method after.
+            def replay_layer_forward(*_: Any, **__: Any) -> None:
+                return None
+
+            self.language_model.forward = replay_layer_forward
+        try:
+            self._call_hook(rows, lm_kwargs, extend=True, raw=len(ids))
+        finally:
+            if bucket is not None:
+                self.language_model.forward = type(self.language_model).forward.__get__(self.language_model)
+        if plugin.DEEPSTACK_KEY not in lm_kwargs or (bucket is not None and not self.args.standin_deepstack_replay):
+            return 0.0  # no rows, or the captured body never traced the DeepStack add: 0.5.23's drop
+        return float(lm_kwargs[plugin.DEEPSTACK_KEY][:len(ids)].abs().sum())
+
+    def decode_step(self) -> None:
+        self._call_hook(1, {"positions": None}, extend=False, raw=1)  # the key is absent in decode
+
+    def _call_hook(self, rows: int, lm_kwargs: dict, extend: bool, raw: int) -> None:
+        if self.hook is None:
+            return
+        batch = SimpleNamespace(forward_mode=ForwardMode(extend), extend_seq_lens_cpu=[raw] if extend else None)
+        input_ids = SimpleNamespace(shape=(rows,))
+        # Positional, like general_mm_embed_routine's call; AFTER hooks get the result first.
+        self.hook(None, input_ids, batch, self.language_model, lm_kwargs, None, None, None, {}, None)
+
+
+def step_logprobs(context: list[int], image: str | None, deepstack: float) -> list[float]:
+    """log p(next | context) over VOCAB: a function of the tokens so far, the image and DeepStack."""
+    seed = f"{image_key(image) if image else '-'}|{deepstack:.6f}|{','.join(map(str, context))}"
+    rng = random.Random(hashlib.sha256(seed.encode()).hexdigest())
+    logits = [3.0 * rng.random() for _ in VOCAB]
+    norm = math.log(sum(math.exp(x) for x in logits))
+    return [x - norm for x in logits]
+
+
+def answer(model: Model, body: dict) -> dict:
+    image = body.get("image_data")
+    image_token = model.args.standin_image_token_id
+    if ("text" in body) == ("input_ids" in body):
+        raise Rejected("give exactly one of text and input_ids")
+    ids = tokenize(body["text"], image_token) if "text" in body else [int(t) for t in body["input_ids"]]
+    prompt = expand(ids, 1 if image else 0, image_token)
+    start = int(body.get("logprob_start_len", -1))
+    if start >= len(prompt):
+        raise Rejected(f"logprob_start_len {start} >= prompt length {len(prompt)}")
+    deepstack = model.prefill(prompt, image)
+    context, out_ids, out_lps, tops = list(prompt), [], [], []
+    for step in range(int(body["sampling_params"]["max_new_tokens"])):
+        if step:
+            model.decode_step()
+        lps = step_logprobs(context, image, deepstack)
+        order = sorted(range(len(lps)), key=lambda i: -lps[i])
+        token = VOCAB[order[0]]
+        out_ids.append(token)
+        out_lps.append(lps[order[0]])
+        tops.append([[lps[i], VOCAB[i], None] for i in order[: body.get("top_logprobs_num") or 0]])
+        context.append(token)
+    meta = {"id": body.get("rid"), "finish_reason": {"type": "length"}, "prompt_tokens": len(prompt),
+            "completion_tokens": len(out_ids),
+            "output_token_logprobs": [[lp, tid, None] for tid, lp in zip(out_ids, out_lps)]}
+    if body.get("top_logprobs_num"):
+        meta["output_top_logprobs"] = tops
+    if start >= 0:  # entry 0 has no logprob; entry k scores prompt[start + k] (§2.2)
+        meta["input_token_logprobs"] = [[None, prompt[start], None]] + [
+            [step_logprobs(prompt[:k], image, deepstack)[VOCAB.index(prompt[k])] if prompt[k] in VOCAB else -30.0,
+             prompt[k], None] for k in range(start + 1, len(prompt))]
+    doc = {"text": " ".join(f"t{t}" for t in out_ids), "output_ids": out_ids, "meta_info": meta}
+    if body.get("return_prompt_token_ids"):
+        doc["prompt_token_ids"] = prompt
+    return doc
+
+
+# --- the server -----------------------------------------------------------------------------------------
 
 class State:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -153,19 +271,12 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 print("standin: simulated fatal error in the scheduler", flush=True)
                 os._exit(3)  # abrupt, like a CUDA fault: the scheduler child is orphaned
             state.served += 1
-            self._send(200, answer(state.model, body))
+            try:
+                self._send(200, answer(state.model, body))
+            except Rejected as err:
+                self._send(400, {"error": {"message": str(err)}})
 
     return Handler
-
-
-def answer(model: Model, body: dict) -> dict:
-    params = body["sampling_params"]
-    ids, logprobs, top = model.generate(body["text"], body.get("image_data"), int(params["max_new_tokens"]))
-    meta = {"id": body.get("rid"), "finish_reason": {"type": "length"}, "completion_tokens": len(ids),
-            "output_token_logprobs": [[lp, tid, None] for tid, lp in zip(ids, logprobs)]}
-    if body.get("top_logprobs_num"):
-        meta["output_top_logprobs"] = [step[: body["top_logprobs_num"]] for step in top]
-    return {"text": " ".join(f"t{t}" for t in ids), "output_ids": ids, "meta_info": meta}
 
 
 def start_up(state: State, started: float) -> None:
@@ -177,15 +288,16 @@ def start_up(state: State, started: float) -> None:
         return
     # SGLang's VLM warm-up is an image request (§1.4); it runs through the hook before /ready.
     image = "warmup-image" if state.args.standin_warmup == "image" else None
-    state.model.generate("warm-up", image, 8)
-    print("standin: The server is fired up and ready to roll!", flush=True)
+    placeholder = f"<|vision_start|>{IMAGE_PLACEHOLDER}<|vision_end|>" if image else ""
+    answer(state.model, {"text": placeholder + "warm-up", "image_data": image, "sampling_params": {"max_new_tokens": 8}})
+    print(f"standin: The server is fired up and ready to roll! at {time.time():.6f}", flush=True)
     state.ready.set()
 
 
 def main(argv: list[str]) -> None:
     started = time.monotonic()
     args = parse_args(argv)
-    print(f"standin: pid {os.getpid()} args {argv}", flush=True)
+    print(f"standin: pid {os.getpid()} started at {time.time():.6f} args {argv}", flush=True)
     fails_here = args.standin_fail_backend in (None, args.cuda_graph_backend_prefill)
     if args.standin_exit_on_start is not None and fails_here:
         print("standin: simulated start-up failure (e.g. out of memory)", flush=True)

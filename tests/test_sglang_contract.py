@@ -239,7 +239,7 @@ def src() -> Source:
     return Source(zipfile.ZipFile(fetch_wheel()))
 
 
-HOOK_POSITIONS = (plugin.FORWARD_BATCH_ARG, plugin.LANGUAGE_MODEL_ARG, plugin.KWARGS_ARG)
+HOOK_POSITIONS = (plugin.INPUT_IDS_ARG, plugin.FORWARD_BATCH_ARG, plugin.LANGUAGE_MODEL_ARG, plugin.KWARGS_ARG)
 RUNNER = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 
 
@@ -249,8 +249,8 @@ def test_hook_target_and_argument_layout(src: Source) -> None:
 
 def test_replay_marker_and_raw_row_field(src: Source) -> None:
     assert check_replay_marker(src, RUNNER, plugin.REPLAY_FORWARD_NAME) == []
-    assert check_dataclass_field(src, "sglang.srt.model_executor.forward_batch_info", "ForwardBatch",
-                                 plugin.RAW_LENGTHS_FIELD) == []
+    for field in (plugin.RAW_LENGTHS_FIELD, plugin.FORWARD_MODE_FIELD):
+        assert check_dataclass_field(src, "sglang.srt.model_executor.forward_batch_info", "ForwardBatch", field) == []
 
 
 def test_entry_point_group_and_hook_api(src: Source) -> None:
@@ -263,6 +263,11 @@ def test_launcher_flags_exist(src: Source) -> None:
     for mode in MODES:
         assert check_flags(src, servers.server_flags(settings, mode, 0.7)) == []
     assert check_flags(src, ("--host", "127.0.0.1", "--port", "30000", "--cuda-graph-max-bs-prefill", "512")) == []
+    # The flags parity reads from --sglang-arg (servers.ServerFacts) exist under these names.
+    assert check_flags(src, ("--cuda-graph-bs-prefill", "--cuda-graph-max-seq-len-prefill", "--chunked-prefill-size",
+                             "--max-total-tokens", "--tp-size", "--tensor-parallel-size", "--pp-size",
+                             "--pipeline-parallel-size", "--dp-size", "--data-parallel-size", "--context-length",
+                             "--dtype")) == []
     assert check_routes(src, ("/ready", "/generate", "/server_info")) == []
     fa3 = servers.DETERMINISM_FLAGS[servers.DETERMINISM_FLAGS.index("--attention-backend") + 1]
     assert check_list_member(src, "sglang.srt.arg_groups.choices", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES", fa3) == []

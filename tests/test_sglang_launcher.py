@@ -1,4 +1,5 @@
-"""Launcher, client and backend end to end against tests/sglang_standin.py (a stand-in, not SGLang).
+"""Server life against tests/sglang_standin.py (a stand-in, not SGLang): start, ready, stop, crash,
+Ctrl-C and SIGTERM, and the options that shape the servers. Verdicts are in test_sglang_backend.py.
 
 Every test checks that no process it started is left: the server's leader and the "scheduler"
 child it spawns in the same process group.
@@ -16,14 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, load_arms
 from parity.backends.base import Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
-from parity.fixtures import builtin_fixture
-from parity.results import ArmResult, CaseResult, FixtureInfo
 from parity.sglang import backend as sglang_backend
 from parity.sglang import launcher, servers
-from parity.verdict import judge_case
 
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
 REPO = STANDIN.parent.parent
@@ -66,92 +63,45 @@ def processor():
     return build_processor(build_tokenizer())
 
 
-def make_backend(run_dir: Path, processor, *standin_args: str, concurrent: bool = True,
+def make_backend(run_dir: Path, processor, *standin_args: str, concurrent: bool = False,
                  ready_timeout: float = 30.0, **kwargs) -> sglang_backend.SglangBackend:
+    from parity.models.tiny import PRESETS, build_config
+
     return sglang_backend.create_sglang_backend(
         model="tiny-standin", max_new_tokens=6, run_dir=run_dir, concurrent=concurrent,
         ready_timeout=ready_timeout, launch_command=[sys.executable, str(STANDIN), *standin_args],
-        processor=processor, stop_grace=5.0, ready_poll=0.05, **kwargs)
-
-
-def run_four_arms(backend: sglang_backend.SglangBackend) -> tuple[CaseResult, dict[str, object]]:
-    """What the experiment loop does: prepare, a session per mode, the arms then a text-only reuse
-    request on the same server, close in `finally`."""
-    fixture = builtin_fixture("rgb-stripes")
-    arms = load_arms()
-    results, follow_ups = [], {}
-    backend.prepare(("eager", "bcg"))
-    try:
-        for mode in ("eager", "bcg"):
-            with backend.session(mode) as session:
-                for name in (n for n in ARM_ORDER if arms[n].mode == mode):
-                    generation = session.generate(Request(fixture, "Describe the image."), arms[name].deepstack)
-                    results.append(ArmResult(name, mode, arms[name].deepstack, generation.token_ids,
-                                             generation.text, generation.token_logprobs, generation.top_logprobs,
-                                             generation.deepstack_record))
-                follow_ups[mode] = session.generate(Request(None, "Name a color."), "normal")
-    finally:
-        backend.close()
-    case = CaseResult("rgb-stripes/p", FixtureInfo(fixture.name, fixture.sha256, fixture.size), "Describe the image.",
-                      tuple(results))
-    return judge_case(case, 0.25), follow_ups
-
-
-# --- normal runs -------------------------------------------------------------------------------------------
-
-def test_concurrent_run_reproduces_the_drop_with_two_launches(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor)
-    case, follow_ups = run_four_arms(backend)
-
-    assert case.verdict.code == "FAIL_DEEPSTACK_DROPPED", case.verdict.reason
-    assert backend.launch_count == 2
-    records = {arm.name: arm.deepstack_record for arm in case.arms}
-    assert all(r is not None and r.calls == 1 and r.nonzero_rows > 0 for r in records.values())
-    assert {records[n].replay for n in (BCG_NORMAL, BCG_ZERO)} == {True}
-    assert {records[n].replay for n in (EAGER_NORMAL, EAGER_ZERO)} == {False}
-    assert len({r.sha256 for r in records.values()}) == 1  # raw rows only: same input in both modes
-    assert [records[n].action for n in ARM_ORDER] == ["normal", "zero", "normal", "zero"]
-    assert all(f.deepstack_record is None and len(f.token_ids) == 6 for f in follow_ups.values())
-    assert all(len(step) == 5 for arm in case.arms for step in arm.top_logprobs)
-
-    assert backend.environment()["sglang"] == "0.5.23+standin"
-    flags = backend.config()["sglang_servers"]
-    differing = set(flags["eager"]) ^ set(flags["bcg"])
-    assert differing == {"disabled", "breakable"}  # the servers differ only in the prefill backend
-    assert "--enable-deterministic-inference" in flags["eager"] and "0.35" in flags["eager"]  # split 0.70
-    assert {p.name for p in tmp_path.glob("*.log")} == {"sglang-eager.log", "sglang-bcg.log"}
-    assert_nothing_left(tmp_path)
-
-
-def test_upstream_fix_passes(tmp_path: Path, processor) -> None:
-    case, _ = run_four_arms(make_backend(tmp_path, processor, "--standin-deepstack-replay"))
-    assert case.verdict.code == "PASS", case.verdict.reason
-    assert_nothing_left(tmp_path)
+        processor=processor, model_config=build_config(PRESETS["tiny-qwen3-vl"], processor.tokenizer),
+        stop_grace=5.0, ready_poll=0.05, **kwargs)
 
 
 def test_sequential_sessions_launch_one_server_at_a_time(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", concurrent=False)
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text")
     backend.prepare(("eager", "bcg"))
     assert backend.launch_count == 0  # sequential: nothing starts before its session
     try:
         with backend.session("eager") as session:
             first = session.generate(Request(None, "Name a color."), "zero")
-            eager_pid = session.server.pid
+            eager_pid = session.process.pid
         assert not running(eager_pid)  # stopped before the next mode's server starts
         with backend.session("bcg") as session:
-            assert session.generate(Request(None, "Name a color."), "normal").token_ids == first.token_ids
+            again = session.generate(Request(None, "Name a color."), "normal")
     finally:
         backend.close()
+    assert again.token_ids == first.token_ids and len(first.token_ids) == 6
+    assert first.evidence.prefill_replayed is False and again.evidence.prefill_replayed is True
+    assert first.deepstack_record is None and first.evidence.tap_calls == 0  # text only: no DeepStack rows
     assert backend.launch_count == 2
-    assert backend.config()["sglang_servers"]["eager"][backend.config()["sglang_servers"]["eager"].index(
-        "--mem-fraction-static") + 1] == "0.7"
+    flags = backend.config()["sglang_servers"]
+    assert flags["eager"][flags["eager"].index("--mem-fraction-static") + 1] == "0.7"
+    assert set(flags["eager"]) ^ set(flags["bcg"]) == {"disabled", "breakable"}  # the only difference
+    assert {p.name for p in tmp_path.glob("*.log")} == {"sglang-eager.log", "sglang-bcg.log"}
     assert_nothing_left(tmp_path)
 
 
 # --- failures are verdicts ---------------------------------------------------------------------------------
 
 def test_readiness_timeout_is_an_arm_failure(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-never-ready", ready_timeout=0.5, concurrent=False)
+    backend = make_backend(tmp_path, processor, "--standin-never-ready", ready_timeout=0.5)
     backend.prepare(("eager",))
     with pytest.raises(ArmFailure, match="not ready after 0.5 s") as caught:
         with backend.session("eager"):
@@ -178,8 +128,7 @@ def test_exit_during_start_up_fails_only_that_mode(tmp_path: Path, processor) ->
 
 
 def test_crash_mid_run_fails_the_remaining_arms_and_reaps_the_group(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", "--standin-crash-after", "1",
-                           concurrent=False)
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", "--standin-crash-after", "2")  # the tap probe, one request
     backend.prepare(("eager",))
     try:
         with backend.session("eager") as session:
@@ -194,11 +143,13 @@ def test_crash_mid_run_fails_the_remaining_arms_and_reaps_the_group(tmp_path: Pa
     assert_nothing_left(tmp_path)  # the orphaned scheduler child included
 
 
-def test_server_without_the_plugin_is_refused(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", "--standin-no-plugin", concurrent=False)
-    with pytest.raises(ArmFailure, match="did not load parity's plugin"):
+def test_a_server_whose_hook_never_fires_is_refused_at_start(tmp_path: Path, processor) -> None:
+    # Proof comes from the hook firing on a probe request in the model's process, not a marker.
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", "--standin-no-plugin")
+    with pytest.raises(ArmFailure, match="the tap never fired") as caught:
         with backend.session("eager"):
             pass
+    assert "standin: pid" in caught.value.log_tail
     backend.close()
     assert_nothing_left(tmp_path)
 
@@ -231,7 +182,7 @@ def test_ctrl_c_during_start_up_leaves_nothing(tmp_path: Path, processor, monkey
 
     monkeypatch.setattr(launcher, "start_server", start_and_keep)
     monkeypatch.setattr(launcher, "wait_ready", interrupted)
-    backend = make_backend(tmp_path, processor, "--standin-warmup", "text")
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", concurrent=True, gpus=(0, 1))
     with pytest.raises(KeyboardInterrupt):
         try:
             backend.prepare(("eager", "bcg"))
@@ -243,7 +194,7 @@ def test_ctrl_c_during_start_up_leaves_nothing(tmp_path: Path, processor, monkey
 
 
 def test_ctrl_c_inside_a_session_leaves_nothing(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", concurrent=False)
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text")
     with pytest.raises(KeyboardInterrupt):
         try:
             with backend.session("eager"):
@@ -280,22 +231,61 @@ def test_user_args_are_split_and_reserved_flags_refused(tmp_path: Path, processo
     assert backend.config()["sglang_servers"]["bcg"][-2:] == ["--chunked-prefill-size", "4096"]
 
 
-def test_placements_split_memory_on_one_gpu_and_gpus_when_enough() -> None:
-    base = servers.SglangSettings(model="m", max_new_tokens=1, run_dir=Path("."), mem_fraction=0.8)
-    modes = ("eager", "bcg")
-    one = servers.placements(servers.SglangSettings(**{**base.__dict__, "concurrent": True}), modes)
-    assert {p.mem_fraction for p in one.values()} == {0.4} and {p.gpus for p in one.values()} == {None}
-    two = servers.placements(
-        servers.SglangSettings(**{**base.__dict__, "concurrent": True, "gpus": (2, 3)}), modes)
-    assert (two["eager"].gpus, two["bcg"].gpus, two["bcg"].mem_fraction) == ((2,), (3,), 0.8)
-    seq = servers.placements(servers.SglangSettings(**{**base.__dict__, "gpus": (1,)}), modes)
-    assert {(p.gpus, p.mem_fraction) for p in seq.values()} == {((1,), 0.8)}
+def plan(**kwargs) -> servers.LaunchPlan:
+    return servers.plan_launch(servers.SglangSettings(model="m", max_new_tokens=1, run_dir=Path("."),
+                                                      mem_fraction=0.8, **kwargs))
 
 
-def test_prefill_buckets_follow_sglang() -> None:
-    buckets = servers.prefill_buckets(8192)
-    assert buckets[:3] == (4, 8, 12) and 48 in buckets and 36 not in buckets and buckets[-1] == 8192
-    assert servers.prefill_buckets(100)[-1] == 96
+def test_concurrent_plans_stagger_shared_gpus_and_split_own_ones() -> None:
+    shared = plan(concurrent=True)
+    assert shared.stages == (("eager",), ("bcg",))
+    assert shared.placements["eager"] == servers.Placement(None, 0.4)
+    assert shared.placements["bcg"].share == 0.4  # its fraction is worked out from free memory at its start
+    own = plan(concurrent=True, gpus=(2, 3))
+    assert own.stages == (("eager", "bcg"),)
+    assert (own.placements["eager"].gpus, own.placements["bcg"].gpus, own.placements["bcg"].mem_fraction) == (
+        (2,), (3,), 0.8)
+    tp2 = plan(concurrent=True, gpus=(0, 1), sglang_args=("--tp-size", "2"))
+    assert tp2.stages == (("eager",), ("bcg",)) and tp2.placements["bcg"].gpus == (0, 1)
+    seq = plan(gpus=(1,))
+    assert {(p.gpus, p.mem_fraction, p.share) for p in seq.placements.values()} == {((1,), 0.8, None)}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"concurrent": True, "gpus": (0, 1, 2), "sglang_args": ("--tp-size", "2")}, "give 2 GPU"),
+    ({"gpus": (0,), "sglang_args": ("--tp-size=2",)}, "needs 2 GPUs"),
+    ({"concurrent": True, "gpus": (1, 1)}, "lists a GPU twice"),
+])
+def test_impossible_gpu_combinations_are_refused_up_front(kwargs, message) -> None:
+    with pytest.raises(UsageError, match=message):
+        plan(**kwargs)
+
+
+def test_fraction_for_a_share_of_the_total_follows_free_memory() -> None:
+    assert servers.fraction_for_share(0.35, (70.0, 140.0)) == pytest.approx(0.7)
+    assert servers.fraction_for_share(0.35, None) == pytest.approx(0.35 / 0.65)  # errs towards less
+
+
+@pytest.mark.parametrize("args, largest, count", [
+    ((), 8192, 58),
+    (("--cuda-graph-max-bs-prefill", "1000"), 960, 37),
+    (("--cuda-graph-max-bs-prefill=512",), 512, 30),
+    (("--cuda-graph-bs-prefill", "64", "16", "32", "--tp-size", "1"), 64, 3),
+    (("--cuda-graph-bs-prefill=48",), 48, 1),
+    (("--chunked-prefill-size", "4096"), 4096, 50),
+    (("--max-total-tokens", "300"), 288, 23),
+])
+def test_prefill_buckets_follow_sglang(args, largest, count) -> None:
+    facts = servers.ServerFacts.parse(args)
+    assert facts.max_bucket == largest and len(facts.prefill_buckets) == count
+    assert facts.bucket_of(largest) == largest and facts.bucket_of(largest + 1) is None
+
+
+def test_bucket_of_honours_the_replay_length_limit_and_bad_values_are_usage_errors() -> None:
+    facts = servers.ServerFacts.parse(("--cuda-graph-max-seq-len-prefill", "100"))
+    assert facts.bucket_of(97) == 112 and facts.bucket_of(101) is None
+    with pytest.raises(UsageError, match="needs one integer"):
+        servers.ServerFacts.parse(("--cuda-graph-max-bs-prefill", "lots"))
 
 
 def test_missing_sglang_or_port_is_backend_unavailable(tmp_path: Path, processor,

@@ -1,4 +1,5 @@
-"""The SGLang tap hook on a kwargs dict shaped as prepare_mm_inputs leaves it (no SGLang needed)."""
+"""The SGLang tap hook on arguments shaped as prepare_mm_inputs gets them, and the evidence parity
+assembles from its entries (no SGLang needed; test_sglang_real.py calls the real code)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from parity.sglang import plugin
-from parity.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapChannelError, TapHook, TapEntry
+from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
+from parity.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapChannelError, TapEntry, TapHook
 from parity.tap import fingerprint
 
 RAW, BUCKET, WIDTH = 6, 8, 12  # 6 real tokens padded to an 8-token bucket, 4 x 3 DeepStack
@@ -36,10 +38,21 @@ class EagerLM:
         return None
 
 
-def call(hook: TapHook, lm_kwargs: dict, lm: object = None, raw: int | None = RAW) -> None:
-    batch = SimpleNamespace(extend_seq_lens_cpu=[raw]) if raw is not None else SimpleNamespace()
+class Mode:
+    def __init__(self, extend: bool) -> None:
+        self.extend = extend
+
+    def is_extend(self) -> bool:
+        return self.extend
+
+
+def call(hook: TapHook, lm_kwargs: dict, lm: object = None, raw: int | None = RAW, rows: int = BUCKET,
+         extend: bool = True) -> None:
+    batch = SimpleNamespace(forward_mode=Mode(extend), extend_seq_lens_cpu=[raw] if raw is not None else None)
+    input_ids = torch.zeros(rows, dtype=torch.long)  # [tokens]: the bucket under replay
     # Positional, exactly like general_mm_embed_routine: (input_ids, forward_batch, lm, kwargs, ...).
-    assert hook(None, None, batch, lm if lm is not None else EagerLM(), lm_kwargs, None, None, None, {}, None) is None
+    assert hook(None, input_ids, batch, lm if lm is not None else EagerLM(), lm_kwargs, None, None, None, {},
+                None) is None
 
 
 @pytest.fixture
@@ -63,6 +76,8 @@ def test_zero_replaces_raw_rows_keeps_tail_and_fingerprints_what_it_saw(channel:
     assert torch.count_nonzero(original[1:4]) > 0  # the live tensor itself is not modified
     (entry,) = channel.entries("req-1")
     assert entry.record.action == "zero" and entry.record.replay is True
+    assert (entry.extend, entry.tokens, entry.raw_tokens, entry.replay) == (True, BUCKET, RAW, True)
+    assert entry.pid > 0 and entry.role
     assert entry.record.shape == (RAW, WIDTH)
     assert entry.record.sha256 == fingerprint(original[:RAW], "zero").sha256
     assert entry.record.nonzero_rows == 3
@@ -81,7 +96,7 @@ def test_record_passes_the_same_object_and_notes_eager(channel: TapChannel) -> N
 def test_eager_and_padded_graph_fingerprints_agree_on_raw_rows(channel: TapChannel) -> None:
     hook = TapHook(channel, capturing=lambda: False)
     channel.arm("record", "eager")
-    call(hook, {DEEPSTACK_KEY: deepstack()[:RAW].clone()})  # eager: raw rows only
+    call(hook, {DEEPSTACK_KEY: deepstack()[:RAW].clone()}, rows=RAW)  # eager: raw rows only
     channel.arm("record", "graph")
     call(hook, {DEEPSTACK_KEY: deepstack()}, lm=replay_lm())  # graph: padded to the bucket
     assert channel.entries("eager")[0].record.sha256 == channel.entries("graph")[0].record.sha256
@@ -96,12 +111,26 @@ def test_no_control_file_passes_through_and_records_nothing(channel: TapChannel)
     assert not channel.records_path.exists()
 
 
-def test_absent_key_is_ignored_without_reading_control(channel: TapChannel) -> None:
-    channel.control_path.write_text("not json")  # would raise if the hook read it
+def test_text_only_and_decode_entries_are_recorded_without_a_tap(channel: TapChannel) -> None:
+    # A text-only request in a bcg sequence must still show whether its prefill replayed.
+    channel.arm("zero", "text")
+    hook = TapHook(channel, capturing=lambda: False)
     lm_kwargs = {"positions": None}
-    call(TapHook(channel, capturing=lambda: False), lm_kwargs)
-    call(TapHook(channel, capturing=lambda: False), {DEEPSTACK_KEY: None})
-    assert lm_kwargs == {"positions": None} and not channel.records_path.exists()
+    call(hook, lm_kwargs, lm=replay_lm())  # prefill: no DeepStack key
+    call(hook, {DEEPSTACK_KEY: None}, raw=None, rows=1, extend=False)  # a decode step
+    assert lm_kwargs == {"positions": None}
+    prefill, decode = channel.entries("text")
+    assert (prefill.extend, prefill.replay, prefill.tokens, prefill.record) == (True, True, BUCKET, None)
+    assert (decode.extend, decode.replay, decode.tokens, decode.record) == (False, False, 1, None)
+
+
+def test_untagged_calls_never_read_more_than_the_control_file(channel: TapChannel) -> None:
+    channel.control_path.write_text("not json")  # a garbled control file is loud, not ignored
+    with pytest.raises(TapChannelError):
+        call(TapHook(channel, capturing=lambda: False), {"positions": None})
+    channel.disarm()
+    call(TapHook(channel, capturing=lambda: False), {"positions": None})
+    assert not channel.records_path.exists()
 
 
 def test_capture_in_progress_is_left_alone(channel: TapChannel) -> None:
@@ -130,12 +159,47 @@ def test_mode_switches_between_requests_and_records_split_by_tag(channel: TapCha
     assert [e.record.action for t in "abc" for e in channel.entries(t)] == ["normal", "zero", "normal"]
 
 
-def test_request_record_counts_entries_of_the_first_rank(channel: TapChannel) -> None:
-    first = fingerprint(deepstack()[:RAW], "normal")
-    entries = [TapEntry("t", 10, first), TapEntry("t", 11, first), TapEntry("t", 10, first)]
-    record = plugin.request_record(entries)
-    assert record is not None and record.calls == 2 and record.sha256 == first.sha256
-    assert plugin.request_record([]) is None
+def entry(pid: int = 10, extend: bool | None = True, replay: bool = False, tapped: bool = True,
+          tokens: int = BUCKET) -> TapEntry:
+    record = fingerprint(deepstack()[:RAW], "normal") if tapped else None
+    return TapEntry("t", pid, "sglang::scheduler", extend, tokens, RAW, replay, record)
+
+
+def test_request_record_counts_entries_of_the_first_rank() -> None:
+    request = TaggedRequest(RAW, True, (entry(10), entry(11), entry(10), entry(10, extend=False, tapped=False)))
+    record = request_record(request)
+    assert record is not None and record.calls == 2 and record.replay is False
+    assert request_record(TaggedRequest(RAW, False, ())) is None
+
+
+def test_evidence_counts_entries_replays_buckets_and_taps() -> None:
+    generation = TaggedRequest(30, True, (entry(replay=True, tokens=32), entry(extend=False, tapped=False)))
+    forced = TaggedRequest(36, True, (entry(replay=True, tokens=48),))
+    evidence = arm_evidence([generation, forced], max_bucket=64)
+    assert (evidence.lm_calls, evidence.replayed_calls, evidence.tap_calls) == (3, 2, 2)
+    assert evidence.prefill_replayed is True and evidence.buckets == (32, 48)
+    assert (evidence.prompt_tokens, evidence.max_bucket) == (30, 64) and evidence.inconsistency() is None
+
+
+def test_one_eager_prefill_means_not_replayed_and_names_that_prompt() -> None:
+    generation = TaggedRequest(30, True, (entry(replay=True, tokens=32),))
+    forced = TaggedRequest(70, True, (entry(replay=False),))  # longer than every bucket
+    evidence = arm_evidence([generation, forced], max_bucket=64)
+    assert evidence.prefill_replayed is False and evidence.prompt_tokens == 70
+
+
+def test_batches_that_do_not_say_extend_leave_replay_unknown() -> None:
+    evidence = arm_evidence([TaggedRequest(30, True, (entry(extend=None, replay=True),))], max_bucket=64)
+    assert evidence.prefill_replayed is None
+
+
+def test_silent_tap_is_named() -> None:
+    with pytest.raises(TapSilence, match="recorded no LM entry"):
+        check_fired(TaggedRequest(30, False, ()), 3, "request")
+    with pytest.raises(TapSilence, match="no input_deepstack_embeds rows"):
+        check_fired(TaggedRequest(30, True, (entry(tapped=False),)), 3, "request")
+    check_fired(TaggedRequest(30, True, (entry(tapped=False),)), 0, "request")  # no DeepStack to see
+    check_fired(TaggedRequest(30, False, (entry(tapped=False),)), 3, "request")  # text only
 
 
 def test_garbled_control_file_fails_loudly(channel: TapChannel) -> None:
@@ -170,4 +234,3 @@ def test_register_adds_an_after_hook_on_prepare_mm_inputs(tmp_path: Path, monkey
     ((target, hook, kind),) = calls
     assert target == "sglang.srt.managers.mm_utils.prepare_mm_inputs" and kind == "after"
     assert isinstance(hook, TapHook) and hook.channel.folder == tmp_path / "tap"
-    assert TapChannel(tmp_path / "tap").loaded_pids() != []

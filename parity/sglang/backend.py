@@ -1,9 +1,9 @@
 """The `sglang` backend: one real SGLang server per execution mode, the tap toggled per request.
 
-Eager and bcg servers differ only in the arms' `--cuda-graph-backend-prefill` value; everything
-else is the determinism set of sglang-0.5.23.md §7 plus the user's `--sglang-arg`s. DeepStack
-normal/zero is switched inside a running server through the plugin's channel, so four arms cost
-two launches, and with `concurrent` both start-ups overlap.
+Eager and bcg servers differ only in the arms' `--cuda-graph-backend-prefill` value (servers.py).
+DeepStack normal/zero is switched inside a running server through the plugin's channel, so every
+scenario of a run costs two launches. Each request is tagged, and its evidence is what the hook
+recorded for that tag in the process that ran the model, never what the flags imply.
 """
 
 from __future__ import annotations
@@ -24,100 +24,97 @@ from typing import Any, Iterator, Mapping, Sequence
 from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
-from parity.fixtures import Fixture
-from parity.models.qwen3_vl import chat_text
 from parity.sglang import client, launcher, plugin
+from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
+from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.sglang.servers import (
-    DEFAULT_MAX_PREFILL_BUCKET, DEFAULT_MEM_FRACTION, LAUNCH_MODULE, Placement, SglangSettings, mode_flags,
-    placements, prefill_buckets, server_env, server_flags, split_user_args,
+    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, fraction_for_share,
+    mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 
 TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
+PROBE_PROMPT = "Say OK."
+# What a bcg server that dies while starting most likely hit (sglang-0.5.23.md §8).
+BCG_START_HINT = ("SGLang's warm-up sends an image request through the prefill graph, so a crash here is most "
+                  "likely the multimodal BCG replay fault, not the DeepStack drop (see docs/sglang-runbook.md)")
 
 
-# --- prompts and images ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Server:
+    """A ready server of one mode and the channel of its tap."""
 
-class ChatPrompts:
-    """The model's own chat template and image placeholder, from its processor (client side)."""
-
-    def __init__(self, processor: Any) -> None:
-        self._processor = processor
-
-    @classmethod
-    def load(cls, model: str) -> "ChatPrompts":
-        from transformers import AutoProcessor
-
-        try:
-            return cls(AutoProcessor.from_pretrained(model))
-        except Exception as err:  # offline, gated, not a VLM: all mean "cannot build prompts"
-            raise UsageError(f"cannot load the processor of {model!r} to build prompts with its chat "
-                             f"template ({err.__class__.__name__}: {err}); download it first or pass "
-                             "a local checkpoint path") from None
-
-    def text(self, request: Request) -> str:
-        text = chat_text(self._processor, request.fixture, request.prompt)
-        placeholder = getattr(self._processor, "image_token", None)
-        if request.fixture is not None and placeholder and placeholder not in text:
-            raise UsageError(f"the chat template put no image placeholder {placeholder!r} into the prompt")
-        return text
-
-    def length(self, request: Request) -> int:
-        images = [request.fixture.image] if request.fixture is not None else None
-        encoded = self._processor(text=[self.text(request)], images=images)
-        return len(encoded["input_ids"][0])
-
-
-class ImageFiles:
-    """Fixtures saved once as PNG (lossless, decoded by PIL in SGLang) under the run folder."""
-
-    def __init__(self, folder: Path) -> None:
-        self._folder = folder
-
-    def path(self, fixture: Fixture) -> str:
-        path = (self._folder / f"{fixture.name}-{fixture.sha256[:12]}.png").resolve()
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fixture.image.save(path, format="PNG")
-        return str(path)  # absolute: SGLang base64-decodes relative paths
+    process: launcher.ServerProcess
+    channel: plugin.TapChannel
 
 
 # --- the session -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class SglangSession:
-    """A ready server in one mode; requests go one at a time, the tap set before each."""
+    """A ready server in one mode; requests go one at a time, each tagged, the tap set before each."""
 
-    server: launcher.ServerProcess
-    channel: plugin.TapChannel
-    prompts: ChatPrompts
-    images: ImageFiles
-    max_new_tokens: int
+    server: Server
+    backend: "SglangBackend"
 
-    def generate(self, request: Request, deepstack: str) -> Generation:
+    @property
+    def process(self) -> launcher.ServerProcess:
+        return self.server.process
+
+    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
         if deepstack not in TAP_MODE_OF:
             raise UsageError(f"unknown deepstack action {deepstack!r}; known: {', '.join(TAP_MODE_OF)}")
-        if not self.server.alive():
-            raise self.server.exited_failure()
-        tag = uuid.uuid4().hex
-        image = self.images.path(request.fixture) if request.fixture is not None else None
-        body = client.generate_body(self.prompts.text(request), image, self.max_new_tokens, rid=tag)
-        self.channel.arm(TAP_MODE_OF[deepstack], tag)
+        if not self.process.alive():
+            raise self.process.exited_failure()
+        prompts, image = self.backend.prompts, self.backend.images.path(request.fixture)
+        tap = TAP_MODE_OF[deepstack]
+        text = prompts.text(request)
+        doc, generated = self._tagged(tap, lambda tag: client.generate_body(
+            text, image, self.backend.settings.max_new_tokens, rid=tag))
+        answer = self._parsed(client.parse_completion, doc)
+        requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
+        forced, start = [], time.perf_counter()
+        prompt = prompts.unexpanded(answer.prompt_ids)
+        for tokens in force:
+            doc, scored = self._tagged(tap, lambda tag: client.score_body(
+                prompt, tokens, len(answer.prompt_ids), image, rid=tag))
+            forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
+            requests.append(TaggedRequest(len(answer.prompt_ids) + len(tokens), image is not None, scored))
+        forced_seconds = time.perf_counter() - start
+        layers = self.backend.facts.deepstack_layers
         try:
-            completion = self._post(body)
-        finally:
-            self.channel.disarm()
-        record = plugin.request_record(self.channel.entries(tag))
-        return replace(completion, deepstack_record=record)
+            for i, tagged in enumerate(requests):
+                check_fired(tagged, layers, "request" if i == 0 else f"teacher-forced scoring request {i}")
+        except TapSilence as silence:
+            raise self.process.failure(str(silence)) from None
+        return replace(answer.generation, deepstack_record=request_record(requests[0]),
+                       evidence=arm_evidence(requests, self.backend.server_facts.max_bucket),
+                       forced=tuple(forced), forced_seconds=forced_seconds)
 
-    def _post(self, body: Mapping[str, Any]) -> Generation:
+    def _tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
+        """POST one request under its own tag; its answer and the LM entries the hook recorded for it."""
+        tag = uuid.uuid4().hex
+        self.server.channel.arm(tap, tag)
         try:
-            return client.parse_completion(client.post_json(f"{self.server.base_url}/generate", body))
+            doc = self._post(body_for(tag))
+        finally:
+            self.server.channel.disarm()
+        return doc, tuple(self.server.channel.entries(tag))
+
+    def _parsed(self, parse, doc):
+        try:
+            return parse(doc)
         except client.ServerRejected as err:
-            raise self.server.failure(str(err)) from None
+            raise self.process.failure(str(err)) from None
+
+    def _post(self, body: Mapping[str, Any]) -> dict:
+        try:
+            return client.post_json(f"{self.process.base_url}/generate", body)
+        except client.ServerRejected as err:
+            raise self.process.failure(str(err)) from None
         except client.ServerUnreachable as err:
-            if _exited_within(self.server, 5.0):
-                raise self.server.failure(f"died mid-run with code {self.server.exit_code()}") from None
-            raise self.server.failure(f"connection lost: {err}") from None
+            if _exited_within(self.process, 5.0):
+                raise self.process.failure(f"died mid-run with code {self.process.exit_code()}") from None
+            raise self.process.failure(f"connection lost: {err}") from None
 
 
 def _exited_within(server: launcher.ServerProcess, seconds: float) -> bool:
@@ -133,29 +130,46 @@ def _exited_within(server: launcher.ServerProcess, seconds: float) -> bool:
 class SglangBackend:
     name = "sglang"
 
-    def __init__(self, settings: SglangSettings, prompts: ChatPrompts) -> None:
+    def __init__(self, settings: SglangSettings, prompts: ChatPrompts, facts: CheckpointFacts) -> None:
         self.settings = settings
-        self._prompts = prompts
-        self._images = ImageFiles(settings.run_dir / "images")
+        self.prompts = prompts
+        self.facts = facts
+        self.server_facts = settings.facts
+        self.images = ImageFiles(settings.run_dir / "images")
+        self.plan = plan_launch(settings)  # refuses impossible GPU combinations before any start
         self._modes: tuple[str, ...] = MODES
-        self._servers: dict[str, tuple[launcher.ServerProcess, plugin.TapChannel]] = {}
+        self._servers: dict[str, Server] = {}
         self._failures: dict[str, ArmFailure] = {}
         self._launches: dict[str, int] = {}
+        self._commands: dict[str, list[str]] = {}
+        self._tap_processes: dict[str, list[str]] = {}
         self._version: str | None = None
 
     @property
     def launch_count(self) -> int:
         return sum(self._launches.values())
 
-    def prepare(self, modes: Sequence[str]) -> None:
+    @property
+    def max_positions(self) -> int | None:
+        return self.server_facts.context_length or self.facts.max_positions
+
+    def bucket_of(self, num_tokens: int) -> int | None:
+        return self.server_facts.bucket_of(num_tokens)
+
+    def prompt_length(self, request: Request) -> int:
+        return self.prompts.length(request)
+
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = ()) -> None:
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise UsageError(f"unknown mode {', '.join(unknown)}; known: {', '.join(MODES)}")
-        self._modes = tuple(modes)
         for mode in modes:
             mode_flags(mode)  # fail on inconsistent arm files before any launch
-        if self.settings.concurrent:
-            self._launch(self._modes)
+        self._modes = tuple(modes)
+        self.plan = plan_launch(self.settings, self._modes)
+        if self.settings.concurrent and len(modes) > 1:
+            for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
+                self._launch(tuple(m for m in stage if m in modes))
 
     @contextmanager
     def session(self, mode: str) -> Iterator[SglangSession]:
@@ -163,92 +177,112 @@ class SglangBackend:
             self._launch((mode,))
         if mode in self._failures:
             raise self._failures[mode]
-        server, channel = self._servers[mode]
+        server = self._servers[mode]
         try:
-            yield SglangSession(server, channel, self._prompts, self._images, self.settings.max_new_tokens)
+            yield SglangSession(server, self)
         finally:
             # Free the GPU as soon as the mode is done; a later session(mode) launches anew.
             self._servers.pop(mode, None)
-            server.stop(self.settings.stop_grace)
+            server.process.stop(self.settings.stop_grace)
+
+    # --- launching -----------------------------------------------------------------------------
 
     def _launch(self, modes: Sequence[str]) -> None:
-        where = placements(self.settings, modes)
         started = []
         for mode in modes:
             try:
-                started.append(self._start(mode, where[mode]))
+                started.append(self._start(mode, self.plan.placements[mode]))
             except ArmFailure as failure:
                 self._failures[mode] = failure
-        failures = launcher.wait_ready([server for server, _ in started], self.settings.ready_timeout,
+        failures = launcher.wait_ready([s.process for s in started], self.settings.ready_timeout,
                                        self.settings.ready_poll)
-        for server, channel in started:
-            failure = failures.get(server.name) or self._check_plugin(server, channel)
+        for server in started:
+            mode = server.process.name
+            failure = failures.get(mode)
+            if failure is not None and mode == "bcg" and server.process.exit_code() is not None:
+                failure = ArmFailure(f"{failure}; {BCG_START_HINT}", log_tail=failure.log_tail)
+            failure = failure or self._probe(server)
             if failure is not None:
-                self._servers.pop(server.name, None)
-                server.stop(self.settings.stop_grace)
-                self._failures[server.name] = failure
+                self._servers.pop(mode, None)
+                server.process.stop(self.settings.stop_grace)
+                self._failures[mode] = failure
             elif self._version is None:
-                self._version = _server_version(server)
+                self._version = _server_version(server.process)
 
-    def _start(self, mode: str, placement: Placement) -> tuple[launcher.ServerProcess, plugin.TapChannel]:
+    def _start(self, mode: str, placement: Placement) -> Server:
+        fraction = self._fraction(mode, placement)
         count = self._launches.get(mode, 0) + 1
         self._launches[mode] = count
         stem = f"sglang-{mode}" if count == 1 else f"sglang-{mode}-{count}"
         channel = plugin.TapChannel(self.settings.run_dir / f"{stem}.tap")
         channel.create()
-        spec = launcher.ServerSpec(
-            name=mode,
-            command=(*self.settings.launch_command, *server_flags(self.settings, mode, placement.mem_fraction)),
-            log_path=self.settings.run_dir / f"{stem}.log",
-            env=MappingProxyType(server_env(channel, placement)),
-        )
-        server = launcher.start_server(spec)
+        command = (*self.settings.launch_command, *server_flags(self.settings, mode, fraction))
+        spec = launcher.ServerSpec(name=mode, command=command, log_path=self.settings.run_dir / f"{stem}.log",
+                                   env=MappingProxyType(server_env(channel, placement)))
+        self._commands[mode] = list(command[len(self.settings.launch_command):])
+        server = Server(launcher.start_server(spec), channel)
         # Registered before waiting: a Ctrl-C during start-up still finds it in close().
-        self._servers[mode] = (server, channel)
-        return server, channel
+        self._servers[mode] = server
+        return server
 
-    @staticmethod
-    def _check_plugin(server: launcher.ServerProcess, channel: plugin.TapChannel) -> ArmFailure | None:
-        if channel.loaded_pids():
-            return None
-        return server.failure(
-            f"did not load parity's plugin (no marker in {channel.folder}); install parity in the "
-            f"server's Python environment (pip install -e '.[sglang]') so the {plugin.ENTRY_POINT_GROUP} "
-            f"entry point is found, and keep '{plugin.ENTRY_POINT_NAME}' in SGLANG_PLUGINS if you set it")
+    def _fraction(self, mode: str, placement: Placement) -> float:
+        """The placement's fraction; for a server sharing GPUs with one already running, the fraction
+        of the memory free now that gives it its share of the total (SGLang 0.5.23 sizes from free)."""
+        if placement.share is None:
+            return placement.mem_fraction
+        reader = self.settings.gpu_memory or gpu_memory
+        memory = reader(placement.gpus, self.server_facts.gpus_per_server)
+        fraction = fraction_for_share(placement.share, memory)
+        if fraction > MAX_MEM_FRACTION:
+            free = "unknown" if memory is None else f"{memory[0] / 1024:.1f} of {memory[1] / 1024:.1f} GiB"
+            raise ArmFailure(f"{mode} server: not started: after the first server started, the GPU memory free "
+                             f"({free}) cannot give it {placement.share:.2f} of the GPU; lower --mem-fraction, "
+                             "give each server its own GPU with --gpus, or run without --concurrent")
+        return fraction
 
-    def bucket_of(self, num_tokens: int) -> int | None:
-        return next((b for b in prefill_buckets(self._max_prefill_bucket()) if b >= num_tokens), None)
+    def _probe(self, server: Server) -> ArmFailure | None:
+        """One tagged text-only request: the hook must record it in the process that runs the model."""
+        session = SglangSession(server, self)
+        try:
+            doc, entries = session._tagged("record", lambda tag: client.generate_body(
+                self.prompts.text(Request(None, PROBE_PROMPT)), None, 1, rid=tag))
+        except ArmFailure as failure:
+            return failure
+        if not entries:
+            return server.process.failure(
+                "the tap never fired: the hook recorded nothing for a request in the server's model process; "
+                f"install parity in the server's Python environment (pip install -e '.[sglang]') so the "
+                f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in "
+                "SGLANG_PLUGINS if you set it, and look for 'Failed to apply hooks' in the log")
+        self._tap_processes[server.process.name] = processes(entries)
+        return None
 
-    def _max_prefill_bucket(self) -> int:
-        args = self.settings.sglang_args
-        for flag, value in zip(args, args[1:]):
-            if flag == "--cuda-graph-max-bs-prefill":
-                return int(value)
-        return DEFAULT_MAX_PREFILL_BUCKET
-
-    def prompt_length(self, request: Request) -> int:
-        return self._prompts.length(request)
+    # --- reporting -----------------------------------------------------------------------------
 
     def environment(self) -> Mapping[str, Any]:
         gpu = _gpu_name(self.settings.gpus)
         return {"sglang": self._version or _installed_sglang(), "device": "cuda" if gpu else "cpu", "gpu": gpu}
 
     def config(self) -> Mapping[str, Any]:
-        where = placements(self.settings, self._modes)
+        planned = {m: list(server_flags(self.settings, m, self.plan.placements[m].mem_fraction)) for m in self._modes}
         return {
-            "sglang_servers": {mode: list(server_flags(self.settings, mode, where[mode].mem_fraction))
-                               for mode in self._modes},
+            "dtype": self.server_facts.dtype or self.facts.dtype,
+            "deepstack_layers": self.facts.deepstack_layers,
+            "sglang_servers": {m: self._commands.get(m, planned[m]) for m in self._modes},
             "sglang_args": list(self.settings.sglang_args),
             "sglang_concurrent": self.settings.concurrent,
-            "sglang_gpus": {mode: list(p.gpus) if p.gpus is not None else None for mode, p in where.items()},
+            "sglang_start_order": [list(s) for s in self.plan.stages] if self.settings.concurrent else None,
+            "sglang_gpus": {m: None if p.gpus is None else list(p.gpus) for m, p in self.plan.placements.items()
+                            if m in self._modes},
             "sglang_launches": self.launch_count,
+            "sglang_prefill_buckets": {"max": self.server_facts.max_bucket, "count": len(self.server_facts.prefill_buckets)},
+            "sglang_tap_processes": dict(self._tap_processes),
             "top_logprobs_num": client.TOP_LOGPROBS,
         }
 
     def close(self) -> None:
         for mode in list(self._servers):
-            server, _ = self._servers.pop(mode)
-            server.stop(self.settings.stop_grace)
+            self._servers.pop(mode).process.stop(self.settings.stop_grace)
 
 
 def _server_version(server: launcher.ServerProcess) -> str | None:
@@ -271,6 +305,21 @@ def _gpu_name(gpus: tuple[int, ...]) -> str | None:
              if line.strip()]
     index = gpus[0] if gpus else 0
     return names[index] if index < len(names) else None
+
+
+def gpu_memory(gpus: Sequence[int] | None, count: int) -> tuple[float, float] | None:
+    """(free, total) MiB of the tightest of a server's GPUs, as nvidia-smi reports them now; None
+    where it cannot tell. Without --gpus, the server's GPUs are the first `count` visible ones."""
+    rows = {}
+    for line in _nvidia_smi("--query-gpu=index,memory.free,memory.total", "--format=csv,noheader,nounits").splitlines():
+        try:
+            index, free, total = (float(x) for x in line.split(","))
+        except ValueError:
+            continue
+        rows[int(index)] = (free, total)
+    chosen = list(gpus) if gpus else sorted(rows)[:count]
+    found = [rows[i] for i in chosen if i in rows]
+    return min(found) if found and len(found) == len(chosen) else None
 
 
 def _nvidia_smi(*args: str) -> str:
@@ -324,25 +373,30 @@ def create_sglang_backend(
     ready_timeout: float = 1800.0,
     launch_command: Sequence[str] | None = None,
     processor: Any = None,
+    model_config: Any = None,
     stop_grace: float = launcher.STOP_GRACE_S,
     ready_poll: float = launcher.POLL_S,
+    gpu_memory_reader=None,
 ) -> SglangBackend:
     """The backend the CLI builds. `launch_command` replaces `python -m sglang.launch_server`
-    (tests start a stand-in) and then skips the SGLang/GPU checks; `processor` skips loading
-    the model's processor (tests inject the tiny one)."""
+    (tests start a stand-in) and then skips the SGLang/GPU checks; `processor` and `model_config`
+    skip loading the checkpoint's (tests inject the tiny ones); `gpu_memory_reader` replaces
+    nvidia-smi."""
     if not 0.0 < mem_fraction < 1.0:
         raise UsageError(f"the memory fraction must be between 0 and 1, got {mem_fraction}")
     if ready_timeout <= 0:
         raise UsageError(f"the ready timeout must be positive, got {ready_timeout}")
-    if launch_command is None:
-        check_requirements()
-    launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     settings = SglangSettings(
         model=model, max_new_tokens=max_new_tokens, run_dir=Path(run_dir),
         sglang_args=split_user_args(sglang_args), concurrent=concurrent, gpus=tuple(gpus),
         mem_fraction=mem_fraction, ready_timeout=ready_timeout,
         launch_command=tuple(launch_command) if launch_command is not None else (sys.executable, *LAUNCH_MODULE),
-        stop_grace=stop_grace, ready_poll=ready_poll,
+        stop_grace=stop_grace, ready_poll=ready_poll, gpu_memory=gpu_memory_reader,
     )
+    plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
+    if launch_command is None:
+        check_requirements()
+    launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     prompts = ChatPrompts(processor) if processor is not None else ChatPrompts.load(model)
-    return SglangBackend(settings, prompts)
+    facts = CheckpointFacts.of(model_config) if model_config is not None else CheckpointFacts.load(model)
+    return SglangBackend(settings, prompts, facts)

@@ -1,7 +1,7 @@
 """The native `/generate` API (sglang-0.5.23.md §2): request bodies and response parsing.
 
 Native rather than OpenAI-compatible because only `/generate` returns the exact generated token
-ids next to their logprobs (§2.4).
+ids next to their logprobs (§2.4) and scores given tokens (teacher forcing, §2.3).
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import http.client
 import json
 import urllib.error
 import urllib.request
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from parity.backends.base import Generation
 
@@ -27,16 +28,39 @@ class ServerRejected(Exception):
 
 
 def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -> dict[str, Any]:
-    """Greedy generation with output logprobs; `text` is already chat-templated (§2.1)."""
+    """Greedy generation with output logprobs; `text` is already chat-templated (§2.1). The answer
+    also carries the prompt as the server expanded it (image tokens included), for scoring."""
     body: dict[str, Any] = {
         "text": text,
         "rid": rid,
         "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens},
         "return_logprob": True,
         "top_logprobs_num": TOP_LOGPROBS,
+        "return_prompt_token_ids": True,
     }
     if image is not None:
         body["image_data"] = image  # an absolute path or a data URI; relative paths fail (§2.1)
+    return body
+
+
+def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length: int, image: str | None,
+               rid: str) -> dict[str, Any]:
+    """Teacher forcing (§2.3): the logprob of each of `tokens` after the prompt and the tokens before it.
+
+    `prompt_ids` hold one image placeholder per image, as a prompt is sent (the server's processor
+    expands it, as it did for the generation: already expanded ids would each count as an image);
+    `expanded_length` is the prompt's length after that expansion, which `logprob_start_len`
+    indexes. One new token (the doc's safer choice than a prefill-only request).
+    """
+    body: dict[str, Any] = {
+        "input_ids": [*map(int, prompt_ids), *map(int, tokens)],
+        "rid": rid,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 1},
+        "return_logprob": True,
+        "logprob_start_len": expanded_length - 1,
+    }
+    if image is not None:
+        body["image_data"] = image
     return body
 
 
@@ -72,11 +96,16 @@ def _json_object(payload: bytes, url: str) -> dict[str, Any]:
     return doc
 
 
-def parse_completion(doc: Mapping[str, Any]) -> Generation:
-    """Token ids, text and logprobs from a /generate answer (§2.2); malformed → ServerRejected.
+@dataclass(frozen=True)
+class Answer:
+    """A parsed /generate answer: the generation (evidence added by the session) and the prompt ids."""
 
-    The DeepStack record comes from the tap's channel, not the answer: the session adds it.
-    """
+    generation: Generation
+    prompt_ids: tuple[int, ...]  # as the server expanded them (return_prompt_token_ids)
+
+
+def parse_completion(doc: Mapping[str, Any]) -> Answer:
+    """Token ids, text, logprobs and prompt ids from a /generate answer (§2.2); malformed → ServerRejected."""
     try:
         meta = doc["meta_info"]
         chosen = meta["output_token_logprobs"]  # [[logprob, token_id, text|null], ...]
@@ -87,8 +116,27 @@ def parse_completion(doc: Mapping[str, Any]) -> Generation:
             tuple((int(tid), float(lp)) for lp, tid, *_ in (step or ())) for step in top
         )
         text = str(doc["text"])
+        prompt_ids = tuple(int(t) for t in doc["prompt_token_ids"])
     except (KeyError, TypeError, ValueError, IndexError) as err:
         raise ServerRejected(f"/generate answer lacks or garbles {err}: keys {sorted(doc)}") from None
     if tuple(int(step[1]) for step in chosen) != token_ids:
         raise ServerRejected("/generate answer: output_ids and output_token_logprobs name different tokens")
-    return Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None)
+    generation = Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None, evidence=None)
+    return Answer(generation, prompt_ids)
+
+
+def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...]:
+    """The forced tokens' logprobs from a scoring answer (§2.2: entry 0 is the position before
+    the first forced token and has no logprob; entry k scores token k-1). The ids the server
+    scored must be exactly `tokens`, or the positions were misaligned."""
+    try:
+        entries = doc["meta_info"]["input_token_logprobs"]  # [[logprob|null, token_id, text|null], ...]
+        scored = entries[1:]
+        ids = tuple(int(step[1]) for step in scored)
+        values = tuple(float(step[0]) for step in scored)
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise ServerRejected(f"/generate scoring answer lacks or garbles {err}") from None
+    if ids != tuple(int(t) for t in tokens):
+        raise ServerRejected(f"/generate scoring answer scored other tokens than the reference's "
+                             f"({len(ids)} scored, {len(tokens)} forced): prompt positions misaligned")
+    return values

@@ -4,17 +4,23 @@ SGLang loads `register()` through the `sglang.srt.plugins` entry point in every 
 (sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder, so
 installing parity next to a production server changes nothing. When set, it adds an AFTER hook
 on `prepare_mm_inputs`, the last eager point before the language model in both execution modes
-(§3.4), and hands `input_deepstack_embeds` to parity's one tap (`parity.tap.apply_tap`).
+(§3.4), called once per LM entry (prefill, or an eagerly run decode step) in the process that
+runs the model. For a tagged request the hook records every entry: which process saw it, whether
+it was an extend (prompt) batch, its padded and real token counts, whether BCG replay was active
+(`replay_layer_forward` installed on the LM instance) and, where `input_deepstack_embeds` is
+present, hands it to parity's one tap (`parity.tap.apply_tap`) and stores the fingerprint.
 
-The channel is a folder shared by the parity process and the server's scheduler subprocess:
+The channel is a folder shared by the parity process and the server's model processes:
 
 - `control.json`  {"mode": "record"|"zero", "tag": "<request tag>"}, written atomically by parity
   right before each request and removed right after it. No file: the tap passes through and
   records nothing; that is the state during start-up, so the server's own warm-up request is
   never tapped or recorded.
-- `records.jsonl` one line per LM entry that carried DeepStack rows while a tag was set.
-- `loaded-<pid>.json` written when a server process activates the plugin: proof that the
-  server's environment really has parity's entry point.
+- `records.jsonl` one line per LM entry the hook saw while a tag was set.
+
+A "plugin loaded" marker would prove nothing (SGLang's launcher process loads plugins too, and
+`apply_hooks` only logs its failures): the proof that the tap works is an entry recorded by the
+hook for the request itself.
 
 Nothing here imports sglang or torch at module import time: the hook is unit-tested without
 SGLang, and an inactive plugin costs one environment lookup.
@@ -23,30 +29,32 @@ SGLang, and an inactive plugin costs one environment lookup.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
-    from parity.tap import DeepStackRecord
+    from parity.evidence import DeepStackRecord
 
 # What the hook relies on in SGLang 0.5.23; tests/test_sglang_contract.py checks each one
-# against the released wheel, so a rename upstream fails a test instead of silently not tapping.
+# against the released wheel, and tests/test_sglang_real.py calls the real code where installed.
 ENV_VAR = "PARITY_SGLANG_TAP"
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "parity"
 HOOK_TARGET = "sglang.srt.managers.mm_utils.prepare_mm_inputs"
+INPUT_IDS_ARG = (0, "input_ids")
 FORWARD_BATCH_ARG = (1, "forward_batch")
 LANGUAGE_MODEL_ARG = (2, "language_model")
 KWARGS_ARG = (3, "kwargs")  # the dict later spread into language_model(...)
 DEEPSTACK_KEY = "input_deepstack_embeds"
 RAW_LENGTHS_FIELD = "extend_seq_lens_cpu"  # ForwardBatch: per-request extend lengths, unpadded
+FORWARD_MODE_FIELD = "forward_mode"  # ForwardBatch: ForwardMode, with is_extend()
 REPLAY_FORWARD_NAME = "replay_layer_forward"  # what BCG installs as the LM instance's forward
 
 CONTROL_FILE = "control.json"
 RECORDS_FILE = "records.jsonl"
-LOADED_PREFIX = "loaded-"
 CONTROL_MODES = ("record", "zero")
 
 
@@ -62,11 +70,30 @@ class Control:
 
 @dataclass(frozen=True)
 class TapEntry:
-    """One LM entry the tap saw during a tagged request, as stored in records.jsonl."""
+    """One LM entry the hook saw during a tagged request, as stored in records.jsonl."""
 
     tag: str
     pid: int
-    record: DeepStackRecord
+    role: str  # the process's title: SGLang names its model process "sglang::scheduler..."
+    extend: bool | None  # an extend (prompt) batch; None: the batch did not say
+    tokens: int | None  # rows the LM gets: the bucket under replay, the real tokens otherwise
+    raw_tokens: int | None  # the real tokens of the batch
+    replay: bool  # BCG replay was active for this entry
+    record: DeepStackRecord | None  # the tap's fingerprint; None: no DeepStack rows in this entry
+
+    def to_json(self) -> dict:
+        return {"tag": self.tag, "pid": self.pid, "role": self.role, "extend": self.extend, "tokens": self.tokens,
+                "raw_tokens": self.raw_tokens, "replay": self.replay,
+                "record": None if self.record is None else self.record.to_json()}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "TapEntry":
+        from parity.evidence import DeepStackRecord
+
+        record = raw.get("record")
+        return cls(tag=str(raw["tag"]), pid=int(raw["pid"]), role=str(raw.get("role", "")), extend=raw.get("extend"),
+                   tokens=raw.get("tokens"), raw_tokens=raw.get("raw_tokens"), replay=bool(raw.get("replay")),
+                   record=None if record is None else DeepStackRecord.from_json(record))
 
 
 @dataclass(frozen=True)
@@ -102,14 +129,11 @@ class TapChannel:
         self.control_path.unlink(missing_ok=True)
 
     def entries(self, tag: str) -> list[TapEntry]:
+        """The entries of `tag`, in the order the hook saw them."""
         if not self.records_path.exists():
             return []
         lines = self.records_path.read_text().splitlines()
-        entries = [_entry_from_json(json.loads(line)) for line in lines if line.strip()]
-        return [e for e in entries if e.tag == tag]
-
-    def loaded_pids(self) -> list[int]:
-        return sorted(int(p.stem.removeprefix(LOADED_PREFIX)) for p in self.folder.glob(f"{LOADED_PREFIX}*.json"))
+        return [e for e in (TapEntry.from_json(json.loads(line)) for line in lines if line.strip()) if e.tag == tag]
 
     # --- server side ---------------------------------------------------------------------------
 
@@ -125,32 +149,9 @@ class TapChannel:
         return Control(raw["mode"], raw["tag"])
 
     def append(self, entry: TapEntry) -> None:
-        line = json.dumps({"tag": entry.tag, "pid": entry.pid, "record": entry.record.to_json()})
         # One short O_APPEND write per line: concurrent writers (TP ranks) do not interleave.
         with open(self.records_path, "a", encoding="utf-8") as out:
-            out.write(line + "\n")
-
-    def mark_loaded(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"{LOADED_PREFIX}{os.getpid()}.json").write_text(json.dumps({"pid": os.getpid()}))
-
-
-def _entry_from_json(raw: Mapping[str, Any]) -> TapEntry:
-    from parity.tap import DeepStackRecord
-
-    return TapEntry(tag=str(raw["tag"]), pid=int(raw["pid"]), record=DeepStackRecord.from_json(raw["record"]))
-
-
-def request_record(entries: list[TapEntry]) -> DeepStackRecord | None:
-    """The record of a request: its first LM entry with DeepStack rows, counting its entries.
-
-    With tensor parallelism every rank sees the same entries, so only the first writer counts.
-    """
-    if not entries:
-        return None
-    first = entries[0]
-    calls = sum(1 for e in entries if e.pid == first.pid)
-    return replace(first.record, calls=calls)
+            out.write(json.dumps(entry.to_json()) + "\n")
 
 
 # --- the hook --------------------------------------------------------------------------------------
@@ -162,17 +163,35 @@ def _capturing() -> bool:
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def process_role() -> str:
+    """This process's title (SGLang sets "sglang::scheduler..." on the process that runs the model)."""
+    try:
+        import setproctitle  # an SGLang dependency
+
+        return str(setproctitle.getproctitle())
+    except ImportError:
+        return multiprocessing.current_process().name
+
+
 def _argument(args: tuple, kwargs: Mapping[str, Any], position: tuple[int, str]) -> Any:
     index, name = position
     return args[index] if len(args) > index else kwargs.get(name)
 
 
-def _raw_rows(forward_batch: Any, rows: int) -> int:
+def _raw_tokens(forward_batch: Any) -> int | None:
     # Under BCG the batch is padded to its bucket; the real tokens are the sum of extend lengths.
     lengths = getattr(forward_batch, RAW_LENGTHS_FIELD, None)
-    if lengths is None:
-        return rows
-    return min(rows, int(sum(int(n) for n in lengths)))
+    return None if lengths is None else int(sum(int(n) for n in lengths))
+
+
+def _is_extend(forward_batch: Any) -> bool | None:
+    mode = getattr(forward_batch, FORWARD_MODE_FIELD, None)
+    return None if mode is None else bool(mode.is_extend())
+
+
+def _rows(input_ids: Any) -> int | None:
+    shape = getattr(input_ids, "shape", None)
+    return int(shape[0]) if shape else None
 
 
 def _is_replay(language_model: Any) -> bool:
@@ -190,29 +209,36 @@ class TapHook:
     capturing: Callable[[], bool] = _capturing
 
     def __call__(self, result: Any, *args: Any, **kwargs: Any) -> None:
-        lm_kwargs = _argument(args, kwargs, KWARGS_ARG)
-        if not isinstance(lm_kwargs, dict) or lm_kwargs.get(DEEPSTACK_KEY) is None:
-            return None  # text-only and decode batches never carry the key
         if self.capturing():
-            return None
+            return None  # a graph capture at start-up: no request, and no sync allowed
         control = self.channel.read_control()
         if control is None:
             return None  # start-up and warm-up: pass through, record nothing
-        tensor = lm_kwargs[DEEPSTACK_KEY]
-        handed, record = self._tap(control.mode, tensor, _argument(args, kwargs, FORWARD_BATCH_ARG))
-        lm_kwargs[DEEPSTACK_KEY] = handed  # the same dict is spread into language_model(...)
+        forward_batch = _argument(args, kwargs, FORWARD_BATCH_ARG)
+        lm_kwargs = _argument(args, kwargs, KWARGS_ARG)
+        raw = _raw_tokens(forward_batch)
+        tensor = lm_kwargs.get(DEEPSTACK_KEY) if isinstance(lm_kwargs, dict) else None
+        record = None
+        if tensor is not None:  # text-only and decode batches never carry the key
+            handed, record = self._tap(control.mode, tensor, raw)
+            lm_kwargs[DEEPSTACK_KEY] = handed  # the same dict is spread into language_model(...)
         replay = _is_replay(_argument(args, kwargs, LANGUAGE_MODEL_ARG))
-        self.channel.append(TapEntry(control.tag, os.getpid(), replace(record, replay=replay)))
+        tokens = _rows(_argument(args, kwargs, INPUT_IDS_ARG))
+        if tokens is None and tensor is not None:
+            tokens = int(tensor.shape[0])
+        entry = TapEntry(control.tag, os.getpid(), process_role(), _is_extend(forward_batch), tokens, raw, replay,
+                         None if record is None else replace(record, replay=replay))
+        self.channel.append(entry)
         return None
 
     @staticmethod
-    def _tap(mode: str, tensor: Any, forward_batch: Any) -> tuple[Any, DeepStackRecord]:
+    def _tap(mode: str, tensor: Any, raw: int | None) -> tuple[Any, DeepStackRecord]:
         from parity.tap import apply_tap
         import torch
 
-        # Fingerprint only the real rows: a BCG bucket's padded tail would make eager and graph
-        # fingerprints differ for the same input.
-        rows = tensor[: _raw_rows(forward_batch, tensor.shape[0])]  # [raw_tokens, hidden * n_ds]
+        # Fingerprint and zero only the real rows: a BCG bucket's padded tail would make eager and
+        # graph fingerprints differ for the same input.
+        rows = tensor[: min(raw, tensor.shape[0]) if raw is not None else tensor.shape[0]]  # [raw, hidden * n_ds]
         handed, record = apply_tap(mode, rows)
         assert record is not None  # record and zero always fingerprint a tensor
         if handed is rows:
@@ -228,11 +254,7 @@ class TapHook:
 def activate(environ: Mapping[str, str] = os.environ) -> TapHook | None:
     """The hook for this process, or None when parity's control variable is not set."""
     folder = environ.get(ENV_VAR)
-    if not folder:
-        return None
-    channel = TapChannel(Path(folder))
-    channel.mark_loaded()
-    return TapHook(channel)
+    return TapHook(TapChannel(Path(folder))) if folder else None
 
 
 def register() -> None:

@@ -1,7 +1,9 @@
 """What each mode's SGLang server is: its settings, command-line flags, GPU placement and environment.
 
 Eager and bcg servers differ only in the arms' `--cuda-graph-backend-prefill` value; everything
-else is the determinism set of sglang-0.5.23.md §7 plus the user's `--sglang-arg`s.
+else is the determinism set of sglang-0.5.23.md §7 plus the user's `--sglang-arg`s. The facts
+parity needs from those user flags (prefill buckets, GPUs per server, context length, dtype) are
+read here once, the way SGLang 0.5.23 resolves them.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
-from parity.arms import load_arms
+from parity.arms import MODES, load_arms
+from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
 from parity.errors import UsageError
 from parity.sglang import launcher, plugin
 
@@ -33,7 +36,114 @@ RESERVED_FLAGS = (
     "--cuda-graph-config", "--model-path", "--host", "--port", "--mem-fraction-static",
 )
 DEFAULT_MEM_FRACTION = 0.70
-DEFAULT_MAX_PREFILL_BUCKET = 8192  # chunked_prefill_size on an H100/H200 (§1.1)
+# Above this a server keeps too little for activations and graph capture to start reliably.
+MAX_MEM_FRACTION = 0.95
+
+
+# --- the user's flags ----------------------------------------------------------------------------------
+
+def split_user_args(values: Sequence[str]) -> tuple[str, ...]:
+    """`--sglang-arg "--tp-size 2"` and `--sglang-arg --tp-size --sglang-arg 2` mean the same."""
+    args = tuple(token for value in values for token in shlex.split(value))
+    clashes = sorted({a.split("=", 1)[0] for a in args} & set(RESERVED_FLAGS))
+    if clashes:
+        raise UsageError(f"--sglang-arg may not set {', '.join(clashes)}: parity sets it so the eager and "
+                         "bcg servers differ only in the prefill CUDA-graph backend")
+    return args
+
+
+def flag_values(args: Sequence[str], *names: str) -> list[str] | None:
+    """The values the last occurrence of any of `names` was given: `--f v`, `--f=v` and, for list
+    flags, `--f a b c` (argparse nargs "+": every token up to the next flag). None: not given."""
+    found: list[str] | None = None
+    for i, token in enumerate(args):
+        name, eq, inline = token.partition("=")
+        if name not in names:
+            continue
+        if eq:
+            found = [inline]
+            continue
+        found = []
+        for value in args[i + 1:]:
+            if value.startswith("--"):
+                break
+            found.append(value)
+    return found
+
+
+def _int_flag(args: Sequence[str], *names: str) -> int | None:
+    values = flag_values(args, *names)
+    if values is None:
+        return None
+    try:
+        (value,) = values
+        return int(value)
+    except ValueError:
+        raise UsageError(f"--sglang-arg {names[0]} needs one integer, got {' '.join(values) or 'nothing'}") from None
+
+
+@dataclass(frozen=True)
+class ServerFacts:
+    """What the user's `--sglang-arg`s decide for parity, resolved as SGLang 0.5.23 does."""
+
+    prefill_buckets: tuple[int, ...]  # what the bcg server captures (sglang-0.5.23.md §1.1)
+    max_replay_tokens: int | None  # --cuda-graph-max-seq-len-prefill: longer prefills run eager
+    gpus_per_server: int  # tp x pp x dp
+    context_length: int | None
+    dtype: str | None
+
+    @property
+    def max_bucket(self) -> int | None:
+        return max(self.prefill_buckets, default=None)
+
+    def bucket_of(self, num_tokens: int) -> int | None:
+        if num_tokens <= 0 or (self.max_replay_tokens is not None and num_tokens > self.max_replay_tokens):
+            return None
+        return smallest_fitting(self.prefill_buckets, num_tokens)
+
+    @classmethod
+    def parse(cls, args: Sequence[str]) -> "ServerFacts":
+        listed = flag_values(args, "--cuda-graph-bs-prefill")
+        if listed is not None:
+            try:
+                buckets = tuple(sorted({int(v) for v in listed}))
+            except ValueError:
+                raise UsageError(f"--sglang-arg --cuda-graph-bs-prefill needs integers, got {' '.join(listed)}") from None
+            if not buckets or min(buckets) <= 0:
+                raise UsageError("--sglang-arg --cuda-graph-bs-prefill needs positive token counts")
+        else:
+            buckets = prefill_bucket_ladder(_max_prefill_bs(args))
+        sizes = [_int_flag(args, "--tp-size", "--tensor-parallel-size"),
+                 _int_flag(args, "--pp-size", "--pipeline-parallel-size"),
+                 _int_flag(args, "--dp-size", "--data-parallel-size")]
+        gpus = 1
+        for size in sizes:
+            gpus *= size if size is not None else 1
+        dtype = flag_values(args, "--dtype")
+        return cls(
+            prefill_buckets=buckets,
+            max_replay_tokens=_int_flag(args, "--cuda-graph-max-seq-len-prefill"),
+            gpus_per_server=gpus,
+            context_length=_int_flag(args, "--context-length"),
+            dtype=dtype[0] if dtype else None,
+        )
+
+
+def _max_prefill_bs(args: Sequence[str]) -> int:
+    # memory_hook: an explicit max wins; else chunked_prefill_size (8192 on an H100/H200), capped
+    # by --max-total-tokens.
+    explicit = _int_flag(args, "--cuda-graph-max-bs-prefill")
+    if explicit is not None:
+        return explicit
+    chunked = _int_flag(args, "--chunked-prefill-size")
+    max_bs = chunked if chunked is not None else SGLANG_MAX_PREFILL_BUCKET
+    total = _int_flag(args, "--max-total-tokens")
+    return min(max_bs, total) if total is not None else max_bs
+
+
+# --- settings and flags ----------------------------------------------------------------------------------
+
+GpuMemory = Callable[[Sequence[int] | None, int], "tuple[float, float] | None"]
 
 
 @dataclass(frozen=True)
@@ -49,24 +159,11 @@ class SglangSettings:
     launch_command: tuple[str, ...] = (sys.executable, *LAUNCH_MODULE)
     stop_grace: float = launcher.STOP_GRACE_S
     ready_poll: float = launcher.POLL_S
+    gpu_memory: GpuMemory | None = None  # (free, total) of a server's GPUs; tests substitute it
 
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one server runs: its GPUs (None: inherit) and its share of GPU memory."""
-
-    gpus: tuple[int, ...] | None
-    mem_fraction: float
-
-
-def split_user_args(values: Sequence[str]) -> tuple[str, ...]:
-    """`--sglang-arg "--tp-size 2"` and `--sglang-arg --tp-size --sglang-arg 2` mean the same."""
-    args = tuple(token for value in values for token in shlex.split(value))
-    clashes = sorted({a.split("=", 1)[0] for a in args} & set(RESERVED_FLAGS))
-    if clashes:
-        raise UsageError(f"--sglang-arg may not set {', '.join(clashes)}: parity sets it so the eager and "
-                         "bcg servers differ only in the prefill CUDA-graph backend")
-    return args
+    @property
+    def facts(self) -> ServerFacts:
+        return ServerFacts.parse(self.sglang_args)
 
 
 def mode_flags(mode: str) -> tuple[str, ...]:
@@ -85,23 +182,64 @@ def server_flags(settings: SglangSettings, mode: str, mem_fraction: float) -> tu
             *mode_flags(mode), *settings.sglang_args)
 
 
-def placements(settings: SglangSettings, modes: Sequence[str]) -> dict[str, Placement]:
-    """Sequential: every server gets all given GPUs. Concurrent: split the GPUs when there are
-    enough, else share them and split the memory fraction, so both servers get equal shares."""
+# --- placement: which GPUs, how much memory, in which order -------------------------------------------
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one server runs: its GPUs (None: inherit) and its share of GPU memory.
+
+    `share` is set when the server shares its GPUs with one started before it: SGLang 0.5.23
+    applies --mem-fraction-static to the memory free when the server starts (sglang-0.5.23.md §8),
+    so its fraction is worked out then, from the memory the first one left, to give it `share`
+    of the GPU's total.
+    """
+
+    gpus: tuple[int, ...] | None
+    mem_fraction: float
+    share: float | None = None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Concurrent servers: each stage starts together once the previous stage is ready."""
+
+    stages: tuple[tuple[str, ...], ...]
+    placements: Mapping[str, Placement]
+
+
+def plan_launch(settings: SglangSettings, modes: Sequence[str] = MODES) -> LaunchPlan:
+    """Sequential: every server gets all given GPUs. Concurrent: a set of GPUs per server, started
+    in parallel, where `--gpus` has enough; else both on the same GPUs, one after the other, each
+    with half the memory fraction. Anything else cannot work and is refused before any start."""
+    per = settings.facts.gpus_per_server
     gpus = settings.gpus or None
+    if len(set(settings.gpus)) != len(settings.gpus):
+        raise UsageError(f"--gpus lists a GPU twice: {','.join(map(str, settings.gpus))}")
+    if gpus is not None and len(gpus) < per:
+        raise UsageError(f"each SGLang server needs {per} GPUs (tensor x pipeline x data parallel sizes in "
+                         f"--sglang-arg) but --gpus gives {len(gpus)}")
     if not settings.concurrent or len(modes) < 2:
-        return {mode: Placement(gpus, settings.mem_fraction) for mode in modes}
-    if gpus is not None and len(gpus) >= len(modes):
-        per = len(gpus) // len(modes)
-        return {mode: Placement(gpus[i * per:(i + 1) * per], settings.mem_fraction) for i, mode in enumerate(modes)}
-    return {mode: Placement(gpus, settings.mem_fraction / len(modes)) for mode in modes}
+        return LaunchPlan(tuple((m,) for m in modes), {m: Placement(gpus, settings.mem_fraction) for m in modes})
+    if gpus is not None and len(gpus) >= per * len(modes):
+        where = {m: Placement(gpus[i * per:(i + 1) * per], settings.mem_fraction) for i, m in enumerate(modes)}
+        return LaunchPlan((tuple(modes),), where)
+    if gpus is not None and len(gpus) != per:
+        raise UsageError(f"--concurrent with --gpus {','.join(map(str, gpus))}: give {per} GPU(s) for both "
+                         f"servers to share, or {per * len(modes)} for one set per server")
+    share = settings.mem_fraction / len(modes)
+    first, *later = modes
+    where = {first: Placement(gpus, share), **{m: Placement(gpus, share, share=share) for m in later}}
+    return LaunchPlan(tuple((m,) for m in modes), where)
 
 
-def prefill_buckets(max_tokens: int) -> tuple[int, ...]:
-    """SGLang 0.5.23's prefill capture sizes (`generate_prefill_cuda_graph_batch_sizes`)."""
-    sizes = [*range(4, 33, 4), *range(48, 257, 16), *range(288, 513, 32), *range(576, 1025, 64),
-             *range(1280, 4097, 256), *range(4608, max_tokens + 1, 512)]
-    return tuple(s for s in sizes if s <= max_tokens)
+def fraction_for_share(share: float, memory: tuple[float, float] | None) -> float:
+    """The --mem-fraction-static that gives a server `share` of its GPU's total memory, given
+    (free, total) when it starts. Unknown memory: assume the earlier server took exactly its
+    share, which errs towards less (the free memory also lost its graphs and activations)."""
+    if memory is None:
+        return share / (1.0 - share)
+    free, total = memory
+    return share * total / free if free > 0 else float("inf")
 
 
 def server_env(channel: plugin.TapChannel, placement: Placement) -> dict[str, str]:
