@@ -295,3 +295,15 @@ def test_missing_sglang_or_port_is_backend_unavailable(tmp_path: Path, processor
         sglang_backend.create_sglang_backend(model="m", max_new_tokens=1, run_dir=tmp_path, processor=processor)
     with pytest.raises(BackendUnavailableError, match="cannot bind a port"):
         launcher.free_port("192.0.2.1")  # TEST-NET-1: not an address of this machine
+
+
+def test_gpu_memory_reads_the_tightest_of_a_servers_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sglang_backend, "_nvidia_smi", lambda *_: "0, 1000, 2000\n1, 500, 2000\n")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert sglang_backend.gpu_memory((0, 1), 2) == (500.0, 2000.0)
+    assert sglang_backend.gpu_memory(None, 1) == (1000.0, 2000.0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # nvidia-smi ignores it; parity maps it
+    assert sglang_backend.gpu_memory(None, 1) == (500.0, 2000.0)
+    assert sglang_backend.gpu_memory((7,), 1) is None
+    monkeypatch.setattr(sglang_backend, "_nvidia_smi", lambda *_: "")
+    assert sglang_backend.gpu_memory(None, 1) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -68,14 +69,14 @@ class SglangSession:
         prompts, image = self.backend.prompts, self.backend.images.path(request.fixture)
         tap = TAP_MODE_OF[deepstack]
         text = prompts.text(request)
-        doc, generated = self._tagged(tap, lambda tag: client.generate_body(
+        doc, generated = self.post_tagged(tap, lambda tag: client.generate_body(
             text, image, self.backend.settings.max_new_tokens, rid=tag))
         answer = self._parsed(client.parse_completion, doc)
         requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
         forced, start = [], time.perf_counter()
         prompt = prompts.unexpanded(answer.prompt_ids)
         for tokens in force:
-            doc, scored = self._tagged(tap, lambda tag: client.score_body(
+            doc, scored = self.post_tagged(tap, lambda tag: client.score_body(
                 prompt, tokens, len(answer.prompt_ids), image, rid=tag))
             forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(answer.prompt_ids) + len(tokens), image is not None, scored))
@@ -90,7 +91,7 @@ class SglangSession:
                        evidence=arm_evidence(requests, self.backend.server_facts.max_bucket),
                        forced=tuple(forced), forced_seconds=forced_seconds)
 
-    def _tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
+    def post_tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
         """POST one request under its own tag; its answer and the LM entries the hook recorded for it."""
         tag = uuid.uuid4().hex
         self.server.channel.arm(tap, tag)
@@ -244,7 +245,7 @@ class SglangBackend:
         """One tagged text-only request: the hook must record it in the process that runs the model."""
         session = SglangSession(server, self)
         try:
-            doc, entries = session._tagged("record", lambda tag: client.generate_body(
+            doc, entries = session.post_tagged("record", lambda tag: client.generate_body(
                 self.prompts.text(Request(None, PROBE_PROMPT)), None, 1, rid=tag))
         except ArmFailure as failure:
             return failure
@@ -309,7 +310,8 @@ def _gpu_name(gpus: tuple[int, ...]) -> str | None:
 
 def gpu_memory(gpus: Sequence[int] | None, count: int) -> tuple[float, float] | None:
     """(free, total) MiB of the tightest of a server's GPUs, as nvidia-smi reports them now; None
-    where it cannot tell. Without --gpus, the server's GPUs are the first `count` visible ones."""
+    where it cannot tell. Without --gpus, the server's GPUs are the first `count` visible ones
+    (CUDA_VISIBLE_DEVICES, when it lists indexes; nvidia-smi itself ignores it)."""
     rows = {}
     for line in _nvidia_smi("--query-gpu=index,memory.free,memory.total", "--format=csv,noheader,nounits").splitlines():
         try:
@@ -317,7 +319,16 @@ def gpu_memory(gpus: Sequence[int] | None, count: int) -> tuple[float, float] | 
         except ValueError:
             continue
         rows[int(index)] = (free, total)
-    chosen = list(gpus) if gpus else sorted(rows)[:count]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if gpus:
+        chosen = list(gpus)
+    elif visible.strip():
+        try:
+            chosen = [int(v) for v in visible.split(",")][:count]
+        except ValueError:  # UUIDs or MIG names: not matched to nvidia-smi's indexes here
+            return None
+    else:
+        chosen = sorted(rows)[:count]
     found = [rows[i] for i in chosen if i in rows]
     return min(found) if found and len(found) == len(chosen) else None
 
