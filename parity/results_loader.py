@@ -18,8 +18,8 @@ from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord, Evidence
 from parity.results import (
-    FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_SCENARIOS, ArmResult, CaseResult, FixtureInfo, Repeat,
-    RequestResult, RunResult, TopLogprobs,
+    FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_SCENARIOS, ArmResult, CaseResult, FixtureInfo, LayerError,
+    Localization, Repeat, RequestResult, RunResult, TopLogprobs,
 )
 
 MIN_LOGPROB_TOL = 1e-6  # the repeat noise floor: a smaller tolerance cannot be met by any run
@@ -210,6 +210,48 @@ def _requests(raw: Any, where: str) -> tuple[RequestResult, ...]:
     return tuple(requests)
 
 
+def _positive(value: Any, where: str) -> float:
+    number = _number(value, where)
+    if number <= 0:
+        raise _Invalid(f"{where} must be > 0, got {number}")
+    return number
+
+
+def _localization(raw: Any, where: str, requests: tuple[RequestResult, ...]) -> Localization | None:
+    """Design §7: a bcg arm against the eager arm of the same DeepStack action, per probe point."""
+    if raw is None:
+        return None
+    arm, reference = _get(raw, "arm", str, where), _get(raw, "reference", str, where)
+    for key, name, mode in (("arm", arm, "bcg"), ("reference", reference, "eager")):
+        if name not in ARM_ORDER or arm_mode_and_deepstack(name)[0] != mode:
+            raise _Invalid(f"{where}.{key} must be {'a bcg' if mode == 'bcg' else 'an eager'} arm, got {name!r}")
+    if arm_mode_and_deepstack(arm)[1] != arm_mode_and_deepstack(reference)[1]:
+        raise _Invalid(f"{where} compares {arm} with {reference}: a localization compares one DeepStack action")
+    request = _get(raw, "request", int, where, optional=True)
+    if (request is None) != (not requests) or (request is not None and not 0 <= request < len(requests)):
+        raise _Invalid(f"{where}.request must be the index of one of the case's {len(requests)} requests "
+                       "(null in a four-arm case)")
+    threshold = _positive(_get(raw, "threshold", (int, float), where), f"{where}.threshold")
+    points = []
+    for i, point in enumerate(_get(raw, "points", list, where)):
+        pwhere = f"{where}.points[{i}]"
+        block = _get(point, "deepstack_block", int, pwhere, optional=True)
+        error = _number(_get(point, "rel_error", (int, float), pwhere), f"{pwhere}.rel_error")
+        if error < 0:
+            raise _Invalid(f"{pwhere}.rel_error must be >= 0, got {error}")
+        points.append(LayerError(_int(_get(point, "layer", int, pwhere), f"{pwhere}.layer", 0),
+                                 None if block is None else _int(block, f"{pwhere}.deepstack_block", 0), error))
+    if not points:
+        raise _Invalid(f"{where}.points is empty")
+    first = _get(raw, "first_divergent", int, where, optional=True)
+    expected = next((i for i, p in enumerate(points) if p.rel_error > threshold), None)
+    if first is not None and not 0 <= first < len(points):
+        raise _Invalid(f"{where}.first_divergent {first} is not a point index (0..{len(points) - 1})")
+    if first != expected:
+        raise _Invalid(f"{where}.first_divergent is {first}, but the first point above the threshold is {expected}")
+    return Localization(arm, reference, request, threshold, tuple(points), first)
+
+
 def _case(raw: Any, where: str, v2: bool) -> CaseResult:
     scenario = _get(raw, "scenario", str, where, optional=True) or FOUR_ARM
     allowed = SCENARIOS if v2 else (FOUR_ARM, REUSE)
@@ -230,6 +272,7 @@ def _case(raw: Any, where: str, v2: bool) -> CaseResult:
     return CaseResult(
         id=_get(raw, "id", str, where), fixture=fixture, prompt=prompt, arms=arms, requests=requests,
         scenario=scenario, plot=_get(raw, "plot", str, where, optional=True),
+        localization=_localization(raw.get("localization"), f"{where}.localization", requests),
         localization_plot=_get(raw, "localization_plot", str, where, optional=True),
     )
 
@@ -245,6 +288,8 @@ def _config(raw: Any, v2: bool) -> dict:
         if margin < 0:
             raise _Invalid(f"config.tie_margin must be >= 0, got {margin}")
         _int(_get(config, "deepstack_layers", int, "config"), "config.deepstack_layers", 0)
+        if config.get("localize_threshold") is not None:
+            _positive(config["localize_threshold"], "config.localize_threshold")
     else:  # the v1 rules: no ties, DeepStack use inferred from the records
         config.pop("tie_margin", None)
         config.pop("deepstack_layers", None)

@@ -23,6 +23,7 @@ from parity.errors import ArmFailure
 from parity.evidence import Evidence
 from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
 from parity.lm_body import KVCache
+from parity.localization import LocalizationError, Probed
 from parity.models import LoadedModel
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
 from parity.tap import apply_tap
@@ -198,12 +199,15 @@ class TransformersBackend:
     @property
     def runner(self) -> PrefillGraphRunner:
         if self._runner is None:
-            adapter = self.loaded.adapter
-            self._runner = self.runner_class(
-                adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
-                buckets=self._capture, variant=self.runner_variant, graph_backend=self.graph_backend,
-            )
+            self._runner = self._new_runner()
         return self._runner
+
+    def _new_runner(self) -> PrefillGraphRunner:
+        adapter = self.loaded.adapter
+        return self.runner_class(
+            adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
+            buckets=self._capture, variant=self.runner_variant, graph_backend=self.graph_backend,
+        )
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
         self._capture = self.buckets.needed(prompt_lengths)
@@ -218,6 +222,35 @@ class TransformersBackend:
 
     def bucket_of(self, num_tokens: int) -> int | None:
         return self.buckets.bucket_of(num_tokens)
+
+    @torch.inference_mode()
+    def probe(self, mode: str, target: Request, deepstack: str,
+              prefix: Sequence[tuple[Request, str]] = ()) -> Probed:
+        """`target`'s prefill with the hidden state at every probe point (design §7), DeepStack
+        `deepstack` at the LM entry. In `bcg`, by the probe graph of a runner built like the run's
+        (class, variant, graph backend, captured buckets), after replaying `prefix`: a fresh runner
+        holds only the state this case leaves, so `parity localize` reproduces it exactly."""
+        adapter = self.loaded.adapter
+        prompt, live = self.prepared(target), self._tapped(target, deepstack)
+        if mode == "eager":  # eager keeps no state between requests: the prefix changes nothing
+            _, points = LMExecutor(adapter, None).prefill(prompt, live, probe=True)
+            return Probed(adapter.body.probe_points(), points)
+        runner = self._new_runner()
+        try:
+            executor = LMExecutor(adapter, runner)
+            for request, action in prefix:
+                executor.prefill(self.prepared(request), self._tapped(request, action))
+            prefill, points = executor.prefill(prompt, live, probe=True)
+        finally:
+            runner.close()
+        if prefill.bucket is None:
+            raise LocalizationError(f"the {points.shape[0]}-token prompt did not replay in any captured bucket "
+                                    f"{self._capture}")
+        return Probed(adapter.body.probe_points(), points)
+
+    def _tapped(self, request: Request, deepstack: str) -> torch.Tensor | None:
+        # The same tap as the arm's (`record` passes DeepStack through, `zero` hands on zeros).
+        return apply_tap("record" if deepstack == "normal" else "zero", self.prepared(request).deepstack)[0]
 
     def prompt_length(self, request: Request) -> int:
         return int(self.loaded.adapter.processor_inputs(request.fixture, request.prompt)["input_ids"].shape[1])

@@ -107,3 +107,44 @@ def plot_case(case: CaseResult, out_dir: str | Path, run: RunResult) -> Path:
     verdict = case.verdict.code if case.verdict else "not judged"
     axes.set_title(f"{case.id} — {verdict}")
     return save(figure, axes, out_dir, plot_filename(case.id))
+
+
+def point_label(layer: int, deepstack_block: int | None) -> str:
+    """`L3` after decoder layer 3; `L0+DS0` right after DeepStack block 0 was added to it."""
+    return f"L{layer}" if deepstack_block is None else f"L{layer}+DS{deepstack_block}"
+
+
+def plot_localization(case: CaseResult, out_dir: str | Path) -> Path:
+    """Write the case's per-layer plot, `plot_filename(case.id, "-layers")`: the relative error of
+    the replayed prefill at every probe point, log scale, against the localization threshold."""
+    loc = case.localization
+    figure, axes = new_axes()
+    errors = [p.rel_error for p in loc.points]
+    # A log axis has no 0 (an exactly equal point, common in fp32): draw it a decade under the rest.
+    floor = min([e for e in errors if e > 0] + [loc.threshold]) / 10
+    shown = [max(e, floor) for e in errors]
+    positions = range(len(errors))
+    request = "" if loc.request is None else f" (request {loc.request + 1})"
+    axes.plot(positions, shown, marker="o", color="tab:blue", label=f"{loc.arm} vs {loc.reference}{request}")
+    over = [i for i in positions if errors[i] > loc.threshold]
+    if over:
+        axes.plot(over, [shown[i] for i in over], linestyle="none", marker="o", color="tab:red",
+                  label="above the threshold")
+    if loc.first is not None:
+        axes.plot([loc.first], [shown[loc.first]], linestyle="none", marker="x", markersize=12, color="tab:red",
+                  label=f"first divergent: {point_label(loc.first_point.layer, loc.first_point.deepstack_block)}")
+    if any(e == 0 for e in errors):
+        axes.plot([], [], linestyle="none", label=f"exactly 0 drawn at {floor:.1g}")
+    axes.axhline(loc.threshold, linestyle="--", color="gray", label=f"threshold {loc.threshold:g}")
+    axes.set_yscale("log")
+    labels = [point_label(p.layer, p.deepstack_block) for p in loc.points]
+    # A real checkpoint has dozens of layers: name every DeepStack add and enough layers to count by.
+    step = max(1, len(labels) // 16)
+    axes.set_xticks(list(positions))
+    axes.set_xticklabels([text if (p.deepstack_block is not None or p.layer % step == 0) else ""
+                          for text, p in zip(labels, loc.points)], fontsize="x-small")
+    axes.set_xlabel("probe point (L = after decoder layer, +DS = after the DeepStack add)")
+    axes.set_ylabel("relative error")
+    verdict = case.verdict.code if case.verdict else "not judged"
+    axes.set_title(f"{case.id} — {verdict}: ‖h_bcg − h_eager‖ / ‖h_eager‖ per layer", fontsize="medium")
+    return save(figure, axes, out_dir, plot_filename(case.id, "-layers"))

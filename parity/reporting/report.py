@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Iterator
 
@@ -10,9 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from parity.evidence import Evidence
+from parity.localization import target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
-from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps
+from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
 from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
 
 FORMATS = ("markdown", "json", "table")
@@ -102,6 +104,8 @@ def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True) -> str:
              f"Scenario `{case.scenario}` · {fixture} · prompt: {case.prompt!r}\n"]
     if case.localization is not None:
         lines.append(f"**{localization_sentence(case)}**\n")
+    elif not_localized_note(case, run):
+        lines.append(f"_{not_localized_note(case, run)}_\n")
     if case.requests:
         lines.append("Requests, served back to back in each mode: "
                      + "; ".join(f"{i}. {r.label}" for i, r in enumerate(case.requests, 1)) + "\n")
@@ -121,6 +125,8 @@ def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True) -> str:
                       (case.localization_plot, "relative error per layer")):
         if plot:
             lines.append(f"![{alt}]({plot})\n")
+    if case.localization is not None:
+        lines.append(_md_layers(case.localization))
     if with_texts:
         for label, arm in arms_with_labels(case):
             body = f"error: {arm.error}" if arm.error else clip_text(arm.text, _ARM_TEXT_LIMIT)
@@ -169,6 +175,48 @@ def _added_before(loc, layer: int) -> bool:
     return any(p.deepstack_block is not None and p.layer < layer for p in loc.points)
 
 
+def not_localized_note(case: CaseResult, run: RunResult) -> str | None:
+    """Why a case whose bcg arm disagrees with eager has no localization (None: it has one, or needs none)."""
+    if case.localization is not None or target_of(case) is None:
+        return None
+    if run.config.get("backend") == "sglang":
+        return ("localization is not available on the sglang backend: the graph under test is SGLang's, which "
+                "parity cannot probe per layer; rerun the failing case on the transformers backend with the same "
+                "checkpoint (docs/sglang-runbook.md)")
+    return f"not localized in this run; `parity localize results.json --case {case.id} --write` adds it"
+
+
+def _md_layers(loc) -> str:
+    from parity.reporting.plots import point_label
+
+    rows = [f"| `{point_label(p.layer, p.deepstack_block)}` | {p.rel_error:.3g} | "
+            f"{'**first**' if i == loc.first else ('above' if p.rel_error > loc.threshold else '')} |"
+            for i, p in enumerate(loc.points)]
+    where = "" if loc.request is None else f", request {loc.request + 1}"
+    return (f"<details><summary>relative error per layer ({loc.arm} vs {loc.reference}{where}, "
+            f"threshold {loc.threshold:g})</summary>\n\n| point | relative error | |\n|---|---|---|\n"
+            + "\n".join(rows) + "\n</details>\n")
+
+
+def localization_lines(case: CaseResult) -> list[str]:
+    """A case's localization for a terminal: the sentence, then one line per probe point."""
+    from parity.reporting.plots import point_label
+
+    loc = case.localization
+    where = "" if loc.request is None else f", request {loc.request + 1}"
+    lines = [f"{case.id}: {localization_sentence(case)}",
+             f"  {loc.arm} vs {loc.reference}{where}, relative error per probe point (threshold {loc.threshold:g}):"]
+    for i, p in enumerate(loc.points):
+        mark = "  <- first divergent" if i == loc.first else ("  above" if p.rel_error > loc.threshold else "")
+        lines.append(f"  {point_label(p.layer, p.deepstack_block):10} {p.rel_error:.3e}{mark}")
+    return lines
+
+
+def localization_json(cases: list[CaseResult]) -> str:
+    doc = {"cases": [{"id": c.id, "localization": localization_to_json(c.localization)} for c in cases]}
+    return json.dumps(doc, indent=2, allow_nan=False)
+
+
 def _md_environment(run: RunResult) -> str:
     env = " · ".join(f"{k} `{v}`" for k, v in run.environment.items())
     config = " · ".join(f"{k} `{v}`" for k, v in run.config.items())
@@ -195,6 +243,8 @@ def print_table(run: RunResult, console: Console) -> None:
                 console.print(f"  {escape(label)}: {escape(evidence_text(arm.evidence))}", highlight=False)
         if case.localization is not None:
             console.print(f"  {escape(localization_sentence(case))}", highlight=False)
+        elif not_localized_note(case, run):
+            console.print(f"  {escape(not_localized_note(case, run))}", highlight=False)
     style = "green" if run.verdict.code == PASS else "red"
     console.print(f"[bold {style}]{run.verdict.code}[/]: {escape(run.verdict.reason)}", highlight=False)
 
