@@ -66,6 +66,23 @@ def _logprob_tol(ctx, param, value):
     return tol
 
 
+def _localize_threshold(ctx, param, value):
+    """`auto` (None: the dtype's default, docs/localization.md) or a finite number > 0."""
+    if value == "auto":
+        return None
+    try:
+        threshold = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
+    if not math.isfinite(threshold) or threshold <= 0:
+        raise click.BadParameter(f"must be 'auto' or a finite number > 0, got {value}")
+    return threshold
+
+
+_LOCALIZE_THRESHOLD_HELP = ("auto (from the dtype's measured noise) or a number: the first layer whose relative error "
+                            "||h_bcg - h_eager|| / ||h_eager|| exceeds it is named.")
+
+
 def _int_list(ctx, param, value):
     if value is None or value == "":
         return ()
@@ -119,6 +136,8 @@ def cli() -> None:
               help="reuse: image then text request; stream: five requests back to back; all: the three.")
 @click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
               help="Run every arm N times; an arm that does not reproduce itself is INCONCLUSIVE_NONDETERMINISTIC.")
+@click.option("--localize-threshold", default="auto", show_default=True, callback=_localize_threshold,
+              help="Localizing a failing case (transformers backend): " + _LOCALIZE_THRESHOLD_HELP)
 @click.option("--out", "out_dir", help="Run folder (default reports/<timestamp>-<model>/).")
 @click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
@@ -144,7 +163,7 @@ def run(**options) -> None:
         cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"]),
         scenarios=SCENARIOS if scenario == "all" else (scenario,),
         max_new_tokens=o["max_new_tokens"], logprob_tol=o["logprob_tol"], tie_margin=o["tie_margin"],
-        repeat=o["repeat"],
+        repeat=o["repeat"], localize_threshold=o["localize_threshold"],
     )
     output = OutputOptions(
         run_dir=check_writable("--out", Path(o["out_dir"]) if o["out_dir"] else default_run_dir(o["model"]), True),
@@ -200,6 +219,41 @@ def report(results_file: str, fmt: str) -> None:
         print_table(run_result, _console())
     else:
         click.echo(render_markdown(run_result) if fmt == "markdown" else render_json(run_result))
+
+
+@cli.command()
+@click.argument("results_file")
+@click.option("--case", "case_id", help="Only this case (default: every case whose bcg arm disagrees with eager).")
+@click.option("--image", "images", multiple=True, help="A user image the run used (matched by sha256; repeatable).")
+@click.option("--localize-threshold", default="auto", show_default=True, callback=_localize_threshold,
+              help="auto (the run's threshold, else the dtype's default) or a number: the first layer whose "
+                   "relative error exceeds it is named.")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: the run's device.")
+@click.option("--json", "as_json", is_flag=True, help="Print the localizations as JSON.")
+@click.option("--write", is_flag=True, help="Store the localizations in the results file, the plots beside it.")
+def localize(results_file: str, case_id: str | None, images: tuple[str, ...], localize_threshold: float | None,
+             device: str | None, as_json: bool, write: bool) -> None:
+    """Say where a failing case's graph replay first leaves eager: the first divergent layer.
+
+    Reloads the run's model (transformers backend), rebuilds each failing case's requests, replays
+    them through a probe graph of the run's runner and eagerly, and compares the hidden state after
+    every decoder layer and DeepStack add. Exit 0 when it localized what was asked, 2 on usage errors.
+    """
+    from parity.localize_command import LocalizeOptions, localize_results
+    from parity.reporting.report import localization_json, localization_lines
+
+    result = localize_results(LocalizeOptions(Path(results_file), case_id, tuple(images), localize_threshold,
+                                              device, write))
+    cases = [c for c in result.run.cases if c.id in result.case_ids]
+    if as_json:
+        click.echo(localization_json(cases))
+    elif not cases:
+        click.echo("nothing to localize: no bcg arm of any case disagrees with its eager reference")
+    else:
+        for case in cases:
+            click.echo("\n".join(localization_lines(case)))
+    for path in result.written:
+        click.echo(f"wrote {path}", err=as_json)
 
 
 @cli.command()

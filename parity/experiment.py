@@ -21,6 +21,7 @@ from parity.arms import ARM_ORDER, MODES, ArmSpec, arm_mode_and_deepstack, arm_n
 from parity.backends.base import Backend, Generation, Request, Session
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture, Prompt
+from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import (
     FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
@@ -56,6 +57,7 @@ class RunSpec:
     logprob_tol: float | None = None  # None: auto, from the dtype's measured noise
     tie_margin: float = DEFAULT_TIE_MARGIN
     repeat: int = 1
+    localize_threshold: float | None = None  # None: auto, from the dtype's measured noise
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -166,31 +168,43 @@ class _Collected:
         return self.arms.get((case_id, request, name))
 
 
-def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None) -> RunResult:
+def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None,
+                   warn: Callable[[str], object] | None = None) -> RunResult:
+    """Run, judge, and localize every case whose bcg arm disagrees with eager (design §7), on the
+    still-loaded backend; `warn` hears about cases that could not be localized."""
     collected = _Collected()
     planned: tuple[PlannedCase, ...] = ()
     interrupted = False
     try:
-        planned = plan_cases(spec, backend)
-        lengths = _check_lengths(spec, backend, planned)
-        total = sum(len(_arms_for(case, mode, req)) for mode in spec.modes for case in planned for req in case.requests)
-        counter = iter(range(1, total + 1))
+        try:
+            planned = plan_cases(spec, backend)
+            lengths = _check_lengths(spec, backend, planned)
+            total = sum(len(_arms_for(case, mode, req)) for mode in spec.modes for case in planned
+                        for req in case.requests)
+            counter = iter(range(1, total + 1))
 
-        def announce(case_id: str, label: str) -> None:
-            if progress:
-                progress(Progress(next(counter), total, case_id, label))
+            def announce(case_id: str, label: str) -> None:
+                if progress:
+                    progress(Progress(next(counter), total, case_id, label))
 
-        backend.prepare(spec.modes, lengths)
-        for mode in spec.modes:
-            _run_mode(spec, backend, planned, mode, collected, announce)
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
+            backend.prepare(spec.modes, lengths)
+            for mode in spec.modes:
+                _run_mode(spec, backend, planned, mode, collected, announce)
+        except KeyboardInterrupt:
+            interrupted = True
         config = dict(backend.config())
+        if isinstance(backend, CanLocalize):
+            config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
+        run = _run_result(spec, backend, planned, collected, config, interrupted)
+        if interrupted:
+            raise RunInterrupted(run)
+        try:
+            run = localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
+                               config.get("localize_threshold"), warn=warn)
+        except KeyboardInterrupt:  # the judged run stands; only its localizations are missing
+            raise RunInterrupted(run) from None
+    finally:
         backend.close()
-    run = _run_result(spec, backend, planned, collected, config, interrupted)
-    if interrupted:
-        raise RunInterrupted(run)
     return run
 
 

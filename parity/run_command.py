@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from rich.console import Console
+from rich.markup import escape
 
 from parity.backends import BackendOptions, create_backend
 from parity.errors import UsageError
@@ -107,7 +108,8 @@ def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, c
     engine = create_backend(backend, spec.max_new_tokens, output.run_dir)
     try:
         with progress_display(console) as progress:
-            result = run_experiment(spec, engine, progress)
+            result = run_experiment(spec, engine, progress,
+                                    warn=lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
     except RunInterrupted as interrupted:
         write_outputs(interrupted.result, output, console, plots=False)
         raise KeyboardInterrupt from None
@@ -139,13 +141,15 @@ def write_outputs(result: RunResult, output: OutputOptions, console: Console, pl
 
 
 def _with_plots(result: RunResult, run_dir: Path, console: Console) -> RunResult:
-    from parity.reporting.plots import plot_case
+    from parity.reporting.plots import plot_case, plot_localization
 
     cases = []
     for case in result.cases:
         try:
-            cases.append(dataclasses.replace(case, plot=plot_case(case, run_dir, result).name))
+            case = dataclasses.replace(case, plot=plot_case(case, run_dir, result).name)
+            if case.localization is not None:
+                case = dataclasses.replace(case, localization_plot=plot_localization(case, run_dir).name)
         except (OSError, ValueError, RuntimeError) as err:  # a plot is a view; results.json is already written
             console.print(f"[yellow]warning:[/] no plot for {case.id} ({err.__class__.__name__}: {err})")
-            cases.append(case)
+        cases.append(case)
     return dataclasses.replace(result, cases=tuple(cases))

@@ -6,7 +6,7 @@ import pytest
 
 from parity.cli import cli
 
-COMMANDS = ["run", "verdict", "report", "compare", "fixtures", "arms", "models"]
+COMMANDS = ["run", "verdict", "report", "localize", "compare", "fixtures", "arms", "models"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -1,0 +1,187 @@
+"""`parity localize`: a finished run's localizations, recomputed from its results file (design §7).
+
+The model is loaded again from the file's config (model, preset seed, dtype, runner variant, graph
+backend, captured buckets) on the run's device, and each request is rebuilt: built-in fixtures and
+twins by name, checked against the stored sha256; user images by sha256 from `--image`; prompts
+from the file. Everything a user can get wrong is checked before the model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from parity.backends.base import Request
+from parity.errors import UsageError
+from parity.fixtures import Fixture, builtin_fixture, builtin_names, image_fixture
+from parity.localization import localize_run, target_of
+from parity.results import CaseResult, FixtureInfo, RunResult, write_results
+from parity.results_loader import load_results
+from parity.verdict import judge_run
+
+# What the command needs from the run's config to build the same model and runner again.
+_CONFIG_KEYS = ("model", "dtype", "runner", "graph_backend", "captured_buckets")
+
+
+@dataclass(frozen=True)
+class LocalizeOptions:
+    results: Path
+    case: str | None = None  # None: every case whose bcg arm disagrees with eager
+    images: tuple[str, ...] = ()  # the run's user images (matched by sha256)
+    threshold: float | None = None  # None: the run's, else the dtype's default
+    device: str | None = None  # None: the run's
+    write: bool = False
+
+
+@dataclass(frozen=True)
+class Localized:
+    run: RunResult  # the file's run, re-judged, with the new localizations
+    case_ids: tuple[str, ...]  # the cases localized, in file order
+    written: tuple[Path, ...] = ()
+
+
+def localize_results(options: LocalizeOptions) -> Localized:
+    run = judge_run(load_results(options.results))
+    config = run.config
+    if config.get("backend") != "transformers":
+        raise UsageError(f"{options.results}: a {config.get('backend')} run cannot be localized, since its graph is "
+                         "the runtime's own and parity cannot probe it per layer; rerun the failing case on the "
+                         "transformers backend with the same checkpoint")
+    _check_config(config, options.results)
+    cases = _selected(run, options.case)
+    if not cases:
+        return Localized(run, ())
+    user = _user_fixtures(options.images)
+    requests = {case.id: _requests(case, user) for case in cases}
+    backend = _backend(run, options.device)
+    try:
+        threshold = options.threshold or config.get("localize_threshold")
+        run = localize_run(run, backend, requests, threshold, only=options.case)
+    finally:
+        backend.close()
+    ids = tuple(case.id for case in cases)
+    return _written(run, ids, options.results) if options.write else Localized(run, ids)
+
+
+def _check_config(config, path: Path) -> None:
+    missing = [key for key in _CONFIG_KEYS if config.get(key) is None]
+    if missing:
+        raise UsageError(f"{path}: config lacks {', '.join(missing)}, which parity localize needs to rebuild the run "
+                         "(written by an older parity?)")
+    buckets = config["captured_buckets"]
+    problems = {
+        "runner": config["runner"] not in ("fixed", "legacy", "no-clear"),
+        "graph_backend": config["graph_backend"] not in ("cuda", "emulated"),
+        "dtype": config["dtype"] not in ("float32", "bfloat16", "float16"),
+        "captured_buckets": not isinstance(buckets, list)
+        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets),
+    }
+    bad = [key for key, wrong in problems.items() if wrong]
+    if bad:
+        raise UsageError(f"{path}: config.{bad[0]} is {config[bad[0]]!r}, which parity localize cannot rebuild")
+
+
+def _selected(run: RunResult, case_id: str | None) -> list[CaseResult]:
+    if case_id is None:
+        return [case for case in run.cases if target_of(case) is not None]
+    case = next((c for c in run.cases if c.id == case_id), None)
+    if case is None:
+        raise UsageError(f"unknown case {case_id!r}; cases in the file: {', '.join(c.id for c in run.cases)}")
+    if target_of(case) is None:
+        raise UsageError(f"case {case_id} is {case.verdict.code}: no bcg arm of it disagrees with its eager "
+                         "reference, so there is nothing to localize")
+    return [case]
+
+
+# --- requests ------------------------------------------------------------------------------------
+
+def _user_fixtures(paths: Sequence[str]) -> list[Fixture]:
+    """The given images and their twins (a stream case's third request)."""
+    images = [image_fixture(path) for path in paths]
+    return images + [image.twin() for image in images]
+
+
+def _requests(case: CaseResult, user: Sequence[Fixture]) -> tuple[Request, ...]:
+    if not case.is_sequence:
+        return (Request(_fixture(case.fixture, user, case.id), case.prompt),)
+    return tuple(Request(_fixture(r.fixture, user, case.id), r.prompt) for r in case.requests)
+
+
+def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) -> Fixture | None:
+    """The image the run used: identified by the sha256 of its pixels, never by name alone."""
+    if info is None:
+        return None
+    same = [f for f in user if _matches(f, info)]
+    if same:
+        return dataclasses.replace(same[0], name=info.name)
+    known = builtin_names(twins=True)
+    if info.name in known:
+        fixture = builtin_fixture(info.name)
+        if _matches(fixture, info):
+            return fixture
+    # A built-in given twice or as a file is stored under another name (`rgb-stripes-2`).
+    same = [f for f in map(builtin_fixture, known) if _matches(f, info)]
+    if same:
+        return dataclasses.replace(same[0], name=info.name)
+    if info.name in known:
+        raise UsageError(f"case {case_id}: image {info.name!r} has sha256 {info.sha256[:16]}… in the file, but "
+                         f"parity's built-in {info.name!r} has {builtin_fixture(info.name).sha256[:16]}…; give the "
+                         "image the run used with --image")
+    raise UsageError(f"case {case_id}: user image {info.name!r} (sha256 {info.sha256[:16]}…) was not given; "
+                     "pass it with --image PATH")
+
+
+def _matches(fixture: Fixture, info: FixtureInfo) -> bool:
+    return fixture.sha256 == info.sha256 and tuple(fixture.size) == tuple(info.size)
+
+
+# --- the model -----------------------------------------------------------------------------------
+
+def _backend(run: RunResult, device: str | None):
+    import torch
+
+    from parity.backends import apply_thread_policy
+    from parity.backends.transformers_backend import TransformersBackend
+    from parity.buckets import BucketPolicy
+    from parity.graph_runner import RunnerVariant
+    from parity.models import load_model
+    from parity.models.tiny import PRESETS
+
+    config, environment = run.config, run.environment
+    ran_on = str(environment.get("device", "cpu"))
+    if (device or ran_on) == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here" if device else
+                         "the run was on cuda and no CUDA device is available here; pass --device cpu (the errors "
+                         "then differ within the noise)")
+    device = device or ran_on
+    embedded = config["model"] in PRESETS
+    threads = environment.get("threads") if device == "cpu" and ran_on == "cpu" else None
+    apply_thread_policy(threads if isinstance(threads, int) and threads > 0 else None, embedded)
+    seed = config.get("preset_seed") if embedded else None
+    loaded = load_model(str(config["model"]), device=device, dtype=str(config["dtype"]), seed=seed)
+    captured = tuple(int(b) for b in config["captured_buckets"])
+    # The run's captured buckets, exactly: the same bucket for every prompt, the same graphs.
+    backend = TransformersBackend(loaded, max_new_tokens=int(config.get("max_new_tokens", 1)),
+                                  runner_variant=RunnerVariant(config["runner"]),
+                                  graph_backend=str(config["graph_backend"]) if device == ran_on else "auto",
+                                  buckets=BucketPolicy(captured, loaded.adapter.max_positions))
+    backend.prepare(("bcg",), captured)  # each bucket size is a prompt length that needs exactly that bucket
+    return backend
+
+
+def _written(run: RunResult, ids: tuple[str, ...], path: Path) -> Localized:
+    """The localizations stored back into the results file (atomically), the plots beside it."""
+    from parity.reporting.plots import plot_localization
+
+    cases, plots = [], []
+    for case in run.cases:
+        if case.id in ids and case.localization is not None:
+            plot = plot_localization(case, Path(path).parent)
+            plots.append(plot)
+            case = dataclasses.replace(case, localization_plot=plot.name)
+        cases.append(case)
+    run = dataclasses.replace(run, cases=tuple(cases))
+    write_results(run, Path(path))
+    return Localized(run, ids, (Path(path), *plots))
