@@ -234,3 +234,17 @@ def test_register_adds_an_after_hook_on_prepare_mm_inputs(tmp_path: Path, monkey
     ((target, hook, kind),) = calls
     assert target == "sglang.srt.managers.mm_utils.prepare_mm_inputs" and kind == "after"
     assert isinstance(hook, TapHook) and hook.channel.folder == tmp_path / "tap"
+
+
+def test_answers_with_non_finite_logprobs_are_rejected() -> None:
+    from parity.sglang import client
+
+    doc = {"text": "a", "output_ids": [5], "prompt_token_ids": [1, 2],
+           "meta_info": {"output_token_logprobs": [[float("nan"), 5, None]]}}
+    with pytest.raises(client.ServerRejected, match="non-finite output logprob"):
+        client.parse_completion(doc)
+    scores = {"meta_info": {"input_token_logprobs": [[None, 2, None], [float("-inf"), 7, None]]}}
+    with pytest.raises(client.ServerRejected, match="non-finite scored logprob"):
+        client.parse_scores(scores, [7])
+    with pytest.raises(client.ServerRejected, match="misaligned"):
+        client.parse_scores(scores, [8])

@@ -73,6 +73,7 @@ class SglangSession:
             text, image, self.backend.settings.max_new_tokens, rid=tag))
         answer = self._parsed(client.parse_completion, doc)
         requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
+        self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
         forced, start = [], time.perf_counter()
         prompt = prompts.unexpanded(answer.prompt_ids)
         for tokens in force:
@@ -80,13 +81,8 @@ class SglangSession:
                 prompt, tokens, len(answer.prompt_ids), image, rid=tag))
             forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(answer.prompt_ids) + len(tokens), image is not None, scored))
+            self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
         forced_seconds = time.perf_counter() - start
-        layers = self.backend.facts.deepstack_layers
-        try:
-            for i, tagged in enumerate(requests):
-                check_fired(tagged, layers, "request" if i == 0 else f"teacher-forced scoring request {i}")
-        except TapSilence as silence:
-            raise self.process.failure(str(silence)) from None
         return replace(answer.generation, deepstack_record=request_record(requests[0]),
                        evidence=arm_evidence(requests, self.backend.server_facts.max_bucket),
                        forced=tuple(forced), forced_seconds=forced_seconds)
@@ -100,6 +96,12 @@ class SglangSession:
         finally:
             self.server.channel.disarm()
         return doc, tuple(self.server.channel.entries(tag))
+
+    def _check_fired(self, request: TaggedRequest, what: str) -> None:
+        try:
+            check_fired(request, self.backend.facts.deepstack_layers, what)
+        except TapSilence as silence:
+            raise self.process.failure(str(silence)) from None
 
     def _parsed(self, parse, doc):
         try:

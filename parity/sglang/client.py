@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -121,6 +122,7 @@ def parse_completion(doc: Mapping[str, Any]) -> Answer:
         raise ServerRejected(f"/generate answer lacks or garbles {err}: keys {sorted(doc)}") from None
     if tuple(int(step[1]) for step in chosen) != token_ids:
         raise ServerRejected("/generate answer: output_ids and output_token_logprobs name different tokens")
+    _finite(logprobs, "output")
     generation = Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None, evidence=None)
     return Answer(generation, prompt_ids)
 
@@ -139,4 +141,12 @@ def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, 
     if ids != tuple(int(t) for t in tokens):
         raise ServerRejected(f"/generate scoring answer scored other tokens than the reference's "
                              f"({len(ids)} scored, {len(tokens)} forced): prompt positions misaligned")
+    return _finite(values, "scored")
+
+
+def _finite(values: tuple[float, ...], what: str) -> tuple[float, ...]:
+    # A results file never holds NaN or infinity: such an answer fails its arm instead.
+    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise ServerRejected(f"/generate answer: non-finite {what} logprob {values[bad]} at step {bad}")
     return values
