@@ -142,12 +142,15 @@ def cli() -> None:
 @click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
-@click.option("--concurrent", is_flag=True, help="Start the eager and bcg servers at once (sglang backend).")
+@click.option("--concurrent", is_flag=True,
+              help="Keep both SGLang servers up: started at once when --gpus gives each its own GPUs, else one "
+                   "after the other on the shared GPU.")
 @click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
 @click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=_positive,
               help="Seconds to wait for an SGLang server's /ready.")
 @click.option("--mem-fraction", type=float, default=0.70, show_default=True,
-              help="SGLang --mem-fraction-static per GPU (halved per server with --concurrent on one GPU).")
+              help="SGLang --mem-fraction-static per GPU; with --concurrent on a shared GPU each server gets "
+                   "half of it of the GPU's total.")
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""
     # Heavy imports (torch, transformers) only when running.

@@ -198,6 +198,8 @@ def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None 
         run = _run_result(spec, backend, planned, collected, config, interrupted)
         if interrupted:
             raise RunInterrupted(run)
+        if not isinstance(backend, CanLocalize):
+            return run  # nothing to probe: the report says so on every case that would need it
         try:
             run = localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
                                config.get("localize_threshold"), warn=warn)
@@ -276,7 +278,8 @@ def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, re
         name=name, mode=mode, deepstack=deepstack, token_ids=first.token_ids, text=first.text,
         token_logprobs=first.token_logprobs, top_logprobs=first.top_logprobs,
         deepstack_record=first.deepstack_record, evidence=evidence,
-        forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced)}),
+        forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced)}
+                                | ({} if first.self_forced is None else {name: first.self_forced})),
         seconds=round(seconds - first.forced_seconds, 4), forced_seconds=round(first.forced_seconds, 4),
         repeats=tuple(repeats),
     )

@@ -161,6 +161,11 @@ def localize(backend: CanLocalize, target: Target, requests: Sequence[Request], 
                         first_above(errors, threshold))
 
 
+def not_available(backend: str) -> str:
+    return (f"localization is not available on the {backend} backend: parity can only probe a graph it "
+            "captures itself; rerun the failing case on the transformers backend with the same checkpoint")
+
+
 def localize_run(run: RunResult, backend: object, requests: Mapping[str, Sequence[Request]],
                  threshold: float | None = None, only: str | None = None,
                  warn: Callable[[str], None] | None = None) -> RunResult:
@@ -178,10 +183,7 @@ def localize_run(run: RunResult, backend: object, requests: Mapping[str, Sequenc
         if target is not None:
             try:
                 if not isinstance(backend, CanLocalize):
-                    raise LocalizationError(
-                        f"localization is not available on the {run.config.get('backend')} backend: parity can "
-                        "only probe a graph it captures itself; rerun the failing case on the transformers "
-                        "backend with the same checkpoint")
+                    raise LocalizationError(not_available(str(run.config.get("backend"))))
                 case = dataclasses.replace(case, localization=localize(backend, target, requests[case.id], threshold))
             except LocalizationError as err:
                 if warn is None:

@@ -49,11 +49,16 @@ def logprob_delta(lp_a: Sequence[float], lp_b: Sequence[float], divergence: int 
 
 
 def forced_deltas(a: ArmResult, reference: ArmResult) -> tuple[float, ...] | None:
-    """|lp_a(ref_tok_i) - lp_ref(ref_tok_i)| at every reference position; None if not scored."""
+    """|lp_a(ref_tok_i) - lp_ref(ref_tok_i)| at every reference position; None if not scored.
+
+    `lp_ref` is the reference's own tokens scored the way `a` scored them where the backend
+    recorded that (`forced[reference]` in the reference itself), else its generation logprobs.
+    """
     forced = a.forced.get(reference.name)
-    if forced is None or len(forced) != len(reference.token_logprobs):
+    own = reference.forced.get(reference.name, reference.token_logprobs)
+    if forced is None or len(forced) != len(own):
         return None
-    return tuple(abs(x - y) for x, y in zip(forced, reference.token_logprobs))
+    return tuple(abs(x - y) for x, y in zip(forced, own))
 
 
 def tf_delta(a: ArmResult, reference: ArmResult) -> float | None:

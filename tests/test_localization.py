@@ -201,7 +201,7 @@ def test_a_backend_that_cannot_probe_says_so():
     assert "transformers backend with the same checkpoint" in warnings[0]
     with pytest.raises(LocalizationError, match="not available"):
         localize_run(run, object(), {})
-    assert "localization is not available on the sglang backend: the graph under test is SGLang's" in \
+    assert "localization is not available on the sglang backend: parity can only probe a graph it captures" in \
         render_markdown(run)
 
 

@@ -67,3 +67,10 @@ def test_tf_delta_covers_the_whole_reference_sequence():
                  forced={"eager_normal": [-0.1, -0.25, -1.3]})
     assert tf_delta(a, ref) == pytest.approx(1.0)
     assert tf_delta(make_arm("bcg_normal", [1]), ref) is None  # not scored on this reference
+
+
+def test_tf_delta_compares_scores_with_scores_where_the_reference_scored_itself():
+    # SGLang scores by prefill and generates by decode: the reference's own score is the baseline.
+    ref = make_arm("eager_normal", [1, 2], logprobs=[-0.1, -0.2], forced={"eager_normal": [-0.15, -0.3]})
+    a = make_arm("bcg_normal", [1, 2], forced={"eager_normal": [-0.15, -0.31]})
+    assert tf_delta(a, ref) == pytest.approx(0.01)

@@ -103,16 +103,19 @@ def test_teacher_forcing_scores_the_reference_on_the_other_server(tmp_path: Path
     arms = four_arms(result)
     # bcg_normal is scored on both of its references; the stand-in's scoring of a token list is the
     # same function as its generation, so forcing an arm's own answer gives its own logprobs.
-    assert set(arms["bcg_normal"].forced) == {"eager_normal", "bcg_zero_deepstack"}
+    # Every arm also scores its own answer, so a teacher-forced delta compares scores with scores.
+    assert set(arms["bcg_normal"].forced) == {"eager_normal", "bcg_zero_deepstack", "bcg_normal"}
+    assert set(arms["eager_normal"].forced) == {"eager_normal"}
     dropped = arms["bcg_normal"].forced["bcg_zero_deepstack"]
     assert dropped == pytest.approx(arms["bcg_zero_deepstack"].token_logprobs, abs=1e-9)
+    assert arms["eager_normal"].forced["eager_normal"] == pytest.approx(arms["eager_normal"].token_logprobs, abs=1e-9)
     assert len(arms["bcg_normal"].forced["eager_normal"]) == MAX_NEW_TOKENS
-    assert arms["bcg_normal"].forced_seconds > 0 and not arms["eager_normal"].forced
+    assert arms["bcg_normal"].forced_seconds > 0
     comparison = result.cases[0].comparison("bcg_normal", "bcg_zero_deepstack")
     assert comparison.tf_delta == pytest.approx(0.0, abs=1e-9)
     # A forced request is another prefill of the arm: its entries count in the arm's evidence.
     plain, forced = arms["eager_zero_deepstack"].evidence, arms["bcg_normal"].evidence
-    assert forced.tap_calls == 3 and plain.tap_calls == 2  # generation + 2 forced; generation + 1 forced
+    assert forced.tap_calls == 4 and plain.tap_calls == 3  # generation + 2 forced + own; generation + 1 + own
     assert_nothing_left(tmp_path)
 
 

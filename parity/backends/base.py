@@ -32,6 +32,10 @@ class Generation:
     # forced[i][j]: this execution's logprob of force[i][j], teacher-forced after force[i][:j].
     forced: tuple[tuple[float, ...], ...] = ()
     forced_seconds: float = 0.0
+    # This execution's own tokens scored the way `forced` is, where that path differs from the
+    # generation's (SGLang scores with a prefill, generates with decode steps): then a teacher-
+    # forced delta compares scores with scores, not a prefill's logprobs with a decode's.
+    self_forced: tuple[float, ...] | None = None
 
 
 class Session(Protocol):

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from parity.evidence import Evidence
-from parity.localization import target_of
+from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
@@ -180,9 +180,7 @@ def not_localized_note(case: CaseResult, run: RunResult) -> str | None:
     if case.localization is not None or target_of(case) is None:
         return None
     if run.config.get("backend") == "sglang":
-        return ("localization is not available on the sglang backend: the graph under test is SGLang's, which "
-                "parity cannot probe per layer; rerun the failing case on the transformers backend with the same "
-                "checkpoint (docs/sglang-runbook.md)")
+        return not_available("sglang") + " (docs/sglang-runbook.md)"
     return f"not localized in this run; `parity localize results.json --case {case.id} --write` adds it"
 
 

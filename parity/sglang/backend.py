@@ -76,7 +76,8 @@ class SglangSession:
         self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
         forced, start = [], time.perf_counter()
         prompt = prompts.unexpanded(answer.prompt_ids)
-        for tokens in force:
+        # Its own tokens last: scores from a prefill are compared with scores from a prefill.
+        for tokens in (*force, answer.generation.token_ids):
             doc, scored = self.post_tagged(tap, lambda tag: client.score_body(
                 prompt, tokens, len(answer.prompt_ids), image, rid=tag))
             forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
@@ -85,7 +86,7 @@ class SglangSession:
         forced_seconds = time.perf_counter() - start
         return replace(answer.generation, deepstack_record=request_record(requests[0]),
                        evidence=arm_evidence(requests, self.backend.server_facts.max_bucket),
-                       forced=tuple(forced), forced_seconds=forced_seconds)
+                       forced=tuple(forced[:-1]), self_forced=forced[-1], forced_seconds=forced_seconds)
 
     def post_tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
         """POST one request under its own tag; its answer and the LM entries the hook recorded for it."""
