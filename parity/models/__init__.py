@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ class LoadedModel:
     name: str
     adapter: Qwen3VLAdapter
     embedded: bool
+    seed: int | None = None  # the seed an embedded preset was built from; None for a checkpoint
 
     @property
     def device(self) -> torch.device:
@@ -47,12 +49,18 @@ def resolve_dtype(name: str, device: torch.device, embedded: bool) -> torch.dtyp
     return DTYPES[name]
 
 
-def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def load_model(
+    name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto", seed: int | None = None
+) -> LoadedModel:
+    """A preset built in code (from `seed` instead of its default when given) or a checkpoint."""
     torch_device = resolve_device(device)
     embedded = name in PRESETS
+    if seed is not None and not embedded:
+        raise UsageError(f"a seed builds an embedded preset ({', '.join(PRESETS)}); {name!r} is a checkpoint")
     torch_dtype = resolve_dtype(dtype, torch_device, embedded)
     if embedded:
-        model, processor = _build_preset(name)
+        seed = PRESETS[name].seed if seed is None else seed
+        model, processor = _build_preset(name, seed)
     else:
         model, processor = _from_pretrained(name, torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
@@ -60,22 +68,22 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str = "auto", dtype: str = 
         # Batched expert matmuls have no data-dependent shapes or host syncs, so a CUDA graph can
         # capture the body; eager arms use the same kernels, so the comparison stays fair.
         model.set_experts_implementation("batched_mm")
-    return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded)
+    return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded, seed)
 
 
-def _build_preset(name: str):
-    model, processor = _built_preset(name)
+def _build_preset(name: str, seed: int):
+    model, processor = _built_preset(name, seed)
     # Callers move the model to their device and dtype: each gets its own copy of the weights.
     return copy.deepcopy(model), processor
 
 
 @functools.lru_cache(maxsize=None)
-def _built_preset(name: str):
-    """Built once per process: the tokenizer training and processor set-up dominate a tiny run."""
+def _built_preset(name: str, seed: int):
+    """Built once per process and seed: the tokenizer training and processor set-up dominate a tiny run."""
     from parity.models.tiny import build_model, build_processor, build_tokenizer
 
     tokenizer = build_tokenizer()
-    return build_model(PRESETS[name], tokenizer), build_processor(tokenizer)
+    return build_model(dataclasses.replace(PRESETS[name], seed=seed), tokenizer), build_processor(tokenizer)
 
 
 def _from_pretrained(name: str, dtype: torch.dtype):
