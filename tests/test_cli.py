@@ -50,7 +50,7 @@ def _one_line_error(result, code=2):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "no-such-model-anywhere"], "could not be loaded"),
+    (["--model", "no-such-model-anywhere"], "its config cannot be loaded"),
     (["--arms", "eager_normal,warp"], "unknown arm warp"),
     (["--fixture", "plaid"], "unknown fixture 'plaid'"),
     (["--image", "/nonexistent/cat.png"], "no such file"),

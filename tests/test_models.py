@@ -97,13 +97,63 @@ def test_eager_two_arm_run_is_incomplete_and_shows_power(preset, power, request)
     assert comparison.match is (not power)
 
 
-def test_checkpoint_not_available_offline_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    with pytest.raises(ModelUnavailableError, match="not available offline"):
-        load_model("Qwen/Qwen3-VL-8B-Instruct", device="cpu")
-    with pytest.raises(ModelUnavailableError, match="could not be loaded"):
+@pytest.fixture(scope="module")
+def checkpoint(tiny, tmp_path_factory):
+    """The tiny preset saved as an ordinary Hugging Face checkpoint folder."""
+    folder = tmp_path_factory.mktemp("checkpoint") / "tiny"
+    tiny.adapter.model.save_pretrained(folder)
+    tiny.adapter.processor.save_pretrained(folder)
+    return folder
+
+
+def _broken(checkpoint, tmp_path, name, edit):
+    import shutil
+
+    folder = tmp_path / name
+    shutil.copytree(checkpoint, folder)
+    edit(folder)
+    return folder
+
+
+def test_a_checkpoint_folder_loads_through_from_pretrained_and_passes(parity_cli, checkpoint):
+    result, doc, _ = parity_cli.run("--model", str(checkpoint))
+    assert result.exit_code == 0, result.output
+    assert doc["config"]["model"] == str(checkpoint) and doc["config"]["preset_seed"] is None
+
+
+@pytest.mark.parametrize("name, edit, message", [
+    ("truncated", lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:5000]),
+     "its weights cannot be loaded from that folder"),
+    ("no-tokenizer", lambda f: [(f / n).unlink() for n in ("tokenizer.json", "tokenizer_config.json")],
+     "its tokenizer does not map the image token"),
+    ("no-config", lambda f: (f / "config.json").unlink(), "its config cannot be loaded from that folder"),
+])
+def test_a_broken_checkpoint_is_a_usage_error_before_any_arm(parity_cli, checkpoint, tmp_path, name, edit, message):
+    folder = _broken(checkpoint, tmp_path, name, edit)
+    result, doc, out = parity_cli.run("--model", str(folder))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+    assert "hf download" not in result.output and doc is None and not out.exists()
+
+
+def test_missing_folders_and_uncached_hub_ids_say_what_to_do(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    with pytest.raises(ModelUnavailableError, match="no checkpoint folder there .no such folder"):
         load_model(str(tmp_path / "no-such-checkpoint"), device="cpu")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ModelUnavailableError, match="it is a file"):
+        load_model(str(tmp_path / "file"), device="cpu")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ModelUnavailableError, match=r"not in the local Hugging Face cache .*hf download Qwen/Qwen3-VL-8B"):
+        load_model("Qwen/Qwen3-VL-8B-Instruct", device="cpu")
+    # Online mode with a hub that cannot be reached: the cache is read at once, no downloader retries.
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    from parity.models import checkpoint as module
+
+    assert not module.hub_reachable()
+    with pytest.raises(ModelUnavailableError, match="the hub cannot be reached from here"):
+        load_model("Qwen/Qwen3-VL-2B-Instruct", device="cpu")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])

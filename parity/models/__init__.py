@@ -9,13 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
-from parity.errors import ModelUnavailableError, UsageError
+from parity.errors import UsageError
+from parity.models.checkpoint import load_checkpoint
 from parity.models.qwen3_vl import Qwen3VLAdapter
 from parity.models.tiny import PRESETS
 
 DEFAULT_MODEL = "tiny-qwen3-vl"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def load_model(
         seed = PRESETS[name].seed if seed is None else seed
         model, processor = _build_preset(name, seed)
     else:
-        model, processor = _from_pretrained(name, torch_dtype)
+        model, processor = load_checkpoint(name, torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
     if model.config.model_type == "qwen3_vl_moe":
         # Batched expert matmuls have no data-dependent shapes or host syncs, so a CUDA graph can
@@ -84,34 +84,3 @@ def _built_preset(name: str, seed: int):
 
     tokenizer = build_tokenizer()
     return build_model(dataclasses.replace(PRESETS[name], seed=seed), tokenizer), build_processor(tokenizer)
-
-
-def _from_pretrained(name: str, dtype: torch.dtype):
-    """The ordinary Hugging Face path; every way it can fail becomes one clear usage error."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
-
-    try:
-        config = AutoConfig.from_pretrained(name)
-    except (OSError, ValueError) as err:
-        raise ModelUnavailableError(_unavailable(name, err)) from None
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelUnavailableError(
-            f"model {name!r} is a {config.model_type!r} checkpoint; parity drives Qwen3-VL "
-            f"({', '.join(SUPPORTED_MODEL_TYPES)}) or an embedded preset: {', '.join(PRESETS)}"
-        )
-    try:
-        processor = AutoProcessor.from_pretrained(name)
-        model = AutoModelForImageTextToText.from_pretrained(name, dtype=dtype, attn_implementation="sdpa")
-    except (OSError, ValueError) as err:
-        raise ModelUnavailableError(_unavailable(name, err)) from None
-    return model, processor
-
-
-def _unavailable(name: str, err: Exception) -> str:
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else err.__class__.__name__
-    return (
-        f"model {name!r} could not be loaded: it is neither an embedded preset "
-        f"({', '.join(PRESETS)}) nor a Qwen3-VL checkpoint available here. If it is a Hugging Face id, "
-        f"its weights are not available offline: download them first (`hf download {name}`) or pass a "
-        f"local path. ({first_line})"
-    )

@@ -1,0 +1,99 @@
+"""Loading a Qwen3-VL checkpoint (a Hugging Face id or a local folder) through `from_pretrained`.
+
+Every way a checkpoint can be unusable is a usage error found before any arm runs, with one line
+that says what to do: a folder that does not exist, a hub id that is not cached where the hub
+cannot be reached (at once, not after the downloader's retries), a config of another model, a
+tokenizer that is missing or does not know Qwen's vision tokens, a truncated or corrupt weight file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+from parity.errors import ModelUnavailableError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def is_local(name: str) -> bool:
+    """A path rather than a hub id: it exists, or it is written like a path (`/x`, `./x`, `~/x`, `x/`)."""
+    return (Path(name).expanduser().exists() or name.startswith(("/", ".", "~"))
+            or name.endswith(os.sep) or name.count("/") > 1)
+
+
+def hub_reachable() -> bool:
+    """Whether a connection to the hub opens within a few seconds (no request is sent)."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def load_checkpoint(name: str, dtype):
+    """(model, processor) of a Qwen3-VL checkpoint; `ModelUnavailableError` when it cannot be used."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+
+    local = is_local(name)
+    path = Path(name).expanduser()
+    if local and not path.is_dir():
+        raise ModelUnavailableError(f"--model {name}: no checkpoint folder there "
+                                    f"({'it is a file' if path.exists() else 'no such folder'})")
+    source = str(path) if local else name
+    # Unreachable hub: read the local cache only, so a missing file fails now, not after retries.
+    cached_only = not local and not hub_reachable()
+    config = _load(name, "config", lambda: AutoConfig.from_pretrained(source, local_files_only=cached_only),
+                   local, cached_only)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelUnavailableError(f"model {name!r} is a {config.model_type!r} checkpoint; parity drives Qwen3-VL "
+                                    f"({', '.join(SUPPORTED_MODEL_TYPES)}) or an embedded preset (`parity models`)")
+    processor = _load(name, "processor and tokenizer",
+                      lambda: AutoProcessor.from_pretrained(source, local_files_only=cached_only), local, cached_only)
+    _check_tokenizer(name, processor, config)
+    model = _load(name, "weights", lambda: AutoModelForImageTextToText.from_pretrained(
+        source, dtype=dtype, attn_implementation="sdpa", local_files_only=cached_only), local, cached_only)
+    return model, processor
+
+
+def _load(name: str, what: str, load, local: bool, cached_only: bool):
+    try:
+        return load()
+    except Exception as err:  # noqa: BLE001 - a third-party loader failing on the user's files
+        raise ModelUnavailableError(_cannot_load(name, what, err, local, cached_only)) from None
+
+
+def _cannot_load(name: str, what: str, err: Exception, local: bool, cached_only: bool) -> str:
+    detail = next((ln.strip() for ln in str(err).splitlines() if ln.strip()), err.__class__.__name__)
+    if local:
+        return (f"--model {name}: its {what} cannot be loaded from that folder; is it a complete Qwen3-VL "
+                f"checkpoint (config.json, tokenizer files, *.safetensors)? ({err.__class__.__name__}: {detail})")
+    where = ("it is not in the local Hugging Face cache and the hub cannot be reached from here"
+             if cached_only else "it could not be fetched or read")
+    return (f"model {name!r}: its {what} cannot be loaded: {where}. Download it where the network is reachable "
+            f"(`hf download {name}`) or pass a local folder. ({err.__class__.__name__}: {detail})")
+
+
+def _check_tokenizer(name: str, processor, config) -> None:
+    """A checkpoint without its tokenizer files still loads a processor, with a tokenizer that does
+    not know the vision tokens: every image request would then fail. Refuse it now."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    token = getattr(processor, "image_token", None)
+    known = tokenizer is not None and token is not None and tokenizer.convert_tokens_to_ids(token) == config.image_token_id
+    if not known:
+        raise ModelUnavailableError(
+            f"model {name!r}: its tokenizer does not map the image token {token!r} to the config's image_token_id "
+            f"{config.image_token_id}: the tokenizer files (tokenizer.json, tokenizer_config.json) are missing or "
+            "belong to another model")
+    if not (getattr(processor, "chat_template", None) or getattr(tokenizer, "chat_template", None)):
+        raise ModelUnavailableError(f"model {name!r}: it has no chat template (chat_template.jinja or "
+                                    "tokenizer_config.json), so parity cannot build its prompts")
