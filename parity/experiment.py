@@ -171,43 +171,48 @@ class _Collected:
 def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None,
                    warn: Callable[[str], object] | None = None) -> RunResult:
     """Run, judge, and localize every case whose bcg arm disagrees with eager (design §7), on the
-    still-loaded backend; `warn` hears about cases that could not be localized."""
-    collected = _Collected()
-    planned: tuple[PlannedCase, ...] = ()
-    interrupted = False
+    still-loaded backend; `warn` hears about cases that could not be localized. Ctrl-C after the
+    plan is made raises `RunInterrupted` with every arm that finished."""
     try:
-        try:
-            planned = plan_cases(spec, backend)
-            lengths = _check_lengths(spec, backend, planned)
-            total = sum(len(_arms_for(case, mode, req)) for mode in spec.modes for case in planned
-                        for req in case.requests)
-            counter = iter(range(1, total + 1))
-
-            def announce(case_id: str, label: str) -> None:
-                if progress:
-                    progress(Progress(next(counter), total, case_id, label))
-
-            backend.prepare(spec.modes, lengths)
-            for mode in spec.modes:
-                _run_mode(spec, backend, planned, mode, collected, announce)
-        except KeyboardInterrupt:
-            interrupted = True
+        planned, collected, interrupted = _run_plan(spec, backend, progress)
         config = dict(backend.config())
-        if isinstance(backend, CanLocalize):
+        localizes = isinstance(backend, CanLocalize)
+        if localizes:
             config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
         run = _run_result(spec, backend, planned, collected, config, interrupted)
         if interrupted:
             raise RunInterrupted(run)
-        if not isinstance(backend, CanLocalize):
+        if not localizes:
             return run  # nothing to probe: the report says so on every case that would need it
         try:
-            run = localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
-                               config.get("localize_threshold"), warn=warn)
+            return localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
+                                config["localize_threshold"], warn=warn)
         except KeyboardInterrupt:  # the judged run stands; only its localizations are missing
             raise RunInterrupted(run) from None
     finally:
         backend.close()
-    return run
+
+
+def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
+    """(planned cases, the arms that finished, whether Ctrl-C stopped it)."""
+    planned = plan_cases(spec, backend)
+    collected = _Collected()
+    try:
+        lengths = _check_lengths(spec, backend, planned)
+        total = sum(len(_arms_for(case, mode, req)) for mode in spec.modes for case in planned
+                    for req in case.requests)
+        counter = iter(range(1, total + 1))
+
+        def announce(case_id: str, label: str) -> None:
+            if progress:
+                progress(Progress(next(counter), total, case_id, label))
+
+        backend.prepare(spec.modes, lengths)
+        for mode in spec.modes:
+            _run_mode(spec, backend, planned, mode, collected, announce)
+    except KeyboardInterrupt:
+        return planned, collected, True
+    return planned, collected, False
 
 
 def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase]) -> list[int]:
