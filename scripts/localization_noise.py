@@ -63,6 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     torch.set_num_threads(PRESET_THREADS)
     cases = tuple(CaseSpec(f, p) for f in builtin_fixtures() for p in default_prompts(f))
@@ -71,7 +72,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for preset in args.presets:
         for dtype in args.dtypes:
-            loaded = load_model(preset, device="cpu", dtype=dtype)
+            loaded = load_model(preset, device=args.device, dtype=dtype)
             worst, where = fixed_noise(loaded, cases)
             bugs = []
             for variant, scenario in ((RunnerVariant.LEGACY, "four-arm"), (RunnerVariant.NO_CLEAR, "reuse")):

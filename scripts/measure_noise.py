@@ -6,7 +6,7 @@ the two comparisons a correct runtime must match (bcg vs eager, normal and zeroe
 tokens flipped (and whether every flip was a near-tie), and how many cases passed with the auto
 tolerance. The legacy runner is run alongside as the negative control: every case must FAIL.
 
-    python scripts/measure_noise.py [--seeds 0 1 2 3 4] [--dtypes float32 bfloat16] [--max-new-tokens 20]
+    python scripts/measure_noise.py [--seeds 0 1 2 3 4] [--dtypes float32 bfloat16] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")
 MUST_MATCH = ((BCG_NORMAL, EAGER_NORMAL), (BCG_ZERO, EAGER_ZERO))
 
 
-def sweep(presets, seeds, dtypes, max_new_tokens: int):
+def sweep(presets, seeds, dtypes, max_new_tokens: int, device: str = "cpu"):
     cases = tuple(CaseSpec(f, p) for f in builtin_fixtures() for p in default_prompts(f))
     rows = defaultdict(lambda: defaultdict(float))
     for preset in presets:
         for seed in seeds:
             for dtype in dtypes:
-                loaded = load_model(preset, device="cpu", dtype=dtype, seed=seed)
+                loaded = load_model(preset, device=device, dtype=dtype, seed=seed)
                 for variant in (RunnerVariant.FIXED, RunnerVariant.LEGACY):
                     spec = RunSpec(model=preset, arms=select_arms("all"), cases=cases, max_new_tokens=max_new_tokens)
                     run = run_experiment(spec, TransformersBackend(loaded, max_new_tokens=max_new_tokens,
@@ -68,9 +68,10 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
     torch.set_num_threads(PRESET_THREADS)
-    rows = sweep(args.presets, args.seeds, args.dtypes, args.max_new_tokens)
+    rows = sweep(args.presets, args.seeds, args.dtypes, args.max_new_tokens, args.device)
     for (preset, dtype), row in rows.items():
         print(f"{preset} {dtype} (auto logprob_tol {auto_logprob_tol(dtype):g}):")
         for key in sorted(row):

@@ -269,10 +269,10 @@ def test_no_plot_keeps_the_localization(parity_cli):
 
 
 def test_localize_threshold_option(parity_cli):
-    _, doc, _ = parity_cli.run("--runner", "legacy", "--localize-threshold", "0.99")
+    _, doc, _ = parity_cli.run("--runner", "legacy", "--localize-threshold", "1e6")
     loc = doc["cases"][0]["localization"]
-    assert loc["threshold"] == 0.99 and loc["first_divergent"] is None
-    assert doc["config"]["localize_threshold"] == 0.99
+    assert loc["threshold"] == 1e6 and loc["first_divergent"] is None
+    assert doc["config"]["localize_threshold"] == 1e6
     for bad in ("0", "-1", "nan", "inf", "tight"):
         result, _, _ = parity_cli.run("--localize-threshold", bad)
         assert result.exit_code == 2 and "--localize-threshold" in result.output

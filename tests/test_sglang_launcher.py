@@ -128,7 +128,8 @@ def test_exit_during_start_up_fails_only_that_mode(tmp_path: Path, processor) ->
 
 
 def test_crash_mid_run_fails_the_remaining_arms_and_reaps_the_group(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", "--standin-crash-after", "2")  # the tap probe, one request
+    # The tap probe, then one request: its generation and the scoring of its own answer.
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text", "--standin-crash-after", "3")
     backend.prepare(("eager",))
     try:
         with backend.session("eager") as session:
