@@ -279,14 +279,14 @@ def compare(before_file: str, after_file: str, fmt: str) -> None:
 @cli.command()
 @click.option("--write", "write_dir", help="Write the fixtures as PNG files into this folder.")
 def fixtures(write_dir: str | None) -> None:
-    """List the built-in fixtures (name, size, sha256 of the raw RGB pixels) and their prompts."""
+    """List the built-in fixtures (name, size, sha256 of the raw RGB pixels, their twin's) and their prompts."""
     from parity.fixtures import builtin_fixtures, load_prompts, write_pngs
 
     prompts = load_prompts()
     for fixture in builtin_fixtures():
-        width, height = fixture.size
+        size = "{}x{}".format(*fixture.size)
         ids = ", ".join(p.id for p in prompts.get(fixture.name, ()))
-        click.echo(f"{fixture.name:16} {width}x{height}  {fixture.sha256}  prompts: {ids}")
+        click.echo(f"{fixture.name:16} {size:8} {fixture.sha256}  twin {fixture.twin().sha256[:12]}…  prompts: {ids}")
     if write_dir:
         try:
             for path in write_pngs(write_dir):
@@ -307,7 +307,7 @@ def arms() -> None:
 @cli.command()
 def models() -> None:
     """List the embedded model presets (no download); any Qwen3-VL checkpoint id or path also works."""
-    from parity.models.tiny import PRESETS
+    from parity.presets import PRESETS
 
     for preset in PRESETS.values():
         click.echo(f"{preset.name:26} {preset.description}")

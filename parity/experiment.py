@@ -24,7 +24,7 @@ from parity.fixtures import Fixture, Prompt
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import (
-    FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    FOUR_ARM, REUSE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
 )
 from parity.verdict import FOUR_ARM_CHECKS, judge_run
 

@@ -147,7 +147,7 @@ def _backend(run: RunResult, device: str | None):
     from parity.buckets import BucketPolicy
     from parity.graph_runner import RunnerVariant
     from parity.models import load_model
-    from parity.models.tiny import PRESETS
+    from parity.presets import PRESETS
 
     config, environment = run.config, run.environment
     ran_on = str(environment.get("device", "cpu"))

@@ -83,7 +83,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--startup-delay", type=float, default=5.0, help="stand-in start-up seconds")
     args = parser.parse_args()
-    from parity.models.tiny import PRESETS, build_config, build_processor, build_tokenizer
+    from parity.models.tiny import build_config, build_processor, build_tokenizer
+    from parity.presets import PRESETS
 
     tokenizer = build_tokenizer()
     tiny = (build_processor(tokenizer), build_config(PRESETS["tiny-qwen3-vl"], tokenizer))

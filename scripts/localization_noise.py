@@ -29,7 +29,7 @@ from parity.fixtures import builtin_fixtures, default_prompts  # noqa: E402
 from parity.graph_runner import RunnerVariant  # noqa: E402
 from parity.localization import Step, Target, auto_threshold, localize  # noqa: E402
 from parity.models import load_model  # noqa: E402
-from parity.models.tiny import PRESETS  # noqa: E402
+from parity.presets import PRESETS  # noqa: E402
 from parity.reporting.plots import point_label  # noqa: E402
 
 TARGETS = (Target(BCG_ZERO, EAGER_ZERO, None, Step(0, "zero"), ()),

@@ -15,7 +15,7 @@ import torch
 from parity.errors import UsageError
 from parity.fixtures import builtin_fixture, builtin_fixtures, default_prompts
 from parity.models import load_model
-from parity.models.tiny import PRESETS
+from parity.presets import PRESETS
 
 SEEDS = range(5)
 WITH_DEEPSTACK = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")

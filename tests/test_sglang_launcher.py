@@ -65,7 +65,8 @@ def processor():
 
 def make_backend(run_dir: Path, processor, *standin_args: str, concurrent: bool = False,
                  ready_timeout: float = 30.0, **kwargs) -> sglang_backend.SglangBackend:
-    from parity.models.tiny import PRESETS, build_config
+    from parity.models.tiny import build_config
+    from parity.presets import PRESETS
 
     return sglang_backend.create_sglang_backend(
         model="tiny-standin", max_new_tokens=6, run_dir=run_dir, concurrent=concurrent,

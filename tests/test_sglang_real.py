@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     """A local Qwen3-VL checkpoint folder without weights (config, tokenizer, processor)."""
-    from parity.models.tiny import PRESETS, build_config, build_processor, build_tokenizer
+    from parity.models.tiny import build_config, build_processor, build_tokenizer
+    from parity.presets import PRESETS
 
     folder = tmp_path_factory.mktemp("tiny-qwen3-vl")
     tokenizer = build_tokenizer()

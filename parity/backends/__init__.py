@@ -53,7 +53,7 @@ def _transformers(options: BackendOptions, max_new_tokens: int, run_dir: Path) -
     from parity.buckets import BucketPolicy
     from parity.graph_runner import RunnerVariant
     from parity.models import load_model
-    from parity.models.tiny import PRESETS
+    from parity.presets import PRESETS
 
     apply_thread_policy(options.threads, options.model in PRESETS)
     loaded = load_model(options.model, device=options.device, dtype=options.dtype, seed=options.seed)
@@ -66,7 +66,7 @@ def _transformers(options: BackendOptions, max_new_tokens: int, run_dir: Path) -
 
 
 def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
-    from parity.models.tiny import PRESETS
+    from parity.presets import PRESETS
     from parity.sglang.backend import create_sglang_backend
 
     if options.model in PRESETS:

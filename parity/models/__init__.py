@@ -12,9 +12,9 @@ import torch
 from parity.errors import UsageError
 from parity.models.checkpoint import load_checkpoint
 from parity.models.qwen3_vl import Qwen3VLAdapter
-from parity.models.tiny import PRESETS
+from parity.presets import DEFAULT_MODEL, PRESETS
 
-DEFAULT_MODEL = "tiny-qwen3-vl"
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -17,11 +17,12 @@ that compete within one half can still swap under noise, but only as near-ties.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from parity.presets import TinyPreset
 
 # Qwen's special tokens, in Qwen's order; the processor and config refer to them by name.
 SPECIAL_TOKENS = (
@@ -58,40 +59,6 @@ _CORPUS = (
 
 TOKENIZER_VOCAB = 512
 _CORPUS_REPEATS = 8
-
-
-@dataclass(frozen=True)
-class TinyPreset:
-    """One embedded model: which Qwen3-VL class and which knobs differ from the base recipe."""
-
-    name: str
-    description: str
-    moe: bool = False
-    deepstack_layers: int = 3
-    hidden_size: int = 64
-    num_layers: int = 4
-    seed: int = 0
-
-
-# The recipe works for any seed (tests/test_presets.py checks several); 0 is just the default.
-PRESETS: dict[str, TinyPreset] = {
-    p.name: p
-    for p in (
-        TinyPreset("tiny-qwen3-vl", "dense Qwen3-VL, DeepStack added after 3 decoder layers"),
-        TinyPreset("tiny-qwen3-vl-moe", "Qwen3-VL-MoE (4 experts, top-2), DeepStack after 3 layers", moe=True),
-        TinyPreset(
-            "tiny-qwen3-vl-nodeepstack",
-            "dense Qwen3-VL with deepstack_visual_indexes=[]: the negative control for power",
-            deepstack_layers=0,
-        ),
-        TinyPreset(
-            "mid-qwen3-vl",
-            "hidden 1024, 8 layers: a mid-size dense preset for GPU timings (slow on CPU)",
-            hidden_size=1024,
-            num_layers=8,
-        ),
-    )
-}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,0 +1,45 @@
+"""The embedded model presets: what each is, without building it (no torch at import time).
+
+`parity.models.tiny` builds them; this table is what `parity models` lists and what decides
+whether `--model` names a preset or a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODEL = "tiny-qwen3-vl"
+
+
+@dataclass(frozen=True)
+class TinyPreset:
+    """One embedded model: which Qwen3-VL class and which knobs differ from the base recipe."""
+
+    name: str
+    description: str
+    moe: bool = False
+    deepstack_layers: int = 3
+    hidden_size: int = 64
+    num_layers: int = 4
+    seed: int = 0
+
+
+# The recipe works for any seed (tests/test_presets.py checks several); 0 is just the default.
+PRESETS: dict[str, TinyPreset] = {
+    p.name: p
+    for p in (
+        TinyPreset("tiny-qwen3-vl", "dense Qwen3-VL, DeepStack added after 3 decoder layers"),
+        TinyPreset("tiny-qwen3-vl-moe", "Qwen3-VL-MoE (4 experts, top-2), DeepStack after 3 layers", moe=True),
+        TinyPreset(
+            "tiny-qwen3-vl-nodeepstack",
+            "dense Qwen3-VL with deepstack_visual_indexes=[]: the negative control for power",
+            deepstack_layers=0,
+        ),
+        TinyPreset(
+            "mid-qwen3-vl",
+            "hidden 1024, 8 layers: a mid-size dense preset for GPU timings (slow on CPU)",
+            hidden_size=1024,
+            num_layers=8,
+        ),
+    )
+}
