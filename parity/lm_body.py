@@ -7,7 +7,7 @@ states after decoder layer k. A fixed-shape dense tensor is what a captured grap
 slot. The layers, rotary embedding and final norm are Hugging Face's own modules.
 
 A request is served as a server does it: one prefill of the prompt (`forward`, the path a graph
-replays), whose keys and values are outputs, then KV-cached decode steps (`decode_step`), which
+replays), whose keys and values are outputs, then KV-cached decode steps (`forward_cached`), which
 carry no DeepStack and run eagerly in every arm.
 """
 
@@ -53,6 +53,11 @@ class KVCache:
             cache.keys[layer] = keys[:, layer].transpose(0, 1).unsqueeze(0)
             cache.values[layer] = values[:, layer].transpose(0, 1).unsqueeze(0)
         return cache
+
+    @property
+    def length(self) -> int:
+        """Rows already cached."""
+        return next(iter(self.keys.values())).shape[-2] if self.keys else 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         if layer_idx in self.keys:
@@ -141,11 +146,18 @@ class Qwen3VLTextBody(nn.Module):
             outputs += (torch.stack([p[0] for p in points], dim=1),)  # [T, P, H]
         return outputs
 
-    def decode_step(self, embed: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token `[1, H]` at `position` `[3, 1]` after the rows in `cache` -> hidden `[1, H]`."""
-        hidden = embed.unsqueeze(0)
-        position_embeddings = self.rotary_emb(hidden, position.unsqueeze(1))
+    def forward_cached(self, embeds: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Tokens `[n, H]` at `positions` `[3, n]` after the rows in `cache` -> hidden `[n, H]`.
+
+        n = 1 is a decode step (no mask: the token sees every cached row). n > 1 feeds known tokens
+        at once (teacher forcing): each sees the cached rows and the tokens before it.
+        """
+        hidden = embeds.unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, positions.unsqueeze(1))
+        n, past = embeds.shape[0], cache.length
+        # SDPA's is_causal aligns the mask upper-left; with cached rows the diagonal is past + i.
+        mask = None if n == 1 else torch.ones(n, past + n, dtype=torch.bool, device=embeds.device).tril(past)[None, None]
         for layer in self.layers:
-            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=None,
+            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=mask,
                            position_ids=None, **{self._cache_kw: cache})
         return self.norm(hidden).squeeze(0)

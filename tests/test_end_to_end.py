@@ -67,10 +67,10 @@ def test_results_file_and_report_contents(parity_cli):
         assert arm["deepstack_record"]["nonzero_rows"] > 0
         assert len(arm["top_logprobs"][0]) == 5 and len(arm["token_ids"]) == 20
     assert len({a["deepstack_record"]["sha256"] for a in case["arms"].values()}) == 1
-    # Each arm was scored on the tokens of every reference it is compared against.
-    assert sorted(case["arms"]["bcg_normal"]["forced"]) == ["bcg_zero_deepstack", "eager_normal"]
-    assert list(case["arms"]["eager_zero_deepstack"]["forced"]) == ["eager_normal"]
-    assert case["arms"]["eager_normal"]["forced"] is None
+    # Each arm was scored on the tokens of every reference it is compared against, and on its own.
+    assert sorted(case["arms"]["bcg_normal"]["forced"]) == ["bcg_normal", "bcg_zero_deepstack", "eager_normal"]
+    assert sorted(case["arms"]["eager_zero_deepstack"]["forced"]) == ["eager_normal", "eager_zero_deepstack"]
+    assert list(case["arms"]["eager_normal"]["forced"]) == ["eager_normal"]
     assert all(c["tf_delta"] is not None for c in case["comparisons"])
     report = (out / "report.md").read_text()
     for needle in ("graph replay sees DeepStack", case["fixture"]["sha256"], "<details>", "Environment and config",

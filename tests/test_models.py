@@ -31,8 +31,8 @@ def test_eager_reference_equals_hf_generate(preset, request):
     mine = _eager(request.getfixturevalue(preset), force=[hf_ids])
     assert list(mine.token_ids) == hf_ids and len(hf_ids) == 20
     assert max(abs(a - b) for a, b in zip(mine.token_logprobs, hf_logprobs)) <= 1e-5
-    # Teacher forcing on the model's own answer scores exactly what generation chose.
-    assert mine.forced == (mine.token_logprobs,)
+    # Teacher forcing its own answer in one cached pass scores what generation chose, to rounding.
+    assert max(abs(a - b) for a, b in zip(mine.forced[0], mine.token_logprobs)) <= 1e-5
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_nodeepstack"])

@@ -86,10 +86,12 @@ class TransformersSession:
         ids, logprobs, top, decode_steps = self._greedy(prompt, prefill, first)
         start = time.perf_counter()
         forced = tuple(self._forced(prompt, prefill, first, tuple(tokens)) for tokens in force)
+        # Its own answer scored the same way: a teacher-forced delta then compares like with like.
+        self_forced = self._forced(prompt, prefill, first, tuple(ids))
         forced_seconds = time.perf_counter() - start
         num_tokens = int(prompt.input_ids.shape[0])
         evidence = Evidence(
-            lm_calls=1 + decode_steps + sum(max(len(t) - 1, 0) for t in force),
+            lm_calls=1 + decode_steps + sum(len(t) > 1 for t in (*force, ids)),
             replayed_calls=int(prefill.bucket is not None),
             prefill_replayed=prefill.bucket is not None,
             buckets=() if prefill.bucket is None else (prefill.bucket,),
@@ -106,17 +108,19 @@ class TransformersSession:
             evidence=evidence,
             forced=forced,
             forced_seconds=forced_seconds,
+            self_forced=self_forced,
         )
 
-    def _logprobs(self, hidden_row: torch.Tensor) -> torch.Tensor:
-        return torch.log_softmax(self._executor.adapter.lm_head(hidden_row).float(), dim=-1)
+    def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self._executor.adapter.lm_head(hidden).float(), dim=-1)
 
-    def _decode(self, prompt: PreparedPrompt, cache: KVCache, step: int, token: int) -> torch.Tensor:
-        """The logprobs after feeding `token` as generated token number `step` (0-based)."""
+    def _after(self, prompt: PreparedPrompt, cache: KVCache, step: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Logprobs `[n, vocab]` after feeding `tokens` as generated tokens number `step`, `step + 1`, ..."""
         adapter = self._executor.adapter
-        embed = adapter.embed_tokens(torch.tensor([token], device=adapter.device))
-        position = prompt.positions[:, -1:] + 1 + step  # text after the prompt: t = h = w
-        return self._logprobs(adapter.body.decode_step(embed, position, cache)[-1])
+        embeds = adapter.embed_tokens(torch.tensor(tokens, device=adapter.device))
+        # Text after the prompt: t = h = w, one position per token.
+        positions = prompt.positions[:, -1:] + 1 + step + torch.arange(len(tokens), device=adapter.device)
+        return self._logprobs(adapter.body.forward_cached(embeds, positions, cache))
 
     def _greedy(self, prompt: PreparedPrompt, prefill: Prefill, logprobs: torch.Tensor):
         adapter = self._executor.adapter
@@ -133,19 +137,21 @@ class TransformersSession:
             top.append(tuple((int(i), float(v)) for i, v in zip(indices, values)))
             if token in adapter.eos_token_ids or step == self._backend.max_new_tokens - 1:
                 break
-            logprobs = self._decode(prompt, cache, step, token)
+            logprobs = self._after(prompt, cache, step, [token])[-1]
             steps += 1
         return ids, chosen, top, steps
 
     def _forced(self, prompt: PreparedPrompt, prefill: Prefill, first: torch.Tensor, tokens: tuple[int, ...]):
-        """This execution's logprob of each reference token, fed the reference's own prefix."""
-        cache = KVCache.from_prefill(prefill.keys, prefill.values)
-        logprobs, scores = first, []
-        for step, token in enumerate(tokens):
-            scores.append(_finite(float(logprobs[token]), step))
-            if step + 1 < len(tokens):
-                logprobs = self._decode(prompt, cache, step, token)
-        return tuple(scores)
+        """This execution's logprob of each reference token, fed the reference's own prefix: the
+        first from the prefill, the others from one cached pass over the reference's tokens."""
+        if not tokens:
+            return ()
+        scores = [first[tokens[0]]]
+        if len(tokens) > 1:
+            cache = KVCache.from_prefill(prefill.keys, prefill.values)
+            after = self._after(prompt, cache, 0, tokens[:-1])  # [n - 1, vocab]
+            scores += list(after[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])])
+        return tuple(_finite(float(score), step) for step, score in enumerate(scores))
 
 
 def _finite(value: float, step: int) -> float:
