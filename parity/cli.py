@@ -52,31 +52,23 @@ def _tie_margin(ctx, param, value):
     return value
 
 
-def _logprob_tol(ctx, param, value):
-    """`auto` (None: resolved from the dtype's measured noise) or a finite number >= the noise floor."""
-    if value == "auto":
-        return None
-    try:
-        tol = float(value)
-    except ValueError:
-        raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
-    if not math.isfinite(tol) or tol < MIN_LOGPROB_TOL:
-        raise click.BadParameter(f"must be 'auto' or a finite number >= {MIN_LOGPROB_TOL:g} "
-                                 f"(the repeat noise floor), got {value}")
-    return tol
+def _auto_or_number(lowest: float, inclusive: bool, note: str = ""):
+    """A callback for `auto` (None: resolved later from the dtype's measured noise) or a finite number
+    above `lowest` (or equal to it, when `inclusive`)."""
+    bound = f"{'>=' if inclusive else '>'} {lowest:g}{note}"
 
+    def callback(ctx, param, value):
+        if value == "auto":
+            return None
+        try:
+            number = float(value)
+        except ValueError:
+            raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
+        if not math.isfinite(number) or number < lowest or (number == lowest and not inclusive):
+            raise click.BadParameter(f"must be 'auto' or a finite number {bound}, got {value}")
+        return number
 
-def _localize_threshold(ctx, param, value):
-    """`auto` (None: the dtype's default, docs/localization.md) or a finite number > 0."""
-    if value == "auto":
-        return None
-    try:
-        threshold = float(value)
-    except ValueError:
-        raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
-    if not math.isfinite(threshold) or threshold <= 0:
-        raise click.BadParameter(f"must be 'auto' or a finite number > 0, got {value}")
-    return threshold
+    return callback
 
 
 _LOCALIZE_THRESHOLD_HELP = ("auto (from the dtype's measured noise) or a number: the first layer whose relative error "
@@ -118,7 +110,7 @@ def cli() -> None:
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=_positive)
-@click.option("--logprob-tol", default="auto", show_default=True, callback=_logprob_tol,
+@click.option("--logprob-tol", default="auto", show_default=True, callback=_auto_or_number(MIN_LOGPROB_TOL, True, " (the repeat noise floor)"),
               help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
 @click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=_tie_margin,
               help="Two tokens this close in logprob, in both arms, are a near-tie: a noise flip, not a failure.")
@@ -136,7 +128,7 @@ def cli() -> None:
               help="reuse: image then text request; stream: five requests back to back; all: the three.")
 @click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
               help="Run every arm N times; an arm that does not reproduce itself is INCONCLUSIVE_NONDETERMINISTIC.")
-@click.option("--localize-threshold", default="auto", show_default=True, callback=_localize_threshold,
+@click.option("--localize-threshold", default="auto", show_default=True, callback=_auto_or_number(0.0, False),
               help="Localizing a failing case (transformers backend): " + _LOCALIZE_THRESHOLD_HELP)
 @click.option("--out", "out_dir", help="Run folder (default reports/<timestamp>-<model>/).")
 @click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
@@ -228,7 +220,7 @@ def report(results_file: str, fmt: str) -> None:
 @click.argument("results_file")
 @click.option("--case", "case_id", help="Only this case (default: every case whose bcg arm disagrees with eager).")
 @click.option("--image", "images", multiple=True, help="A user image the run used (matched by sha256; repeatable).")
-@click.option("--localize-threshold", default="auto", show_default=True, callback=_localize_threshold,
+@click.option("--localize-threshold", default="auto", show_default=True, callback=_auto_or_number(0.0, False),
               help="auto (the run's threshold, else the dtype's default) or a number: the first layer whose "
                    "relative error exceeds it is named.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: the run's device.")
