@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -40,36 +41,55 @@ def hub_reachable() -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class CheckpointSource:
+    """Where a checkpoint is read from, decided once: a local folder, or a hub id (cache only when
+    the hub cannot be reached, so a missing file fails now, not after the downloader's retries)."""
+
+    name: str
+    local: bool
+    path: str
+    cached_only: bool
+
+    @classmethod
+    def of(cls, name: str) -> "CheckpointSource":
+        local = is_local(name)
+        path = Path(name).expanduser()
+        if local and not path.is_dir():
+            raise ModelUnavailableError(f"--model {name}: no checkpoint folder there "
+                                        f"({'it is a file' if path.exists() else 'no such folder'})")
+        return cls(name, local, str(path) if local else name, not local and not hub_reachable())
+
+    def load(self, what: str, loader, **kwargs):
+        """`loader.from_pretrained(...)`; any failure is one `ModelUnavailableError` naming `what`."""
+        try:
+            return loader.from_pretrained(self.path, local_files_only=self.cached_only, **kwargs)
+        except Exception as err:  # noqa: BLE001 - a third-party loader failing on the user's files
+            raise ModelUnavailableError(_cannot_load(self.name, what, err, self.local, self.cached_only)) from None
+
+
+def load_config_and_processor(source: CheckpointSource):
+    """The checkpoint's config and processor, checked to be a Qwen3-VL with a working tokenizer."""
+    from transformers import AutoConfig, AutoProcessor
+
+    config = source.load("config", AutoConfig)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelUnavailableError(f"model {source.name!r} is a {config.model_type!r} checkpoint; parity drives "
+                                    f"Qwen3-VL ({', '.join(SUPPORTED_MODEL_TYPES)}) or an embedded preset "
+                                    "(`parity models`)")
+    processor = source.load("processor and tokenizer", AutoProcessor)
+    _check_tokenizer(source.name, processor, config)
+    return config, processor
+
+
 def load_checkpoint(name: str, dtype):
     """(model, processor) of a Qwen3-VL checkpoint; `ModelUnavailableError` when it cannot be used."""
-    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    local = is_local(name)
-    path = Path(name).expanduser()
-    if local and not path.is_dir():
-        raise ModelUnavailableError(f"--model {name}: no checkpoint folder there "
-                                    f"({'it is a file' if path.exists() else 'no such folder'})")
-    source = str(path) if local else name
-    # Unreachable hub: read the local cache only, so a missing file fails now, not after retries.
-    cached_only = not local and not hub_reachable()
-    config = _load(name, "config", lambda: AutoConfig.from_pretrained(source, local_files_only=cached_only),
-                   local, cached_only)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelUnavailableError(f"model {name!r} is a {config.model_type!r} checkpoint; parity drives Qwen3-VL "
-                                    f"({', '.join(SUPPORTED_MODEL_TYPES)}) or an embedded preset (`parity models`)")
-    processor = _load(name, "processor and tokenizer",
-                      lambda: AutoProcessor.from_pretrained(source, local_files_only=cached_only), local, cached_only)
-    _check_tokenizer(name, processor, config)
-    model = _load(name, "weights", lambda: AutoModelForImageTextToText.from_pretrained(
-        source, dtype=dtype, attn_implementation="sdpa", local_files_only=cached_only), local, cached_only)
+    source = CheckpointSource.of(name)
+    _, processor = load_config_and_processor(source)
+    model = source.load("weights", AutoModelForImageTextToText, dtype=dtype, attn_implementation="sdpa")
     return model, processor
-
-
-def _load(name: str, what: str, load, local: bool, cached_only: bool):
-    try:
-        return load()
-    except Exception as err:  # noqa: BLE001 - a third-party loader failing on the user's files
-        raise ModelUnavailableError(_cannot_load(name, what, err, local, cached_only)) from None
 
 
 def _cannot_load(name: str, what: str, err: Exception, local: bool, cached_only: bool) -> str:

@@ -411,6 +411,9 @@ def create_sglang_backend(
     if launch_command is None:
         check_requirements()
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
-    prompts = ChatPrompts(processor) if processor is not None else ChatPrompts.load(model)
-    facts = CheckpointFacts.of(model_config) if model_config is not None else CheckpointFacts.load(model)
+    if processor is None or model_config is None:
+        from parity.models.checkpoint import CheckpointSource, load_config_and_processor
+
+        model_config, processor = load_config_and_processor(CheckpointSource.of(model))
+    prompts, facts = ChatPrompts(processor), CheckpointFacts.of(model_config)
     return SglangBackend(settings, prompts, facts)

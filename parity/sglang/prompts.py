@@ -1,7 +1,8 @@
 """The client side of a request: the checkpoint's chat template and config, and the images as files.
 
 parity never loads the weights for the SGLang backend (the servers do); it reads the checkpoint's
-processor (chat template, image placeholder) and config (dtype, DeepStack blocks, context).
+processor (chat template, image placeholder) and config (dtype, DeepStack blocks, context), through
+the same loader and checks as the transformers backend (`parity.models.checkpoint`).
 """
 
 from __future__ import annotations
@@ -36,19 +37,6 @@ class CheckpointFacts:
         return cls(dtype=str(dtype).removeprefix("torch."), deepstack_layers=len(indexes),
                    max_positions=getattr(text, "max_position_embeddings", None))
 
-    @classmethod
-    def load(cls, model: str) -> "CheckpointFacts":
-        from transformers import AutoConfig
-
-        try:
-            return cls.of(AutoConfig.from_pretrained(model))
-        except UsageError:
-            raise
-        except Exception as err:  # offline, gated, unknown architecture: all mean "cannot read it"
-            raise UsageError(f"cannot read the config of {model!r} ({err.__class__.__name__}: {err}); "
-                             "download the checkpoint first or pass a local path") from None
-
-
 class ChatPrompts:
     """The model's own chat template and image placeholder, from its processor (client side)."""
 
@@ -56,17 +44,6 @@ class ChatPrompts:
         self._processor = processor
         placeholder = getattr(processor, "image_token", None)
         self.image_token_id = processor.tokenizer.convert_tokens_to_ids(placeholder) if placeholder else None
-
-    @classmethod
-    def load(cls, model: str) -> "ChatPrompts":
-        from transformers import AutoProcessor
-
-        try:
-            return cls(AutoProcessor.from_pretrained(model))
-        except Exception as err:  # offline, gated, not a VLM: all mean "cannot build prompts"
-            raise UsageError(f"cannot load the processor of {model!r} to build prompts with its chat "
-                             f"template ({err.__class__.__name__}: {err}); download it first or pass "
-                             "a local checkpoint path") from None
 
     def text(self, request: Request) -> str:
         text = chat_text(self._processor, request.fixture, request.prompt)
@@ -77,7 +54,11 @@ class ChatPrompts:
 
     def length(self, request: Request) -> int:
         images = [request.fixture.image] if request.fixture is not None else None
-        encoded = self._processor(text=[self.text(request)], images=images)
+        try:
+            encoded = self._processor(text=[self.text(request)], images=images)
+        except ValueError as err:  # an image too small or too elongated for the processor's patching
+            what = f"image {request.fixture.name!r}" if request.fixture is not None else "the prompt"
+            raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
         return len(encoded["input_ids"][0])
 
     def unexpanded(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
