@@ -20,6 +20,7 @@ import pytest
 from parity.backends.base import Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.sglang import backend as sglang_backend
+from parity.sglang import gpus
 from parity.sglang import launcher, servers
 
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
@@ -300,12 +301,12 @@ def test_missing_sglang_or_port_is_backend_unavailable(tmp_path: Path, processor
 
 
 def test_gpu_memory_reads_the_tightest_of_a_servers_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sglang_backend, "_nvidia_smi", lambda *_: "0, 1000, 2000\n1, 500, 2000\n")
+    monkeypatch.setattr(gpus, "nvidia_smi", lambda *_: "0, 1000, 2000\n1, 500, 2000\n")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert sglang_backend.gpu_memory((0, 1), 2) == (500.0, 2000.0)
-    assert sglang_backend.gpu_memory(None, 1) == (1000.0, 2000.0)
+    assert gpus.gpu_memory((0, 1), 2) == (500.0, 2000.0)
+    assert gpus.gpu_memory(None, 1) == (1000.0, 2000.0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # nvidia-smi ignores it; parity maps it
-    assert sglang_backend.gpu_memory(None, 1) == (500.0, 2000.0)
-    assert sglang_backend.gpu_memory((7,), 1) is None
-    monkeypatch.setattr(sglang_backend, "_nvidia_smi", lambda *_: "")
-    assert sglang_backend.gpu_memory(None, 1) is None
+    assert gpus.gpu_memory(None, 1) == (500.0, 2000.0)
+    assert gpus.gpu_memory((7,), 1) is None
+    monkeypatch.setattr(gpus, "nvidia_smi", lambda *_: "")
+    assert gpus.gpu_memory(None, 1) is None

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
-import shutil
-import subprocess
 import sys
 import time
 import uuid
@@ -26,6 +23,7 @@ from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.sglang import client, launcher, plugin
+from parity.sglang.gpus import cuda_present, gpu_memory, gpu_name
 from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
 from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.sglang.servers import (
@@ -264,7 +262,7 @@ class SglangBackend:
     # --- reporting -----------------------------------------------------------------------------
 
     def environment(self) -> Mapping[str, Any]:
-        gpu = _gpu_name(self.settings.gpus)
+        gpu = gpu_name(self.settings.gpus)
         return {"sglang": self._version or _installed_sglang(), "device": "cuda" if gpu else "cpu", "gpu": gpu}
 
     def config(self) -> Mapping[str, Any]:
@@ -304,48 +302,6 @@ def _installed_sglang() -> str | None:
         return None
 
 
-def _gpu_name(gpus: tuple[int, ...]) -> str | None:
-    names = [line.strip() for line in _nvidia_smi("--query-gpu=name", "--format=csv,noheader").splitlines()
-             if line.strip()]
-    index = gpus[0] if gpus else 0
-    return names[index] if index < len(names) else None
-
-
-def gpu_memory(gpus: Sequence[int] | None, count: int) -> tuple[float, float] | None:
-    """(free, total) MiB of the tightest of a server's GPUs, as nvidia-smi reports them now; None
-    where it cannot tell. Without --gpus, the server's GPUs are the first `count` visible ones
-    (CUDA_VISIBLE_DEVICES, when it lists indexes; nvidia-smi itself ignores it)."""
-    rows = {}
-    for line in _nvidia_smi("--query-gpu=index,memory.free,memory.total", "--format=csv,noheader,nounits").splitlines():
-        try:
-            index, free, total = (float(x) for x in line.split(","))
-        except ValueError:
-            continue
-        rows[int(index)] = (free, total)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    if gpus:
-        chosen = list(gpus)
-    elif visible.strip():
-        try:
-            chosen = [int(v) for v in visible.split(",")][:count]
-        except ValueError:  # UUIDs or MIG names: not matched to nvidia-smi's indexes here
-            return None
-    else:
-        chosen = sorted(rows)[:count]
-    found = [rows[i] for i in chosen if i in rows]
-    return min(found) if found and len(found) == len(chosen) else None
-
-
-def _nvidia_smi(*args: str) -> str:
-    """nvidia-smi's output, or "" where it is missing or fails (then there is no GPU to name)."""
-    if shutil.which("nvidia-smi") is None:
-        return ""
-    try:
-        return subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 # --- construction ------------------------------------------------------------------------------------
 
 def check_requirements() -> None:
@@ -353,7 +309,7 @@ def check_requirements() -> None:
     if importlib.util.find_spec("sglang") is None:
         raise BackendUnavailableError("SGLang is not installed in this Python environment; install it with "
                                       "pip install 'parity[sglang]' (SGLang 0.5.23)")
-    if not _cuda_present():
+    if not cuda_present():
         raise BackendUnavailableError("the sglang backend needs a CUDA GPU and none is visible "
                                       "(torch.cuda.is_available() is False and nvidia-smi lists no GPU)")
     names = {ep.name for ep in importlib.metadata.entry_points(group=plugin.ENTRY_POINT_GROUP)}
@@ -362,17 +318,6 @@ def check_requirements() -> None:
             f"parity's SGLang plugin is not registered (no {plugin.ENTRY_POINT_NAME!r} entry point in "
             f"{plugin.ENTRY_POINT_GROUP}); install parity itself, e.g. pip install -e '.[sglang]', "
             "not only put it on PYTHONPATH")
-
-
-def _cuda_present() -> bool:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return True
-    except ImportError:
-        pass
-    return "GPU" in _nvidia_smi("-L")
 
 
 def create_sglang_backend(
