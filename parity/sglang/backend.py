@@ -23,8 +23,8 @@ from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.sglang import client, launcher, plugin
-from parity.sglang.gpus import cuda_present, gpu_memory, gpu_name
 from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
+from parity.sglang.gpus import cuda_present, gpu_memory, gpu_name
 from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.sglang.servers import (
     DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, fraction_for_share,
