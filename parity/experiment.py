@@ -17,7 +17,9 @@ from types import MappingProxyType
 from typing import Callable, Sequence
 
 from parity import __version__
-from parity.arms import ARM_ORDER, MODES, ArmSpec, arm_mode_and_deepstack, arm_named
+from parity.arms import (
+    ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, MODES, ArmSpec, arm_mode_and_deepstack, arm_named,
+)
 from parity.backends.base import Backend, Generation, Request, Session
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture, Prompt
@@ -32,7 +34,7 @@ from parity.verdict import FOUR_ARM_CHECKS, judge_run
 _FILLER = " Answer in plain words."
 _FILLER_WORD = " one"  # one token in Qwen's tokenizer and in the presets'
 # Within a mode, the reference of each four-arm comparison runs first (design §1 order of checks).
-_ARM_RUN_ORDER = ("eager_normal", "eager_zero_deepstack", "bcg_zero_deepstack", "bcg_normal")
+_ARM_RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 
 
 @dataclass(frozen=True)
@@ -270,12 +272,13 @@ def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, re
     first, seconds = _timed(session, req.request, deepstack, [r.token_ids for r in refs])
     if isinstance(first, ArmFailure):
         return _failed(name, first, seconds)
-    evidence, repeats = first.evidence, []
+    evidence, repeats, scoring = first.evidence, [], first.forced_seconds
     for _ in range(spec.repeat - 1):
         again, more = _timed(session, req.request, deepstack, [])
         seconds += more
         if isinstance(again, ArmFailure):
             return _failed(name, again, seconds)
+        scoring += again.forced_seconds
         repeats.append(Repeat(again.token_ids, again.token_logprobs))
         if evidence is not None and again.evidence is not None:
             evidence = evidence.merged(again.evidence)
@@ -285,7 +288,7 @@ def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, re
         deepstack_record=first.deepstack_record, evidence=evidence,
         forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced)}
                                 | ({} if first.self_forced is None else {name: first.self_forced})),
-        seconds=round(seconds - first.forced_seconds, 4), forced_seconds=round(first.forced_seconds, 4),
+        seconds=round(seconds - scoring, 4), forced_seconds=round(scoring, 4),
         repeats=tuple(repeats),
     )
 
