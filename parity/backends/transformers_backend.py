@@ -150,7 +150,8 @@ class TransformersSession:
         if len(tokens) > 1:
             cache = KVCache.from_prefill(prefill.keys, prefill.values)
             after = self._after(prompt, cache, 0, tokens[:-1])  # [n - 1, vocab]
-            scores += list(after[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])])
+            rows = torch.arange(len(tokens) - 1, device=after.device)
+            scores += list(after[rows, torch.tensor(tokens[1:], device=after.device)])
         return tuple(_finite(float(score), step) for step, score in enumerate(scores))
 
 
