@@ -116,12 +116,14 @@ def format_delta(value: float, tol: float) -> str:
     return text
 
 
-def tuple_text(c: Comparison, tol: float) -> str:
+def tuple_text(c: Comparison, tol: float, extras: bool = True) -> str:
     """`(divergence char, token match, logprob delta)`, with tie and tf delta when they matter."""
     text = f"({c.divergence_char}, {c.token_match}, {format_delta(c.logprob_delta, tol)})"
-    extras = []
+    if not extras:
+        return text
+    notes = []
     if c.tie:
-        extras.append("tie")
+        notes.append("tie")
     if c.tf_delta is not None and not c.token_match:
-        extras.append(f"tf Δ {format_delta(c.tf_delta, tol)}")
-    return text + (f" [{', '.join(extras)}]" if extras else "")
+        notes.append(f"tf Δ {format_delta(c.tf_delta, tol)}")
+    return text + (f" [{', '.join(notes)}]" if notes else "")

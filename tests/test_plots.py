@@ -62,16 +62,19 @@ def test_teacher_forced_deltas_cover_the_whole_reference_sequence():
     assert position_deltas(a, b) == pytest.approx((0.0, 0.0, 0.5, 0.0))
 
 
-def test_a_failing_comparison_under_the_tolerance_is_drawn_and_labelled(tmp_path, monkeypatch):
+def test_a_failing_comparison_under_the_tolerance_is_drawn_on_top_and_labelled(tmp_path, monkeypatch):
     import matplotlib.axes
 
-    labels = []
+    drawn = []
     real = matplotlib.axes.Axes.plot
-    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
-                        lambda self, *a, **k: labels.append((k.get("label"), k.get("color"))) or real(self, *a, **k))
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, *a, **k: drawn.append(k) or real(self, *a, **k))
     case, run = _judged(legacy_arms())
     plot_case(case, tmp_path, run)
-    assert ("bcg_normal vs bcg_zero_deepstack: expected differ, ✗", "tab:red") in labels
+    lines = {k["label"]: k for k in drawn if k.get("label")}
+    wrong = lines["bcg_normal vs bcg_zero_deepstack: expected differ, ✗"]
+    right = lines["bcg_zero_deepstack vs eager_zero_deepstack"]
+    # The drop's signature lies at zero, exactly where the control lies: it is drawn above it.
+    assert wrong["linestyle"] == "--" and wrong["zorder"] > right["zorder"]
 
 
 def test_position_deltas_stop_where_the_metric_stops():

@@ -28,7 +28,6 @@ PLOT_SIZE_PX = (int(FIG_SIZE_IN[0] * DPI), int(FIG_SIZE_IN[1] * DPI))  # (width,
 # Deltas are often exactly 0 and sometimes > 1: symlog shows both; linear below this threshold.
 SYMLOG_LINTHRESH = 1e-3
 
-_LINE_WIDTHS = (4.0, 2.8, 1.8, 1.0)
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -79,8 +78,6 @@ def plot_case(case: CaseResult, out_dir: str | Path, run: RunResult) -> Path:
     outcome = {(c.request, c.a, c.b): c.match for c in case.comparisons}
     pairs = comparable_pairs(case)
     top = tol
-    # Later lines thinner: two comparisons with identical deltas (the DeepStack-dropped signature)
-    # stay visible as a line inside a line instead of one hiding the other.
     for index, (request, a, b) in enumerate(pairs):
         key = (request, a.name, b.name)
         wrong = key in outcome and outcome[key] != expected.get(key)
@@ -89,18 +86,21 @@ def plot_case(case: CaseResult, out_dir: str | Path, run: RunResult) -> Path:
         label = f"{a.name} vs {b.name}" + ("" if request is None else f" (request {request + 1})")
         if wrong:
             label += f": expected {'match' if expected[key] else 'differ'}, ✗"
-        style = {"color": "tab:red"} if wrong else {}
-        (line,) = axes.plot(range(len(deltas)), deltas, marker=".", label=label,
-                            linewidth=_LINE_WIDTHS[min(index, len(_LINE_WIDTHS) - 1)], **style)
+        # A comparison that is not what a correct runtime gives is drawn dashed, thick and on top, so
+        # it stays visible also where it lies on another line or at zero (the DeepStack drop).
+        style = {"linestyle": "--", "linewidth": 2.6, "zorder": 4} if wrong else {"linewidth": 1.4, "zorder": 2}
+        (line,) = axes.plot(range(len(deltas)), deltas, marker=".", label=label, color=f"C{index}", **style)
         divergence = first_divergence(a.token_ids, b.token_ids)
         if divergence is not None and divergence < len(deltas):
-            axes.plot([divergence], [deltas[divergence]], marker="x", markersize=10, color=line.get_color())
+            axes.plot([divergence], [deltas[divergence]], marker="x", markersize=10, color=line.get_color(),
+                      zorder=5)
     if not pairs:
         axes.text(0.5, 0.5, "no comparable arm pair (arms missing or failed)",
                   ha="center", va="center", transform=axes.transAxes)
     axes.axhline(tol, linestyle="--", color="gray", label=f"logprob_tol {tol:g}")
     axes.set_yscale("symlog", linthresh=SYMLOG_LINTHRESH)
-    axes.set_ylim(bottom=0, top=max(top * 3, SYMLOG_LINTHRESH))  # headroom on a log-ish axis
+    # Below zero a little, so a line of exact zeros is drawn above the axis, not on it.
+    axes.set_ylim(bottom=-SYMLOG_LINTHRESH / 2, top=max(top * 3, SYMLOG_LINTHRESH))
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_xlabel("reference position (× first divergent token)")
     axes.set_ylabel("teacher-forced |Δ logprob|")

@@ -111,8 +111,9 @@ def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True) -> str:
                      + "; ".join(f"{i}. {r.label}" for i, r in enumerate(case.requests, 1)) + "\n")
     lines += ["| # | comparison | tuple | tf Δ | expected | ok |", "|---|---|---|---|---|---|"]
     for i, (group, check, comp) in enumerate(rows(case), 1):
-        tup = f"`{tuple_text(comp, tol)}`" if comp else "—"
+        tup = f"`{tuple_text(comp, tol, extras=False)}`" if comp else "—"
         tf = "—" if comp is None or comp.tf_delta is None else format_delta(comp.tf_delta, tol)
+        tf += " (near-tie)" if comp is not None and comp.tie else ""
         ok = "—" if comp is None else ("✅" if _ok(check.expect_match, comp.match) else "❌")
         lines.append(f"| {i} | `{check_label(group, check)}` ({check.meaning}) | {tup} | {tf} | "
                      f"{_expectation(check.expect_match)} | {ok} |")
