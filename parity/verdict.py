@@ -93,9 +93,9 @@ class Group:
         return "" if self.request is None else f"request {self.request + 1} of {n_requests} ({self.label}): "
 
 
-def sequence_check(deepstack: str, label: str) -> Check:
+def sequence_check(deepstack: str) -> Check:
     return Check(arm_named("bcg", deepstack), arm_named("eager", deepstack), True,
-                 f"{label}: the graph sequence answers as the eager one")
+                 "the graph sequence answers as the eager one")
 
 
 def groups(case: CaseResult) -> tuple[Group, ...]:
@@ -104,7 +104,7 @@ def groups(case: CaseResult) -> tuple[Group, ...]:
     out = []
     for i, request in enumerate(case.requests):
         deepstack = request.arms[0].deepstack if request.arms else "normal"
-        check = sequence_check(deepstack, request.label)
+        check = sequence_check(deepstack)
         out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms},
                          (check.b, check.a), (check,)))
     return tuple(out)
