@@ -268,3 +268,25 @@ def test_ctrl_c_keeps_every_finished_arm(parity_cli, tmp_path, monkeypatch):
     assert list(doc["cases"][0]["arms"]) == ["eager_normal", "eager_zero_deepstack"]
     assert "<testsuites" in junit.read_text() and "Interrupted" in (out / "report.md").read_text()
     assert not list(out.glob(".*.tmp"))
+
+
+def test_thread_policy_one_for_presets_unless_the_user_says(parity_cli, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    try:
+        _, doc, _ = parity_cli.run("--threads", "2", "--arms", "eager_normal")
+        assert doc["environment"]["threads"] == 2
+    finally:
+        torch.set_num_threads(1)
+    # A thread count set in the environment is the user's: parity leaves it (a fresh process reads it).
+    out = tmp_path / "omp"
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    subprocess.run([sys.executable, "-m", "parity", "run", "--arms", "eager_normal", "--no-plot", "--out", str(out)],
+                   env=env, capture_output=True, check=False, timeout=300)
+    assert json.loads((out / "results.json").read_text())["environment"]["threads"] == 2
+    _, doc, _ = parity_cli.run("--arms", "eager_normal", name="default")
+    assert doc["environment"]["threads"] == 1
