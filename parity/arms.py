@@ -22,6 +22,8 @@ EAGER_ZERO = "eager_zero_deepstack"
 BCG_NORMAL = "bcg_normal"
 BCG_ZERO = "bcg_zero_deepstack"
 ARM_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO)
+# The order arms run in within a case: each comparison's reference runs before the arm compared with it.
+RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 
 
 @dataclass(frozen=True)

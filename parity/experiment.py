@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 from parity import __version__
 from parity.arms import (
-    ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, MODES, ArmSpec, arm_mode_and_deepstack, arm_named,
+    ARM_ORDER, MODES, RUN_ORDER, ArmSpec, arm_mode_and_deepstack, arm_named,
 )
 from parity.backends.base import Backend, Generation, Request, Session
 from parity.errors import ArmFailure, UsageError
@@ -33,8 +33,6 @@ from parity.verdict import FOUR_ARM_CHECKS, judge_run
 # Appended to a text-only request until it lands in its image request's bucket.
 _FILLER = " Answer in plain words."
 _FILLER_WORD = " one"  # one token in Qwen's tokenizer and in the presets'
-# Within a mode, the reference of each four-arm comparison runs first (design §1 order of checks).
-_ARM_RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 
 
 @dataclass(frozen=True)
@@ -115,7 +113,7 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
         for case in spec.cases:
             image = Request(case.fixture, case.prompt.text)
             if scenario == FOUR_ARM:
-                arms = tuple(sorted(spec.arms, key=lambda a: _ARM_RUN_ORDER.index(a.name)))
+                arms = tuple(sorted(spec.arms, key=lambda a: RUN_ORDER.index(a.name)))
                 requests = (PlannedRequest("image", image, "normal"),)
             elif scenario == REUSE:
                 arms = ()

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, arm_mode_and_deepstack, arm_named
 from parity.errors import UsageError
 from parity.results import CaseResult, LayerError, Localization, RunResult
 from parity.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_STALE_STATE
@@ -42,8 +42,6 @@ FOUR_ARM_TARGETS = {
     FAIL_GRAPH_DIVERGES: (BCG_NORMAL, EAGER_NORMAL),
     FAIL_CONTROL_DIVERGES: (BCG_ZERO, EAGER_ZERO),
 }
-# The order in which the experiment runs a four-arm case's bcg arms (the reference of each check first).
-FOUR_ARM_BCG_ORDER = (BCG_ZERO, BCG_NORMAL)
 
 
 class LocalizationError(UsageError):
@@ -102,13 +100,10 @@ def target_of(case: CaseResult) -> Target | None:
         return None
     arm, reference = FOUR_ARM_TARGETS[code]
     ran = {a.name for a in case.arms}
-    before = FOUR_ARM_BCG_ORDER[:FOUR_ARM_BCG_ORDER.index(arm)]
-    prefix = tuple(Step(0, _deepstack_of(name)) for name in before if name in ran)
-    return Target(arm, reference, None, Step(0, _deepstack_of(arm)), prefix)
-
-
-def _deepstack_of(arm: str) -> str:
-    return "zero" if arm in (BCG_ZERO, EAGER_ZERO) else "normal"
+    # The bcg arms that ran before it in the case, in the experiment's order.
+    before = [n for n in RUN_ORDER[:RUN_ORDER.index(arm)] if n in ran and arm_mode_and_deepstack(n)[0] == "bcg"]
+    prefix = tuple(Step(0, arm_mode_and_deepstack(name)[1]) for name in before)
+    return Target(arm, reference, None, Step(0, arm_mode_and_deepstack(arm)[1]), prefix)
 
 
 def _sequence_target(case: CaseResult) -> Target | None:

@@ -107,9 +107,8 @@ class LayerError:
 
     @property
     def label(self) -> str:
-        if self.deepstack_block is None:
-            return f"layer {self.layer}"
-        return f"layer {self.layer} + DeepStack block {self.deepstack_block}"
+        """`L3` after decoder layer 3; `L0+DS0` right after DeepStack block 0 was added to it."""
+        return f"L{self.layer}" if self.deepstack_block is None else f"L{self.layer}+DS{self.deepstack_block}"
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from parity.graph_runner import RunnerVariant  # noqa: E402
 from parity.localization import Step, Target, auto_threshold, localize  # noqa: E402
 from parity.models import load_model  # noqa: E402
 from parity.presets import PRESETS  # noqa: E402
-from parity.reporting.plots import point_label  # noqa: E402
 
 TARGETS = (Target(BCG_ZERO, EAGER_ZERO, None, Step(0, "zero"), ()),
            Target(BCG_NORMAL, EAGER_NORMAL, None, Step(0, "normal"), (Step(0, "zero"),)))
@@ -46,7 +45,7 @@ def fixed_noise(loaded, cases) -> tuple[float, str]:
             loc = localize(backend, target, [request], threshold=1.0)
             point = max(loc.points, key=lambda p: p.rel_error)
             if point.rel_error >= worst:
-                worst, where = point.rel_error, f"{case.id} {target.arm} {point_label(point.layer, point.deepstack_block)}"
+                worst, where = point.rel_error, f"{case.id} {target.arm} {point.label}"
     backend.close()
     return worst, where
 

@@ -14,19 +14,19 @@ from PIL import Image
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_arms
 from parity.backends.base import Request
 from parity.backends.transformers_backend import TransformersBackend
-from parity.experiment import _ARM_RUN_ORDER, CaseSpec, RunSpec, run_experiment
+from parity.experiment import CaseSpec, RunSpec, run_experiment
 from parity.fixtures import builtin_fixture, builtin_fixtures, default_prompts
 from parity.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.lm_body import Qwen3VLTextBody
 from parity.localization import (
-    AUTO_THRESHOLD, FOUR_ARM_BCG_ORDER, LocalizationError, Step, Target, localize, localize_run, target_of,
+    AUTO_THRESHOLD, LocalizationError, Step, Target, localize, localize_run, target_of,
 )
 from parity.models import load_model
 from parity.reporting.report import localization_sentence, render_markdown
 from parity.results import LayerError, Localization, run_to_json, write_results
 from parity.results_loader import load_results
 from parity.verdict import judge_run
-from tests.helpers_runs import ZERO_IDS, fixed_arms, legacy_arms, make_case, make_run, stream_case
+from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, fixed_arms, four_arms, legacy_arms, make_case, make_run, stream_case
 
 # --- test-only runners: bugs parity must localize --------------------------------------------------
 
@@ -189,8 +189,11 @@ def test_targets_follow_the_verdict():
     assert target.prefix == (Step(0, "normal"), Step(1, "zero"), Step(2, "normal"))
 
 
-def test_four_arm_prefix_is_the_experiments_bcg_order():
-    assert FOUR_ARM_BCG_ORDER == tuple(a for a in _ARM_RUN_ORDER if a.startswith("bcg"))
+def test_four_arm_prefix_is_the_bcg_arms_that_ran_before_the_target():
+    dropped = target_of(make_run([make_case(legacy_arms())]).cases[0])
+    assert (dropped.arm, dropped.prefix) == (BCG_NORMAL, (Step(0, "zero"),))  # bcg_zero ran first
+    control = target_of(make_run([make_case(four_arms(NORMAL_IDS, bcg_zero=(31, 32, 33, 34, 35)))]).cases[0])
+    assert (control.arm, control.prefix) == (BCG_ZERO, ())
 
 
 def test_a_backend_that_cannot_probe_says_so():

@@ -109,11 +109,6 @@ def plot_case(case: CaseResult, out_dir: str | Path, run: RunResult) -> Path:
     return save(figure, axes, out_dir, plot_filename(case.id))
 
 
-def point_label(layer: int, deepstack_block: int | None) -> str:
-    """`L3` after decoder layer 3; `L0+DS0` right after DeepStack block 0 was added to it."""
-    return f"L{layer}" if deepstack_block is None else f"L{layer}+DS{deepstack_block}"
-
-
 def plot_localization(case: CaseResult, out_dir: str | Path) -> Path:
     """Write the case's per-layer plot, `plot_filename(case.id, "-layers")`: the relative error of
     the replayed prefill at every probe point, log scale, against the localization threshold."""
@@ -132,12 +127,12 @@ def plot_localization(case: CaseResult, out_dir: str | Path) -> Path:
                   label="above the threshold")
     if loc.first is not None:
         axes.plot([loc.first], [shown[loc.first]], linestyle="none", marker="x", markersize=12, color="tab:red",
-                  label=f"first divergent: {point_label(loc.first_point.layer, loc.first_point.deepstack_block)}")
+                  label=f"first divergent: {loc.first_point.label}")
     if any(e == 0 for e in errors):
         axes.plot([], [], linestyle="none", label=f"exactly 0 drawn at {floor:.1g}")
     axes.axhline(loc.threshold, linestyle="--", color="gray", label=f"threshold {loc.threshold:g}")
     axes.set_yscale("log")
-    labels = [point_label(p.layer, p.deepstack_block) for p in loc.points]
+    labels = [p.label for p in loc.points]
     # A real checkpoint has dozens of layers: name every DeepStack add and enough layers to count by.
     step = max(1, len(labels) // 16)
     axes.set_xticks(list(positions))

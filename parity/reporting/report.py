@@ -186,9 +186,7 @@ def not_localized_note(case: CaseResult, run: RunResult) -> str | None:
 
 
 def _md_layers(loc) -> str:
-    from parity.reporting.plots import point_label
-
-    rows = [f"| `{point_label(p.layer, p.deepstack_block)}` | {p.rel_error:.3g} | "
+    rows = [f"| `{p.label}` | {p.rel_error:.3g} | "
             f"{'**first**' if i == loc.first else ('above' if p.rel_error > loc.threshold else '')} |"
             for i, p in enumerate(loc.points)]
     where = "" if loc.request is None else f", request {loc.request + 1}"
@@ -199,15 +197,13 @@ def _md_layers(loc) -> str:
 
 def localization_lines(case: CaseResult) -> list[str]:
     """A case's localization for a terminal: the sentence, then one line per probe point."""
-    from parity.reporting.plots import point_label
-
     loc = case.localization
     where = "" if loc.request is None else f", request {loc.request + 1}"
     lines = [f"{case.id}: {localization_sentence(case)}",
              f"  {loc.arm} vs {loc.reference}{where}, relative error per probe point (threshold {loc.threshold:g}):"]
     for i, p in enumerate(loc.points):
         mark = "  <- first divergent" if i == loc.first else ("  above" if p.rel_error > loc.threshold else "")
-        lines.append(f"  {point_label(p.layer, p.deepstack_block):10} {p.rel_error:.3e}{mark}")
+        lines.append(f"  {p.label:10} {p.rel_error:.3e}{mark}")
     return lines
 
 
