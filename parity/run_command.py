@@ -130,9 +130,9 @@ def write_outputs(result: RunResult, output: OutputOptions, console: Console, pl
     markdown = render_markdown(result)
     write_atomically(output.run_dir / "report.md", markdown)
     if output.junit is not None:
-        from parity.reporting.junit import junit_xml
+        from parity.reporting.junit import write_junit
 
-        write_atomically(output.junit, junit_xml(result))
+        write_junit(result, output.junit)
     try:
         append_step_summary(markdown)
     except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning

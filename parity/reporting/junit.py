@@ -22,7 +22,7 @@ import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
 from pathlib import Path
 
-from parity.results import CaseResult, RunResult, Verdict
+from parity.results import CaseResult, RunResult, Verdict, write_atomically
 from parity.metrics import tuple_text
 from parity.reporting.report import arms_with_labels, check_label, evidence_text, rows
 from parity.verdict import ERROR, PASS, judge_run
@@ -54,8 +54,9 @@ def junit_xml(run: RunResult) -> str:
 
 
 def write_junit(run: RunResult, path: str | Path) -> Path:
+    """Write the document whole or not at all: a CI reporter must never read half a file."""
     path = Path(path)
-    path.write_text(junit_xml(run), encoding="utf-8")
+    write_atomically(path, junit_xml(run))
     return path
 
 
