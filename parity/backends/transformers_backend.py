@@ -155,6 +155,12 @@ class TransformersSession:
         return tuple(_finite(float(score), step) for step, score in enumerate(scores))
 
 
+def _request_key(request: Request) -> tuple:
+    """A request by content: its image's pixels (not the PIL object) and its prompt."""
+    fixture = request.fixture
+    return (None if fixture is None else (fixture.name, fixture.sha256), request.prompt)
+
+
 def _finite(value: float, step: int) -> float:
     if not math.isfinite(value):
         raise ValueError(f"non-finite logprob {value} at step {step}")
@@ -185,6 +191,7 @@ class TransformersBackend:
         self._capture: tuple[int, ...] = ()
         self._runner: PrefillGraphRunner | None = None
         self._prepared: dict[tuple, PreparedPrompt] = {}
+        self._lengths: dict[tuple, int] = {}
 
     @property
     def max_positions(self) -> int:
@@ -197,10 +204,9 @@ class TransformersBackend:
     def prepared(self, request: Request) -> PreparedPrompt:
         """The request's LM inputs, prepared once per run: every arm and repeat gets the same tensors
         (the tap copies before zeroing), and the vision tower runs once per image."""
-        fixture = request.fixture
-        key = (None if fixture is None else (fixture.name, fixture.sha256), request.prompt)
+        key = _request_key(request)
         if key not in self._prepared:
-            self._prepared[key] = self.loaded.adapter.prepare(fixture, request.prompt)
+            self._prepared[key] = self.loaded.adapter.prepare(request.fixture, request.prompt)
         return self._prepared[key]
 
     @property
@@ -260,7 +266,12 @@ class TransformersBackend:
         return apply_tap("record" if deepstack == "normal" else "zero", self.prepared(request).deepstack)[0]
 
     def prompt_length(self, request: Request) -> int:
-        return int(self.loaded.adapter.processor_inputs(request.fixture, request.prompt)["input_ids"].shape[1])
+        # Planning asks for the same image request's length several times (each scenario, each check).
+        key = _request_key(request)
+        if key not in self._lengths:
+            inputs = self.loaded.adapter.processor_inputs(request.fixture, request.prompt)
+            self._lengths[key] = int(inputs["input_ids"].shape[1])
+        return self._lengths[key]
 
     def environment(self) -> Mapping[str, Any]:
         device = self.loaded.device
