@@ -110,7 +110,7 @@ def cli() -> None:
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=_positive)
-@click.option("--logprob-tol", default="auto", show_default=True, callback=_auto_or_number(MIN_LOGPROB_TOL, True, " (the repeat noise floor)"),
+@click.option("--logprob-tol", default="auto", show_default=True, callback=_auto_or_number(MIN_LOGPROB_TOL, True, " (the fp32 noise floor of any x86 CPU)"),
               help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
 @click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=_tie_margin,
               help="Two tokens this close in logprob, in both arms, are a near-tie: a noise flip, not a failure.")

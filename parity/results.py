@@ -35,6 +35,8 @@ class Repeat:
 
     token_ids: tuple[int, ...]
     token_logprobs: tuple[float, ...]
+    # How this repeat ran (rule 4 is checked per repeat); None in files written before v3.
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Comparison:
     tf_delta: float | None
     match: bool
     request: int | None = None  # index into the case's requests (sequence scenarios)
+    logprob_mean: float = 0.0  # mean |Δ logprob| over the same steps as logprob_delta
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,12 @@ class RunResult:
         return float(self.config["logprob_tol"])
 
     @property
+    def logprob_mean_tol(self) -> float | None:
+        """The bound on the mean |Δ| (v3, reduced precision); None: only the max is bounded."""
+        value = self.config.get("logprob_mean_tol")
+        return None if value is None else float(value)
+
+    @property
     def tie_margin(self) -> float | None:
         """None for a /1 file: the tie rule did not exist, so nothing is a tie."""
         value = self.config.get("tie_margin")
@@ -202,15 +211,15 @@ def arm_to_json(arm: ArmResult) -> dict:
         "forced_seconds": arm.forced_seconds,
     }
     if arm.repeats:
-        out["repeats"] = [{"token_ids": list(r.token_ids), "token_logprobs": list(r.token_logprobs)}
-                          for r in arm.repeats]
+        out["repeats"] = [{"token_ids": list(r.token_ids), "token_logprobs": list(r.token_logprobs),
+                           "evidence": r.evidence.to_json() if r.evidence else None} for r in arm.repeats]
     return out
 
 
 def comparison_to_json(c: Comparison) -> dict:
     out = {"a": c.a, "b": c.b, "divergence_char": c.divergence_char, "token_match": c.token_match,
            "first_token_divergence": c.first_token_divergence, "logprob_delta": c.logprob_delta,
-           "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
+           "logprob_mean": c.logprob_mean, "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
     if c.request is not None:
         out["request"] = c.request
     return out

@@ -87,8 +87,13 @@ def _md_header(run: RunResult) -> str:
         f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{_md_line(run.verdict.reason)}\n\n"
         f"Model `{run.config.get('model')}` · backend `{run.config.get('backend')}` · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
-        f"match = token match and delta ≤ {run.logprob_tol:g}{tie}\n"
+        f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}\n"
     )
+
+
+def _mean_rule(run: RunResult) -> str:
+    mean = run.logprob_mean_tol
+    return "" if mean is None else f" and mean delta over the steps ≤ {mean:g}"
 
 
 def _md_line(text: str) -> str:
