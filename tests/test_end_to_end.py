@@ -48,15 +48,17 @@ def test_a_primer_that_never_replays_never_passes(parity_cli):
     result, doc, _ = parity_cli.run("--runner", "no-clear", "--scenario", "reuse", "--buckets", "32")
     assert result.exit_code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED"
     assert "request 1 of 2 (primer (image))" in doc["verdict"]["reason"]
+    assert "largest captured bucket: 32" in doc["verdict"]["reason"]
 
 
 def test_results_file_and_report_contents(parity_cli):
     result, doc, out = parity_cli.run()
     case = doc["cases"][0]
     assert doc["schema"] == "parity.results/2" and doc["config"]["max_new_tokens"] == 20
-    assert doc["config"]["logprob_tol"] == 1e-3 and doc["config"]["logprob_tol_source"] == "auto"
+    assert doc["config"]["logprob_tol"] == 3e-5 and doc["config"]["logprob_tol_source"] == "auto"
+    assert doc["config"]["logprob_mean_tol"] is None  # fp32: the max alone, tight
     assert doc["config"]["tie_margin"] == 0.1 and doc["config"]["deepstack_layers"] == 3
-    assert doc["config"]["captured_buckets"] == [48] and doc["config"]["buckets"] == "auto"
+    assert doc["config"]["captured_buckets"] == [4, 8, 12, 16, 20, 24, 28, 32, 48] and doc["config"]["buckets"] == "auto"
     assert doc["environment"]["device"] == "cpu" and doc["environment"]["threads"] == 1
     assert case["id"] == "rgb-stripes/describe" and case["fixture"]["size"] == [128, 96]
     assert list(case["arms"]) == ["eager_normal", "eager_zero_deepstack", "bcg_normal", "bcg_zero_deepstack"]
