@@ -1,6 +1,7 @@
 """The `parity` command line: parse options, build a spec, call the library, render.
 
-Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_* · 4 ERROR · 130 interrupted.
+Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_* · 4 ERROR · 130 interrupted
+(Ctrl-C) · 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from parity import __version__
 from parity.errors import ParityError, UsageError
@@ -19,7 +21,7 @@ from parity.results import SCENARIOS
 from parity.results_loader import MIN_LOGPROB_TOL
 from parity.verdict import USAGE_EXIT, exit_code
 
-INTERRUPTED_EXIT = 130
+INTERRUPTED_EXIT = 130  # 128 + SIGINT; SIGTERM exits 143 (parity.interrupts)
 
 
 class ParityCommandError(click.ClickException):
@@ -34,6 +36,9 @@ class ParityGroup(click.Group):
             return super().invoke(ctx)
         except ParityError as err:
             raise ParityCommandError(str(err)) from None
+        except KeyboardInterrupt:  # a light command stopped by Ctrl-C: nothing to keep, no traceback
+            click.echo("interrupted", err=True)
+            ctx.exit(INTERRUPTED_EXIT)
 
 
 def _console() -> Console:
@@ -95,7 +100,8 @@ def _int_list(ctx, param, value):
 def cli() -> None:
     """parity: does prefill graph replay give the same answer as eager, and does it see DeepStack?
 
-    Exit codes: 0 PASS, 1 FAIL_*, 2 usage error, 3 INCOMPLETE or INCONCLUSIVE_*, 4 ERROR.
+    Exit codes: 0 PASS, 1 FAIL_*, 2 usage error, 3 INCOMPLETE or INCONCLUSIVE_*, 4 ERROR,
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM); an interrupted run writes what finished.
     """
 
 
@@ -149,7 +155,8 @@ def run(**options) -> None:
     from parity.arms import select_arms
     from parity.backends import BackendOptions
     from parity.experiment import RunSpec
-    from parity.run_command import OutputOptions, build_cases, check_writable, default_run_dir, execute_run
+    from parity.interrupts import sigterm_as_interrupt
+    from parity.run_command import OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run
 
     o = options
     scenario = o["scenario"]
@@ -173,11 +180,11 @@ def run(**options) -> None:
     )
     console = _console()
     try:
-        run_result = execute_run(spec, backend, output, console)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: every process parity started was stopped; what finished is in the "
-                      "run folder, marked interrupted")
-        sys.exit(INTERRUPTED_EXIT)
+        with sigterm_as_interrupt():
+            run_result = execute_run(spec, backend, output, console)
+    except RunStopped as stopped:
+        console.print(f"[red]{escape(stopped.message)}[/]", highlight=False)
+        sys.exit(stopped.exit_code)
     sys.exit(exit_code(run_result.verdict))
 
 
@@ -187,6 +194,7 @@ def run(**options) -> None:
 def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json
+    from parity.reporting.text import visible
     from parity.results_loader import load_results
     from parity.verdict import judge_run
 
@@ -195,8 +203,8 @@ def verdict(results_file: str, as_json: bool) -> None:
         click.echo(render_json(run_result))
     else:
         for case in run_result.cases:
-            click.echo(f"{case.id}: {case.verdict.code}: {case.verdict.reason}")
-        click.echo(f"{run_result.verdict.code}: {run_result.verdict.reason}")
+            click.echo(visible(f"{case.id}: {case.verdict.code}: {case.verdict.reason}"))
+        click.echo(visible(f"{run_result.verdict.code}: {run_result.verdict.reason}"))
     sys.exit(exit_code(run_result.verdict))
 
 
@@ -205,7 +213,8 @@ def verdict(results_file: str, as_json: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
 def report(results_file: str, fmt: str) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table."""
-    from parity.reporting.report import print_table, render_json, render_markdown
+    from parity.reporting.report import render_json, render_markdown
+    from parity.reporting.terminal import print_table
     from parity.results_loader import load_results
     from parity.verdict import judge_run
 
@@ -236,6 +245,7 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
     """
     from parity.localize_command import LocalizeOptions, localize_results
     from parity.reporting.report import localization_json, localization_lines
+    from parity.reporting.text import visible
 
     result = localize_results(LocalizeOptions(Path(results_file), case_id, tuple(images), localize_threshold,
                                               device, write))
@@ -248,7 +258,7 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
         for case in cases:
             click.echo("\n".join(localization_lines(case)))
     for path in result.written:
-        click.echo(f"wrote {path}", err=as_json)
+        click.echo(visible(f"wrote {path}"), err=as_json)
 
 
 @cli.command()
