@@ -28,7 +28,7 @@ from parity.interrupts import deferred_stops, signal_of
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import (
-    FOUR_ARM, REUSE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
 )
 from parity.verdict import FOUR_ARM_CHECKS, judge_run
 
@@ -142,6 +142,17 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
     if len(set(ids)) != len(ids):
         raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
     return tuple(planned)
+
+
+# Requests per case of each sequence scenario, as plan_cases builds them; each runs once per mode.
+SEQUENCE_REQUESTS = {REUSE: 2, STREAM: 5}
+
+
+def planned_arm_runs(spec: RunSpec) -> int:
+    """How many generations the plan makes (repeats included), known before a model loads."""
+    per_case = sum(len(spec.arms) if scenario == FOUR_ARM else SEQUENCE_REQUESTS[scenario] * len(spec.modes)
+                   for scenario in spec.scenarios)
+    return per_case * len(spec.cases) * spec.repeat
 
 
 def text_request_in_bucket(backend: Backend, image: Request, same_length: bool) -> Request:

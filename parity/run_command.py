@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from parity.backends import BackendOptions, create_backend
 from parity.errors import UsageError
-from parity.experiment import CaseSpec, RunInterrupted, RunSpec, run_experiment
+from parity.experiment import CaseSpec, RunInterrupted, RunSpec, planned_arm_runs, run_experiment
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
 from parity.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary
@@ -106,6 +106,35 @@ def check_writable(option: str, path: Path, directory: bool) -> Path:
     return path
 
 
+# Seconds per generation of a tiny preset on one CPU core, measured with `parity run --fixture all
+# --scenario all` (126 generations) at 4, 20 and 40 new tokens on a loaded two-core machine.
+_TINY_SECONDS_PER_ARM = (0.15, 0.01)  # (fixed, per new token)
+# Above this many generations a run says how long it will take before it starts.
+LARGE_PLAN_ARMS = 500
+
+
+def plan_note(spec: RunSpec, model: str) -> str | None:
+    """'N arm runs planned, roughly M minutes' for a large plan; None for an ordinary one."""
+    runs = planned_arm_runs(spec)
+    if runs <= LARGE_PLAN_ARMS:
+        return None
+    if not model.startswith("tiny-"):
+        return f"{runs} arm runs planned (each a full generation of {model})"
+    fixed, per_token = _TINY_SECONDS_PER_ARM
+    minutes = runs * (fixed + per_token * spec.max_new_tokens) / 60
+    return f"{runs} arm runs planned, roughly {max(1, round(minutes))} minutes on a CPU"
+
+
+def check_buckets(buckets: str | Sequence[int], max_positions: int | None) -> None:
+    """A bucket past the model's context can never be filled, and capturing it costs without end."""
+    if isinstance(buckets, str) or max_positions is None:
+        return
+    too_large = [b for b in buckets if b > max_positions]
+    if too_large:
+        raise UsageError(f"--buckets {max(too_large)}: larger than the model's context of {max_positions} positions; "
+                         "no prompt can fill it")
+
+
 class RunStopped(Exception):
     """A signal ended the run; `message` says what was kept, `exit_code` is 128 + the signal."""
 
@@ -138,6 +167,11 @@ def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, c
 
 def _run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
     engine = create_backend(backend, spec.max_new_tokens, output.run_dir)
+    try:
+        check_buckets(backend.buckets, engine.max_positions)
+    except BaseException:
+        engine.close()
+        raise
     with progress_display(console) as progress:
         return run_experiment(spec, engine, progress,
                               warn=lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))

@@ -96,6 +96,15 @@ def test_stream_and_reuse_cases_record_every_request(parity_cli):
     assert all(r["arms"]["bcg_normal" if "zeroed" not in r["label"] else "bcg_zero_deepstack"]["evidence"]
                ["prefill_replayed"] for r in stream["requests"])
     assert "5. bcg_normal" in (out / "report.md").read_text()
+    from parity.arms import select_arms
+    from parity.experiment import RunSpec, planned_arm_runs
+    from parity.results import SCENARIOS
+    from parity.run_command import build_cases
+
+    # The plan's size, said before a large run starts, is what the run then makes.
+    spec = RunSpec("tiny-qwen3-vl", select_arms("all"), build_cases((), (), (), None), scenarios=SCENARIOS)
+    planned = planned_arm_runs(spec)
+    assert f"[{planned}/{planned}]" in result.output
 
 
 def test_report_formats_and_no_bare_nan(parity_cli):
@@ -279,6 +288,8 @@ def test_thread_policy_one_for_presets_unless_the_user_says(parity_cli, tmp_path
 
     import torch
 
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("--threads 2 needs two CPUs")
     try:
         _, doc, _ = parity_cli.run("--threads", "2", "--arms", "eager_normal")
         assert doc["environment"]["threads"] == 2
