@@ -26,7 +26,8 @@ from parity.fixtures import Fixture, Prompt
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import (
-    FOUR_ARM, REUSE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    CASE_IMAGE, FOUR_ARM, SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat,
+    RequestResult, RequestSpec, RunResult,
 )
 from parity.verdict import FOUR_ARM_CHECKS, judge_run
 
@@ -115,25 +116,24 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
             if scenario == FOUR_ARM:
                 arms = tuple(sorted(spec.arms, key=lambda a: RUN_ORDER.index(a.name)))
                 requests = (PlannedRequest("image", image, "normal"),)
-            elif scenario == REUSE:
-                arms = ()
-                requests = (PlannedRequest("primer (image)", image, "normal"),
-                            PlannedRequest("follow-up (text only)", text_request_in_bucket(backend, image, False), "normal"))
             else:
                 arms = ()
-                requests = (
-                    PlannedRequest("image", image, "normal"),
-                    PlannedRequest("image, DeepStack zeroed", image, "zero"),
-                    PlannedRequest("twin image (same size, other pixels)", Request(case.fixture.twin(), case.prompt.text),
-                                   "normal"),
-                    PlannedRequest("text only", text_request_in_bucket(backend, image, True), "normal"),
-                    PlannedRequest("image again", image, "normal"),
-                )
+                requests = tuple(PlannedRequest(r.label, _sequence_request(r, scenario, backend, image), r.deepstack)
+                                 for r in SEQUENCE_REQUESTS[scenario])
             planned.append(PlannedCase(scenario_case_id(scenario, case), scenario, case, requests, arms))
     ids = [p.id for p in planned]
     if len(set(ids)) != len(ids):
         raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
     return tuple(planned)
+
+
+def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image: Request) -> Request:
+    if spec.image == CASE_IMAGE:
+        return image
+    if spec.image == TWIN_IMAGE:
+        return Request(image.fixture.twin(), image.prompt)
+    # reuse: a shorter text request in the image's bucket; stream: exactly as long where reachable
+    return text_request_in_bucket(backend, image, same_length=scenario == STREAM)
 
 
 def text_request_in_bucket(backend: Backend, image: Request, same_length: bool) -> Request:
@@ -323,7 +323,7 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
         return CaseResult(case.id, info, case.spec.prompt.text, arms=arms_of(0, names), scenario=FOUR_ARM)
     requests = tuple(
         RequestResult(req.label, _fixture_info(req.request.fixture), req.request.prompt,
-                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES]))
+                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES]), req.deepstack)
         for i, req in enumerate(case.requests)
     )
     return CaseResult(case.id, info, case.spec.prompt.text, requests=requests, scenario=case.scenario)

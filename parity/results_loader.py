@@ -206,6 +206,7 @@ def _requests(raw: Any, where: str) -> tuple[RequestResult, ...]:
             fixture=_fixture(request.get("fixture"), f"{rwhere}.fixture"),
             prompt=_get(request, "prompt", str, rwhere),
             arms=arms,
+            deepstack=arms[0].deepstack if arms else "normal",
         ))
     return tuple(requests)
 

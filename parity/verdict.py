@@ -103,8 +103,7 @@ def groups(case: CaseResult) -> tuple[Group, ...]:
         return (Group(None, None, case.fixture, {a.name: a for a in case.arms}, FOUR_ARMS, FOUR_ARM_CHECKS),)
     out = []
     for i, request in enumerate(case.requests):
-        deepstack = request.arms[0].deepstack if request.arms else "normal"
-        check = sequence_check(deepstack)
+        check = sequence_check(request.deepstack)
         out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms},
                          (check.b, check.a), (check,)))
     return tuple(out)

@@ -13,7 +13,10 @@ from typing import Mapping, Sequence
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_mode_and_deepstack
 from parity.evidence import Evidence
-from parity.results import ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult, TopLogprobs
+from parity.results import (
+    SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    TopLogprobs,
+)
 from parity.verdict import judge_run
 
 # Two answers that differ from the first token on: what DeepStack on/off gives a working model.
@@ -89,13 +92,20 @@ def make_sequence(
     case_id: str = "stream/rgb-stripes/describe",
     scenario: str = "stream",
 ) -> CaseResult:
-    """An unjudged sequence case from (label, has an image, arms) per request."""
+    """An unjudged sequence case from (label, has an image, arms) per request; a request the
+    scenario sends with the twin image gets the twin's fixture (same size, other pixels)."""
     info = fixture_info("rgb-stripes")
-    return CaseResult(
-        id=case_id, fixture=info, prompt="Describe the image.", scenario=scenario,
-        requests=tuple(RequestResult(label, info if image else None, "Describe the image.", tuple(arms))
-                       for label, image, arms in requests),
-    )
+    twin = FixtureInfo("rgb-stripes-twin", fixture_info("rgb-stripes-twin").sha256, info.size)
+    specs = {spec.label: spec for spec in SEQUENCE_REQUESTS.get(scenario, ())}
+
+    def request(label: str, image: bool, arms: Sequence[ArmResult]) -> RequestResult:
+        spec = specs.get(label)
+        fixture = (twin if spec is not None and spec.image == TWIN_IMAGE else info) if image else None
+        deepstack = arms[0].deepstack if arms else (spec.deepstack if spec is not None else "normal")
+        return RequestResult(label, fixture, "Describe the image.", tuple(arms), deepstack)
+
+    return CaseResult(id=case_id, fixture=info, prompt="Describe the image.", scenario=scenario,
+                      requests=tuple(request(*r) for r in requests))
 
 
 def make_run(
@@ -143,8 +153,7 @@ def fixed_arms() -> tuple[ArmResult, ...]:
 
 def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "stream/rgb-stripes/describe"):
     """The five requests of a stream case; eager answers request i with ids (i*10+1, ...)."""
-    specs = [("image", True, "normal"), ("image, DeepStack zeroed", True, "zero"), ("twin image", True, "normal"),
-             ("text only", False, "normal"), ("image again", True, "normal")]
+    specs = [(r.label, r.image is not None, r.deepstack) for r in SEQUENCE_REQUESTS[STREAM]]
     eager_ids = [tuple(range(i * 10 + 1, i * 10 + 6)) for i in range(len(specs))]
     bcg_ids = eager_ids if bcg_ids is None else bcg_ids
     requests = []
@@ -156,3 +165,4 @@ def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "
             make_arm(bcg, b_ids, evidence=make_evidence("bcg", tap_calls=tap)),
         ]))
     return make_sequence(requests, case_id)
+
