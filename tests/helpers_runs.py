@@ -8,6 +8,7 @@ correct backend records (bcg prefills replayed, the tap fired) unless a test say
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -17,7 +18,7 @@ from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
 )
-from parity.verdict import judge_run
+from parity.verdict import checks_for, judge_run
 
 # Two answers that differ from the first token on: what DeepStack on/off gives a working model.
 NORMAL_IDS: tuple[int, ...] = (11, 12, 13, 14, 15)
@@ -166,3 +167,23 @@ def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "
         ]))
     return make_sequence(requests, case_id)
 
+
+def scored(case: CaseResult) -> CaseResult:
+    """The case as a backend that teacher-forces writes it: each arm scored on every reference it is
+    compared against, with its own logprobs where its tokens agree with the reference's, -2.0 after."""
+    forced: dict[tuple[int | None, str], dict[str, tuple[float, ...]]] = {}
+    for group, check in checks_for(case):
+        a, b = group.arms.get(check.a), group.arms.get(check.b)
+        if a is None or b is None or a.failed or b.failed:
+            continue
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                    min(len(a.token_ids), len(b.token_ids)))
+        scores = tuple(a.token_logprobs[i] if i < same else -2.0 for i in range(len(b.token_ids)))
+        forced.setdefault((group.request, a.name), {})[b.name] = scores
+
+    def with_scores(arms: Sequence[ArmResult], request: int | None) -> tuple[ArmResult, ...]:
+        return tuple(replace(arm, forced=MappingProxyType(forced.get((request, arm.name), {}))) for arm in arms)
+
+    if not case.is_sequence:
+        return replace(case, arms=with_scores(case.arms, None))
+    return replace(case, requests=tuple(replace(r, arms=with_scores(r.arms, i)) for i, r in enumerate(case.requests)))
