@@ -209,3 +209,22 @@ def test_localize_refuses_buckets_past_a_checkpoints_context(parity_cli, tiny, t
     assert parity_cli("verdict", str(edited)).exit_code == 1  # the loader cannot know the context
     result = parity_cli("localize", str(edited))
     assert result.exit_code == 2 and "config.captured_buckets has 8192, beyond the 4096-token context" in result.output
+
+
+def test_an_interrupted_run_reads_back_and_does_not_pass(parity_cli, monkeypatch):
+    from parity.backends.transformers_backend import TransformersSession
+
+    real, calls = TransformersSession.generate, {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 30:  # in the eager pass, before the later fixtures' larger buckets ran
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersSession, "generate", interrupted)
+    result, doc, out = parity_cli.run("--scenario", "all", "--fixture", "all", "--max-new-tokens", "2")
+    assert result.exit_code == 130 and doc["interrupted"] is True
+    assert any(not r["arms"] for c in doc["cases"] if "requests" in c for r in c["requests"])
+    rejudged = run_to_json(judge_run(load_results(out / "results.json")))
+    assert rejudged == doc and rejudged["verdict"]["code"] == "INCOMPLETE"
