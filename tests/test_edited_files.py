@@ -83,6 +83,10 @@ EDITS = [
     ("default", lambda d: (_set(d["config"], captured_buckets=[16, *d["config"]["captured_buckets"]]),
                        _set(_arms(d)["bcg_normal"]["evidence"], buckets=[16])), 2,
      "evidence.buckets has 16, smaller than its 39-token prompt"),
+    ("default", lambda d: (_set(d["config"], captured_buckets=[16, *d["config"]["captured_buckets"]]),
+                           _set(_arms(d)["bcg_normal"]["evidence"], buckets=[16], prefill_replayed=False),
+                           _set(_arms(d)["bcg_normal"]["deepstack_record"], replay=False)),
+     3, "INCONCLUSIVE_NOT_REPLAYED"),  # consistent: a replay of something shorter, not of the prompt
     ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], max_bucket=32), 2, "larger than its evidence.max_bucket"),
     # Evidence and the tap's record disagree about the replay.
     ("default", lambda d: _set(_arms(d)["bcg_normal"]["deepstack_record"], replay=False), 2,
