@@ -131,8 +131,11 @@ def replays_fit_their_buckets(run: RunResult) -> None:
                 if evidence.max_bucket is not None and bucket > evidence.max_bucket:
                     raise Contradiction(f"{where}, larger than its evidence.max_bucket {evidence.max_bucket}")
                 tokens = evidence.prompt_tokens
-                # A prompt longer than every bucket is prefilled in chunks (a server), each in its own.
-                whole = tokens is not None and (evidence.max_bucket is None or tokens <= evidence.max_bucket)
+                # Only when every prefill replayed is prompt_tokens the prompt of those replays (a server
+                # names the longest prefill that ran eagerly); a prompt longer than every bucket is
+                # prefilled in chunks, each in its own bucket.
+                whole = evidence.prefill_replayed and tokens is not None and (
+                    evidence.max_bucket is None or tokens <= evidence.max_bucket)
                 if whole and bucket < tokens:
                     raise Contradiction(f"{where}, smaller than its {tokens}-token prompt "
                                         f"(evidence.prompt_tokens): a replayed prompt fits its bucket")
