@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from parity.errors import BackendUnavailableError, UsageError
-from parity.sglang import backend as sglang_backend
 from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.sglang.plugin import TapChannel
 from tests.test_sglang_backend import four_arms, make_backend, run
@@ -203,21 +202,21 @@ def test_the_standin_is_on_the_servers_path_only(tmp_path: Path, monkeypatch) ->
 @pytest.mark.parametrize("device, asked, resolved", [
     ("cpu", "auto", "emulated"), ("cpu", "emulated", "emulated"), ("cuda", "auto", "cuda"), ("cuda", "cuda", "cuda")])
 def test_the_graph_backend_follows_the_device(device, asked, resolved) -> None:
-    assert sglang_backend._graph_backend(device, asked) == resolved
+    assert server_checks.graph_backend(device, asked) == resolved
 
 
 def test_choices_that_cannot_work_on_a_cpu_are_refused(tmp_path: Path, tiny_parts, monkeypatch) -> None:
     for device, asked in (("cpu", "cuda"), ("cuda", "emulated")):
         with pytest.raises(UsageError, match="--graph-backend"):
-            sglang_backend._graph_backend(device, asked)
+            server_checks.graph_backend(device, asked)
     with pytest.raises(UsageError, match="one after the other"):
         make_backend(tmp_path, tiny_parts, device="cpu")  # make_backend asks for --concurrent
     with pytest.raises(UsageError, match="unknown SGLang fix"):
         make_backend(tmp_path, tiny_parts, concurrent=False, fix="deepstack-slots")
     monkeypatch.setattr(deepstack_slot, "installed_sglang", lambda: "0.5.24")
     with pytest.raises(BackendUnavailableError, match="written against SGLang 0.5.23.*has SGLang 0.5.24"):
-        sglang_backend._check_fix_version(deepstack_slot.FIX)
-    sglang_backend._check_fix_version(None)
+        server_checks.check_fix_version(deepstack_slot.FIX)
+    server_checks.check_fix_version(None)
 
 
 def test_on_a_cpu_only_the_buckets_the_run_needs_are_captured(tmp_path: Path, tiny_parts) -> None:

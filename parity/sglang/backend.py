@@ -9,7 +9,6 @@ recorded for that tag in the process that ran the model, never what the flags im
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import os
 import shlex
 import sys
@@ -23,15 +22,15 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
 from parity.backends.base import Generation, Request
-from parity.errors import ArmFailure, BackendUnavailableError, UsageError
+from parity.errors import ArmFailure, UsageError
 from parity.sglang import client, deepstack_slot, launcher, plugin, server_checks
 from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
-from parity.sglang.gpus import cuda_present, gpu_memory, gpu_name
+from parity.sglang.gpus import gpu_memory, gpu_name
 from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.presets import PRESETS
 from parity.sglang.servers import (
-    DEFAULT_MEM_FRACTION, DEVICES, GRAPH_BACKENDS, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings,
+    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings,
     buckets_given, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 
@@ -349,43 +348,6 @@ def _installed_sglang() -> str | None:
 
 # --- construction ------------------------------------------------------------------------------------
 
-def _graph_backend(device: str, asked: str | None) -> str:
-    """`auto`/None: real CUDA graphs on a GPU, parity's emulation inside the server on a CPU."""
-    if device not in DEVICES:
-        raise UsageError(f"the sglang backend runs on {' or '.join(DEVICES)}, not {device!r}")
-    resolved = asked if asked not in (None, "auto") else ("emulated" if device == "cpu" else "cuda")
-    if resolved not in GRAPH_BACKENDS:
-        raise UsageError(f"unknown graph backend {resolved!r}; known: {', '.join(GRAPH_BACKENDS)}")
-    if (device, resolved) in {("cpu", "cuda"), ("cuda", "emulated")}:
-        raise UsageError(f"--graph-backend {resolved} with --device {device}: the sglang backend replays real CUDA "
-                         "graphs on a GPU and parity's emulation inside the server on a CPU")
-    return resolved
-
-
-def _check_fix_version(fix: str | None) -> None:
-    version = deepstack_slot.installed_sglang()
-    if fix is not None and version != deepstack_slot.WRITTEN_FOR:
-        raise BackendUnavailableError(f"--sglang-fix {fix} was written against SGLang {deepstack_slot.WRITTEN_FOR}'s "
-                                      f"prefill graph runner; this environment has SGLang {version}")
-
-
-def check_requirements(device: str = "cuda") -> None:
-    """Raise BackendUnavailableError (exit 2) when this machine cannot run SGLang servers."""
-    if importlib.util.find_spec("sglang") is None:
-        raise BackendUnavailableError("SGLang is not installed in this Python environment; install it with "
-                                      "pip install 'parity[sglang]' (SGLang 0.5.23)")
-    if device == "cuda" and not cuda_present():
-        raise BackendUnavailableError("the sglang backend needs a CUDA GPU and none is visible "
-                                      "(torch.cuda.is_available() is False and nvidia-smi lists no GPU); "
-                                      "--device cpu serves on the CPU")
-    names = {ep.name for ep in importlib.metadata.entry_points(group=plugin.ENTRY_POINT_GROUP)}
-    if plugin.ENTRY_POINT_NAME not in names:
-        raise BackendUnavailableError(
-            f"parity's SGLang plugin is not registered (no {plugin.ENTRY_POINT_NAME!r} entry point in "
-            f"{plugin.ENTRY_POINT_GROUP}); install parity itself, e.g. pip install -e '.[sglang]', "
-            "not only put it on PYTHONPATH")
-
-
 def create_sglang_backend(
     *,
     model: str,
@@ -419,7 +381,7 @@ def create_sglang_backend(
         raise UsageError(f"the memory fraction must be between 0 and 1, got {mem_fraction}")
     if ready_timeout <= 0:
         raise UsageError(f"the ready timeout must be positive, got {ready_timeout}")
-    graph_backend = _graph_backend(device, graph_backend)
+    graph_backend = server_checks.graph_backend(device, graph_backend)
     if device == "cpu" and (concurrent or gpus):
         raise UsageError("--concurrent and --gpus place servers on GPUs; with --device cpu the servers run one "
                          "after the other")
@@ -437,8 +399,8 @@ def create_sglang_backend(
     )
     plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
     if launch_command is None:
-        check_requirements(device)
-        _check_fix_version(fix)
+        server_checks.check_requirements(device)
+        server_checks.check_fix_version(fix)
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     if model in PRESETS:  # the servers load a folder: the preset, saved once into parity's cache
         from parity.models.preset_checkpoint import saved_preset
