@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from parity.errors import BackendUnavailableError, UsageError
+from parity.sglang import backend as sglang_backend
 from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.sglang.plugin import TapChannel
 from tests.test_sglang_backend import four_arms, make_backend, run
@@ -303,12 +304,12 @@ def test_the_fix_is_off_unless_asked_and_refuses_other_versions(tmp_path: Path, 
 
 def test_a_bcg_server_without_a_slot_fails_the_fix_check(tmp_path: Path) -> None:
     record = deepstack_slot.FixRecord(1, deepstack_slot.FIX, None, None, "no slot: the model has 0 DeepStack blocks")
-    deepstack_slot._append(tmp_path, record)
+    deepstack_slot.append_record(tmp_path, record)
     problem, records = server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")
     assert "has no DeepStack slot: no slot: the model has 0 DeepStack blocks" in problem and len(records) == 1
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "eager")[0] is None
     assert server_checks.fix_problem(tmp_path, None, "bcg") == (None, [])
-    deepstack_slot._append(tmp_path, deepstack_slot.FixRecord(2, deepstack_slot.FIX, (64, 192), "torch.float32", ""))
+    deepstack_slot.append_record(tmp_path, deepstack_slot.FixRecord(2, deepstack_slot.FIX, (64, 192), "torch.float32", ""))
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")[0] is None
     assert deepstack_slot.FixRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
 
@@ -362,3 +363,21 @@ def test_a_cpu_run_against_the_standin_records_its_device_and_servers(tmp_path: 
     assert (config["sglang_device"], config["sglang_graph_backend"]) == ("cpu", "emulated")
     assert "torch_native" in config["sglang_servers"]["bcg"] and result.environment["gpu"] is None
     assert_nothing_left(tmp_path)
+
+
+def test_another_launch_command_through_the_variable_skips_the_sglang_checks(parity_cli, tmp_path: Path, tiny) -> None:
+    # No SGLang needed: the variable names the stand-in server, the preset is served from its folder.
+    from tests.test_sglang_launcher import STANDIN
+
+    image_token = tiny.adapter.processor.tokenizer.convert_tokens_to_ids(tiny.adapter.processor.image_token)
+    launch = f"{sys.executable} {STANDIN} --standin-image-token-id {image_token} --standin-deepstack-replay"
+    result = parity_cli("run", "--backend", "sglang", "--device", "cpu", "--max-new-tokens", "4", "--no-plot",
+                        "--out", str(tmp_path / "run"), "--sglang-arg", "--cuda-graph-max-bs-prefill 256",
+                        env={sglang_backend.LAUNCH_COMMAND_ENV: launch, "PARITY_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.exit_code == 0, result.output[-2000:]
+    doc = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert doc["verdict"]["code"] == "PASS" and doc["config"]["model"] == "tiny-qwen3-vl"
+    served = doc["config"]["sglang_servers"]["bcg"]
+    assert served[served.index("--model-path") + 1].startswith(str(tmp_path / "cache" / "checkpoints"))
+    assert "--dtype" in served and served[served.index("--dtype") + 1] == "float32"  # explicit on a CPU
+    assert_nothing_left(tmp_path / "run")

@@ -129,7 +129,7 @@ def read_records(folder: Path) -> list[FixRecord]:
     return [FixRecord.from_json(json.loads(line)) for line in lines if line.strip()]
 
 
-def _append(folder: Path | None, record: FixRecord) -> None:
+def append_record(folder: Path | None, record: FixRecord) -> None:
     if folder is None:
         return
     with open(folder / RECORDS_FILE, "a", encoding="utf-8") as out:
@@ -166,15 +166,15 @@ class DeepStackSlotFix:
         if blocks <= 0 or not takes or backend not in REPLAYING_BACKENDS:
             why = (f"no slot: the model has {blocks} DeepStack blocks, its LM body "
                    f"{'takes' if takes else 'does not take'} {DEEPSTACK_KWARG}, prefill backend {backend}")
-            _append(self.records, FixRecord(os.getpid(), self.variant, None, None, why))
+            append_record(self.records, FixRecord(os.getpid(), self.variant, None, None, why))
             return None
         unsupported = self._unsupported(runner)
         if unsupported:
-            _append(self.records, FixRecord(os.getpid(), self.variant, None, None, unsupported, refused=True))
+            append_record(self.records, FixRecord(os.getpid(), self.variant, None, None, unsupported, refused=True))
             raise RuntimeError(f"parity {self.variant}: {unsupported}")
         width = int(runner.model_runner.model_config.hidden_size) * blocks
         slot = torch.zeros((runner.max_num_tokens, width), dtype=runner.model_runner.dtype, device=runner.device)
-        _append(self.records, FixRecord(os.getpid(), self.variant, tuple(slot.shape), str(slot.dtype),
+        append_record(self.records, FixRecord(os.getpid(), self.variant, tuple(slot.shape), str(slot.dtype),
                                         f"{blocks} DeepStack blocks, buckets {list(runner.capture_num_tokens)}"))
         return slot
 
@@ -238,6 +238,6 @@ def activate(environ: Mapping[str, str], records: Path | None) -> DeepStackSlotF
     elif version != WRITTEN_FOR:
         refusal = f"written against SGLang {WRITTEN_FOR}, this is SGLang {version or 'not installed'}"
     if refusal:
-        _append(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
+        append_record(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
         return None
     return DeepStackSlotFix(variant, records)
