@@ -18,6 +18,7 @@ from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord, Evidence
 from parity.metrics import NOISE_FLOOR
+from parity.sharding import case_problem, read_shard
 from parity.verdict import SEQUENCE_POWER_ARM
 from parity.results import (
     FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_SCENARIOS, ArmResult, CaseResult, FixtureInfo, LayerError,
@@ -308,6 +309,17 @@ def _config(raw: Any, v2: bool) -> dict:
     return config
 
 
+def _check_shard(config: Any, case_ids: list[str]) -> None:
+    """A shard's or a merge's file holds exactly the planned cases of the shards it covers (design §8)."""
+    try:
+        record = read_shard(config)
+    except ValueError as err:
+        raise _Invalid(f"config.shard: {err}") from None
+    problem = None if record is None else case_problem(record, case_ids)
+    if problem:
+        raise _Invalid(f"config.shard: the file {problem}")
+
+
 def run_from_json(doc: Any, source: str) -> RunResult:
     """Parse and validate a results document; stored comparisons and verdicts are dropped."""
     schema = SCHEMA
@@ -325,6 +337,7 @@ def run_from_json(doc: Any, source: str) -> RunResult:
             if case.id in seen:
                 raise _Invalid(f"case id {case.id!r} appears twice; case ids must be unique")
             seen.add(case.id)
+        _check_shard(doc["config"], [c.id for c in cases])
         return RunResult(
             created=_get(doc, "created", str, "document"),
             environment=MappingProxyType(_get(doc, "environment", dict, "document")),

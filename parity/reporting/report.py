@@ -14,6 +14,7 @@ from parity.evidence import Evidence
 from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
+from parity.sharding import describe as describe_shard
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
 from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
 
@@ -83,8 +84,10 @@ def _md_header(run: RunResult) -> str:
     interrupted = "**Interrupted: only the arms that finished are reported.**\n\n" if run.interrupted else ""
     tie = "" if run.tie_margin is None else (f"; a near-tie flip (margin ≤ {run.tie_margin:g}) matches when the "
                                              f"teacher-forced delta is within it too")
+    shard = describe_shard(run.config, len(run.cases))
+    part = f"_{shard}._\n\n" if shard else ""
     return (
-        f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{_md_line(run.verdict.reason)}\n\n"
+        f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{part}{_md_line(run.verdict.reason)}\n\n"
         f"Model `{run.config.get('model')}` · backend `{run.config.get('backend')}` · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
         f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}\n"
