@@ -19,7 +19,7 @@ from parity.reporting.report import _md_case as case_markdown
 from parity.reporting.report import _md_environment as environment_markdown
 from parity.results import SCENARIOS, CaseResult, RunResult, Verdict
 from parity.sharding import describe as describe_shard
-from parity.verdict import ERROR, PASS, SETUP_FAULTS, overall_verdict
+from parity.verdict import ERROR, PASS, overall_verdict
 
 
 @dataclass(frozen=True)
@@ -68,30 +68,27 @@ def label_of(run: RunResult) -> str:
 
 def experiments(runs: Sequence[RunResult]) -> list[Experiment]:
     """Rows in the given order; two rows that would read the same also name the field they differ in."""
-    labels = [label_of(r) for r in runs]
+    base = [label_of(r) for r in runs]
+    labels = list(base)
     for i, run in enumerate(runs):
-        twins = [j for j, other in enumerate(labels) if other == labels[i] and j != i]
-        if twins:
-            field = first_difference(identity(run), identity(runs[twins[0]]))
-            value = identity(run).get(field)
-            labels[i] = f"{labels[i]} · {field.split('.', 1)[-1]} {value}"
+        twin = next((j for j, other in enumerate(base) if other == base[i] and j != i), None)
+        field = None if twin is None else first_difference(identity(run), identity(runs[twin]))
+        if field is not None:
+            labels[i] = f"{base[i]} · {field.split('.', 1)[-1]} {identity(run).get(field)}"
     return [Experiment(i, label, run) for i, (label, run) in enumerate(zip(labels, runs), 1)]
 
 
 def matrix_verdict(rows: Sequence[Experiment]) -> Verdict:
-    """Over experiments, as over cases (design §3): ERROR, then a FAIL, then a set-up fault, then
-    PASS when any experiment passed."""
+    """ERROR, then the first FAIL, then the first experiment that did not pass; PASS only when every
+    experiment passed. Stricter than over cases (design §3), where a case without power may sit beside
+    passing ones: each experiment is its own claim (another GPU, engine or model), and one that
+    proved nothing is not made good by another that passed."""
     verdicts = [(row.label, row.run.verdict) for row in rows]
-    for wanted in (lambda code: code == ERROR, lambda code: code.startswith("FAIL_"),
-                   lambda code: code in SETUP_FAULTS):
+    for wanted in (lambda code: code == ERROR, lambda code: code.startswith("FAIL_"), lambda code: code != PASS):
         hit = next(((label, v) for label, v in verdicts if wanted(v.code)), None)
         if hit:
             return Verdict(hit[1].code, f"{hit[0]}: {hit[1].reason}")
-    passed = sum(v.code == PASS for _, v in verdicts)
-    if passed:
-        return Verdict(PASS, f"{passed} of {len(verdicts)} experiment(s) passed")
-    label, first = verdicts[0]
-    return Verdict(first.code, f"{label}: {first.reason}")
+    return Verdict(PASS, f"all {len(verdicts)} experiment(s) passed")
 
 
 # --- markdown ----------------------------------------------------------------------------------------
@@ -135,7 +132,8 @@ def _section(row: Experiment, scenarios: Sequence[str], texts: bool, bodies_of_p
         title = f"{scenario}: {_icon(v.code)} {v.code} ({len(cases)} case(s))"
         lines += [f'<a name="{row.scenario_anchor(scenario)}"></a>', ""]
         if v.code == PASS:
-            body = _cases(cases, run, texts) if bodies_of_passes else "_Every case passed; see the run's report.md._\n"
+            body = (_cases(cases, run, texts, fold_passes=False) if bodies_of_passes
+                    else "_Every case passed; see the experiment's report.md._\n")
             lines += [f"<details><summary>{title}</summary>", "", body, "</details>", ""]
         else:
             lines += [f"#### {title}", "", _cases(cases, run, texts, bodies_of_passes), ""]
@@ -143,16 +141,18 @@ def _section(row: Experiment, scenarios: Sequence[str], texts: bool, bodies_of_p
     return "\n".join(lines)
 
 
-def _cases(cases: Sequence[CaseResult], run: RunResult, texts: bool, bodies_of_passes: bool = True) -> str:
+def _cases(cases: Sequence[CaseResult], run: RunResult, texts: bool, bodies_of_passes: bool = True,
+           fold_passes: bool = True) -> str:
     parts = []
     for case in cases:
-        # No images: a PR comment cannot show the plots of the experiment's folder.
+        # No images: a PR comment cannot show the plots of the experiment's folder. One heading
+        # level below the experiment's.
         case = dataclasses.replace(case, plot=None, localization_plot=None)
-        if case.verdict.code != PASS:
-            parts.append(case_markdown(case, run, with_texts=texts))
+        body = case_markdown(case, run, with_texts=texts).replace("### `", "##### `", 1)
+        if case.verdict.code != PASS or not fold_passes:
+            parts.append(body)
         elif bodies_of_passes:
-            parts.append(f"<details><summary><code>{case.id}</code>: ✅ PASS</summary>\n\n"
-                         f"{case_markdown(case, run, with_texts=texts)}\n</details>\n")
+            parts.append(f"<details><summary><code>{case.id}</code>: ✅ PASS</summary>\n\n{body}\n</details>\n")
         else:
             parts.append(f"- `{case.id}`: ✅ PASS")
     return "\n".join(parts)
