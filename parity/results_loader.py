@@ -16,7 +16,7 @@ from typing import Any
 
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
-from parity.evidence import DeepStackRecord, Evidence
+from parity.evidence import DeepStackRecord, Evidence, RankEvidence
 from parity.metrics import NOISE_FLOOR
 from parity.sharding import case_problem, read_shard
 from parity.verdict import SEQUENCE_POWER_ARM
@@ -115,11 +115,25 @@ def _evidence(raw: Any, where: str) -> Evidence:
         tap_calls=_int(_get(raw, "tap_calls", int, where), f"{where}.tap_calls", 0),
         prompt_tokens=_get(raw, "prompt_tokens", int, where, optional=True),
         max_bucket=_get(raw, "max_bucket", int, where, optional=True),
+        ranks=tuple(_rank(r, f"{where}.ranks[{i}]")
+                    for i, r in enumerate(_get(raw, "ranks", list, where, optional=True) or [])),
     )
     problem = evidence.inconsistency()
     if problem:
         raise _Invalid(f"{where} is inconsistent: {problem}")
     return evidence
+
+
+def _rank(raw: Any, where: str) -> RankEvidence:
+    return RankEvidence(
+        rank=_get(raw, "rank", str, where),
+        lm_calls=_int(_get(raw, "lm_calls", int, where), f"{where}.lm_calls", 0),
+        replayed_calls=_int(_get(raw, "replayed_calls", int, where), f"{where}.replayed_calls", 0),
+        prefill_replayed=_get(raw, "prefill_replayed", bool, where, optional=True),
+        buckets=_ints(_get(raw, "buckets", list, where), f"{where}.buckets"),
+        tap_calls=_int(_get(raw, "tap_calls", int, where), f"{where}.tap_calls", 0),
+        sha256=_get(raw, "sha256", str, where, optional=True),
+    )
 
 
 def _forced(raw: Any, where: str) -> dict[str, tuple[float, ...]]:

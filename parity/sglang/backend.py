@@ -23,12 +23,14 @@ from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.sglang import client, launcher, plugin
-from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
-from parity.sglang.gpus import cuda_present, gpu_memory, gpu_name
+from parity.sglang.evidence import (
+    EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record,
+)
+from parity.sglang.gpus import cuda_present, gpu_count, gpu_memory, gpu_name, visible_gpu_count
 from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.sglang.servers import (
-    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, fraction_for_share,
-    mode_flags, plan_launch, server_env, server_flags, split_user_args,
+    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, check_gpu_count,
+    fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 
 TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
@@ -98,8 +100,8 @@ class SglangSession:
 
     def _check_fired(self, request: TaggedRequest, what: str) -> None:
         try:
-            check_fired(request, self.backend.facts.deepstack_layers, what)
-        except TapSilence as silence:
+            check_fired(request, self.backend.facts.deepstack_layers, what, self.backend.server_facts.tp_size)
+        except EvidenceFault as silence:
             raise self.process.failure(str(silence)) from None
 
     def _parsed(self, parse, doc):
@@ -355,6 +357,7 @@ def create_sglang_backend(
     plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
     if launch_command is None:
         check_requirements()
+        check_gpu_count(settings.facts, settings.gpus, gpu_count(), visible_gpu_count())
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     if processor is None or model_config is None:
         from parity.models.checkpoint import CheckpointSource, load_config_and_processor
