@@ -177,3 +177,15 @@ def test_one_file_report_is_unchanged(files):
     result = invoke("report", files["fixed"])
     assert result.exit_code == 0 and result.output.startswith("## parity: ✅ `PASS`")
     assert "parity matrix" not in result.output
+
+
+def test_merge_and_the_matrix_import_nothing_heavy(tmp_path):
+    from parity.results import write_results
+    from tests.test_imports import heavy_imports
+
+    for name, tol in (("a", 0.25), ("b", 0.5)):
+        write_results(make_run([make_case(fixed_arms())], logprob_tol=tol), tmp_path / f"{name}.json")
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    assert heavy_imports("report", a, b) == []
+    assert heavy_imports("merge", "--matrix", a, b, "--no-plot", "--out", str(tmp_path / "m")) == []
+    assert (tmp_path / "m" / "report.md").exists()

@@ -170,3 +170,12 @@ def test_stand_in_with_a_faulty_rank_is_error(tmp_path: Path, tiny_parts, fault,
     result = run(make_backend(tmp_path, tiny_parts, "--standin-deepstack-replay", fault, "1", **TP2))
     assert result.verdict.code == "ERROR" and message in result.verdict.reason, result.verdict.reason
     assert_nothing_left(tmp_path)
+
+
+def test_the_report_names_each_rank():
+    from parity.reporting.report import evidence_text
+
+    one = arm_evidence([request(*prefill_and_decode(0, replay=True), *prefill_and_decode(1, replay=False))], 64)
+    text = evidence_text(one)
+    assert text.startswith("prefill replayed: NO") and "TP0 (pid 4000): replayed yes" in text
+    assert "TP1 (pid 4000): replayed NO" in text

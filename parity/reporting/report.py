@@ -54,11 +54,15 @@ def evidence_text(evidence: Evidence | None) -> str:
     """One line a reviewer reads to know whether the path under test really ran."""
     if evidence is None:
         return "no execution evidence recorded"
-    replayed = {True: "yes", False: "NO", None: "unknown"}[evidence.prefill_replayed]
+    shown = {True: "yes", False: "NO", None: "unknown"}
+    replayed = shown[evidence.prefill_replayed]
     buckets = ", ".join(map(str, evidence.buckets)) or "—"
     tokens = "?" if evidence.prompt_tokens is None else evidence.prompt_tokens
+    # Tensor parallelism: each rank's own share, so a reader sees which rank fell short.
+    ranks = "".join(f" · {r.rank}: replayed {shown[r.prefill_replayed]}, tap calls {r.tap_calls}"
+                    for r in evidence.ranks)
     return (f"prefill replayed: {replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens")
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}")
 
 
 def fenced(text: str, info: str = "text") -> str:
