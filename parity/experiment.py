@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -23,11 +24,12 @@ from parity.arms import (
 from parity.backends.base import Backend, Generation, Request, Session
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture, Prompt
+from parity.interrupts import deferred_stops, signal_of
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN, Tolerances, auto_tolerances
 from parity.sharding import Shard, partition, shard_config
 from parity.results import (
-    FOUR_ARM, REUSE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
 )
 from parity.verdict import FOUR_ARM_CHECKS, POWER_CHECK, SEQUENCE_POWER_ARM, judge_run
 
@@ -80,11 +82,17 @@ ProgressFn = Callable[[Progress], None]
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C during a run: `result` holds every arm that finished, the run marked interrupted."""
+    """Ctrl-C or SIGTERM (`signum`) during a run: `result` holds every arm that finished, the run
+    marked interrupted (or, stopped while localizing, the whole judged run without localizations)."""
 
-    def __init__(self, result: RunResult) -> None:
+    def __init__(self, result: RunResult, signum: int = signal.SIGINT) -> None:
         super().__init__("interrupted")
         self.result = result
+        self.signum = signum
+
+    @property
+    def finished_arms(self) -> int:
+        return sum(len(case.all_arms()) for case in self.result.cases)
 
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -139,6 +147,19 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
     return tuple(planned)
 
 
+# Requests per case of each sequence scenario, as plan_cases builds them; each runs once per mode.
+SEQUENCE_REQUESTS = {REUSE: 2, STREAM: 5}
+
+
+def planned_arm_runs(spec: RunSpec) -> int:
+    """How many generations the plan makes (repeats included), known before a model loads."""
+    # A sequence: every request in each mode, and its first request's eager power arm.
+    per_case = sum(len(spec.arms) if scenario == FOUR_ARM
+                   else SEQUENCE_REQUESTS[scenario] * len(spec.modes) + ("eager" in spec.modes)
+                   for scenario in spec.scenarios)
+    return per_case * len(spec.cases) * spec.repeat
+
+
 def text_request_in_bucket(backend: Backend, image: Request, same_length: bool) -> Request:
     """The image request's prompt without the image, lengthened with filler until it lands in the
     image request's bucket: shorter than it (reuse), or exactly as long where reachable (stream),
@@ -174,34 +195,45 @@ class _Collected:
 def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None,
                    warn: Callable[[str], object] | None = None) -> RunResult:
     """Run, judge, and localize every case whose bcg arm disagrees with eager (design §7), on the
-    still-loaded backend; `warn` hears about cases that could not be localized. Ctrl-C after the
-    plan is made raises `RunInterrupted` with every arm that finished."""
+    still-loaded backend; `warn` hears about cases that could not be localized. Ctrl-C or SIGTERM
+    after the plan is made raises `RunInterrupted` with every arm that finished. The backend is
+    closed in every case, a second signal notwithstanding."""
     try:
-        planned, collected, interrupted = _run_plan(spec, backend, progress)
-        config = dict(backend.config())
-        if spec.shard is not None:
-            config["shard"] = shard_config(spec.shard, _assignment(spec, planned))
-            planned = _in_shard(spec, planned)
-        localizes = isinstance(backend, CanLocalize)
-        if localizes:
-            config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
-        run = _run_result(spec, backend, planned, collected, config, interrupted)
-        if interrupted:
-            raise RunInterrupted(run)
-        if not localizes:
-            return run  # nothing to probe: the report says so on every case that would need it
-        try:
-            return localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
-                                config["localize_threshold"], warn=warn)
-        except KeyboardInterrupt:  # the judged run stands; only its localizations are missing
-            raise RunInterrupted(run) from None
-    finally:
+        run = _run_and_judge(spec, backend, progress, warn)
+    except BaseException:
+        with deferred_stops(reraise=False):  # already stopping: a second Ctrl-C must not leave a server up
+            backend.close()
+        raise
+    with deferred_stops():
         backend.close()
+    return run
+
+
+def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
+                   warn: Callable[[str], object] | None) -> RunResult:
+    planned, collected, stop = _run_plan(spec, backend, progress)
+    config = dict(backend.config())
+    if spec.shard is not None:
+        config["shard"] = shard_config(spec.shard, _assignment(spec, planned))
+        planned = _in_shard(spec, planned)
+    localizes = isinstance(backend, CanLocalize)
+    if localizes:
+        config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
+    run = _run_result(spec, backend, planned, collected, config, stop is not None)
+    if stop is not None:
+        raise RunInterrupted(run, signal_of(stop))
+    if not localizes:
+        return run  # nothing to probe: the report says so on every case that would need it
+    try:
+        return localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
+                            config["localize_threshold"], warn=warn)
+    except KeyboardInterrupt as stop:  # the judged run stands; only its localizations are missing
+        raise RunInterrupted(run, signal_of(stop)) from None
 
 
 def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
-    """(every planned case, the arms that finished, whether Ctrl-C stopped it); with a shard, only
-    the shard's cases are run."""
+    """(every planned case, the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or
+    None); with a shard, only the shard's cases are run."""
     planned = plan_cases(spec, backend)
     collected = _Collected()
     try:
@@ -218,9 +250,9 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
         backend.prepare(spec.modes, lengths)
         for mode in spec.modes:
             _run_mode(spec, backend, selected, mode, collected, announce)
-    except KeyboardInterrupt:
-        return planned, collected, True
-    return planned, collected, False
+    except KeyboardInterrupt as stop:
+        return planned, collected, stop
+    return planned, collected, None
 
 
 def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase]) -> list[int]:

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from parity.errors import UsageError
 from parity.identity import first_difference, identity, shown
-from parity.results import RunResult, Verdict, write_atomically, write_results
+from parity.results import RunResult, Verdict, dumps, write_atomically
 from parity.results_loader import load_results
 from parity.sharding import CONFIG_KEY, ShardRecord, merged_config, read_shard
 from parity.verdict import judge_run
@@ -134,18 +134,27 @@ class MergeOutput:
 
 
 def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> RunResult:
-    """results.json first (the evidence must survive a failing plot), then plots, then report.md."""
+    """results.json and report.md first (each whole or not at all), the plots last, then both again
+    with the plots linked."""
     from parity.reporting.report import render_markdown
 
     # Plots of the shards live in their own folders: drawn anew here, or not linked at all.
     run = dataclasses.replace(run, cases=tuple(dataclasses.replace(c, plot=None, localization_plot=None)
                                                for c in run.cases))
-    write_results(run, folder / "results.json")
+    _write(folder / "results.json", dumps(run) + "\n")
+    _write(folder / "report.md", render_markdown(run))
     if plots:
         run = _with_plots(run, folder, warn)
-        write_results(run, folder / "results.json")
-    write_atomically(folder / "report.md", render_markdown(run))
+        _write(folder / "results.json", dumps(run) + "\n")
+        _write(folder / "report.md", render_markdown(run))
     return run
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        write_atomically(path, text)
+    except OSError as err:
+        raise UsageError(f"--out: cannot write {path} ({err.strerror or err})") from None
 
 
 def _with_plots(run: RunResult, folder: Path, warn: Warn) -> RunResult:
@@ -194,10 +203,13 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
         verdict = matrix_verdict(experiments(runs))
     else:
         runs = [write_run_folder(merge_runs(files, allow_missing), output.out_dir, output.plots, warn)]
-        markdown = render_markdown(runs[0])
+        markdown = render_markdown(runs[0], images=False)  # a summary cannot show the folder's plots
         verdict = runs[0].verdict
     if output.junit is not None:
-        write_junit(runs, output.junit)
+        try:
+            write_junit(runs, output.junit)
+        except OSError as err:
+            raise UsageError(f"--junit: cannot write {output.junit} ({err.strerror or err})") from None
     try:
         append_step_summary(markdown)
     except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning

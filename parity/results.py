@@ -286,16 +286,28 @@ def dumps(run: RunResult) -> str:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file."""
+    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file.
+
+    The file gets the mode an ordinary `open` would (0666 less the umask), not mkstemp's 0600. A
+    lone surrogate (from a results file read back) is written as its JSON escape `\\udXXX`.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as out:
             out.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    # Reading the umask means setting it; parity writes its files from one thread.
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
 
 
 def write_results(run: RunResult, path: Path) -> None:

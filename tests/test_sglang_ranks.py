@@ -178,4 +178,4 @@ def test_the_report_names_each_rank():
     one = arm_evidence([request(*prefill_and_decode(0, replay=True), *prefill_and_decode(1, replay=False))], 64)
     text = evidence_text(one)
     assert text.startswith("prefill replayed: NO") and "TP0 (pid 4000): replayed yes" in text
-    assert "TP1 (pid 4000): replayed NO" in text
+    assert "TP1 (pid 4000): replayed no" in text

@@ -55,3 +55,20 @@ def test_every_scenario_passes_on_every_preset_and_fixture(preset, dtype):
     for case_id, code in verdicts.items():
         # A model without DeepStack has nothing to prove, in any scenario (design §3 v3).
         assert code == ("INCONCLUSIVE_NO_POWER" if "nodeepstack" in preset else "PASS"), (case_id, code)
+
+
+def test_bf16_correct_runner_passes_on_prompts_and_images_the_tuning_never_saw():
+    """The issue's false FAIL: the fixed runner on the MoE preset in bf16 with other prompts and user
+    images of other sizes was FAIL_CONTROL_DIVERGES on (49, True, 0.128) under v2's flat 0.1."""
+    import numpy as np
+    from PIL import Image
+
+    from parity.fixtures import Fixture, Prompt
+
+    rng = np.random.default_rng(7)
+    images = [Fixture(f"user-{w}x{h}", Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+                      .resize((w, h), Image.BICUBIC)) for w, h in ((200, 72), (72, 160))]
+    prompts = [Prompt("odd", "Is anything odd here? Say it briefly."), Prompt("list", "List what you see.")]
+    cases = tuple(CaseSpec(f, p) for f in images for p in prompts)
+    verdicts = _verdicts("tiny-qwen3-vl-moe", "bfloat16", seed=1, max_new_tokens=24, cases=cases)
+    assert set(verdicts.values()) == {"PASS"}, verdicts
