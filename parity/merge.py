@@ -120,8 +120,17 @@ def group_experiments(files: Sequence[ShardFile]) -> list[list[ShardFile]]:
 
 
 def merge_matrix(files: Sequence[ShardFile]) -> list[RunResult]:
-    """One judged run per experiment among `files`, each from all of its shards."""
-    return [merge_runs(group) for group in group_experiments(files)]
+    """One judged run per experiment among `files`, each from all of its shards; a refusal names
+    the experiment it is about."""
+    from parity.reporting.matrix import label_of
+
+    runs = []
+    for group in group_experiments(files):
+        try:
+            runs.append(merge_runs(group))
+        except UsageError as err:
+            raise UsageError(f"experiment {label_of(group[0].run)}: {err}") from None
+    return runs
 
 
 # --- writing ---------------------------------------------------------------------------------------
