@@ -3,8 +3,9 @@ graph mode, scenarios, plan and environment (design §8).
 
 Shards of one experiment agree on all of it; anything else is another experiment (another row of
 a matrix report), never something to merge. The identity is the whole config and environment, less
-what legitimately differs between the machines of one CI matrix: which shard a file is, and the
-process ids and per-machine memory fraction of its servers. Torch-free.
+what legitimately differs between the machines of one CI matrix: which shard a file is, the
+process ids and per-machine memory fraction of its servers, and a GPU run's CPU thread count.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def identity(run: RunResult) -> dict[str, Any]:
         fields[f"config.{key}"] = value
     fields.setdefault("config.shard", None)
     for key, value in run.environment.items():
+        # CPU threads change a CPU run's numerics, not a GPU run's; runners of one pool differ in cores.
+        if key == "threads" and run.environment.get("device") == "cuda":
+            continue
         fields[f"environment.{key}"] = value
     return {k: v for k, v in fields.items() if k not in VOLATILE}
 

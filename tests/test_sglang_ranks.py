@@ -169,8 +169,11 @@ def test_stand_in_with_agreeing_ranks_passes_with_every_ranks_evidence(tmp_path:
     ("--standin-disagreeing-rank", "the ranks saw different DeepStack inputs"),
 ])
 def test_stand_in_with_a_faulty_rank_is_error(tmp_path: Path, tiny_parts, fault, message) -> None:
-    result = run(make_backend(tmp_path, tiny_parts, "--standin-deepstack-replay", fault, "1", **TP2))
+    # One arm (one server) is enough: the fault is in every server of the run.
+    backend = make_backend(tmp_path, tiny_parts, "--standin-deepstack-replay", fault, "1", **TP2)
+    result = run(backend, arms="eager_normal")
     assert result.verdict.code == "ERROR" and message in result.verdict.reason, result.verdict.reason
+    assert backend.launch_count == 1
     assert_nothing_left(tmp_path)
 
 

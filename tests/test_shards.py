@@ -7,6 +7,7 @@ has its negative control: the file that does not belong is named, with the field
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,14 +15,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from parity.arms import select_arms
 from parity.backends.base import Request
 from parity.cli import cli
-from parity.experiment import RunSpec, _assignment, plan_cases
-from parity.arms import select_arms
+from parity.experiment import CaseSpec, RunSpec, _assignment, plan_cases
 from parity.fixtures import builtin_fixture, default_prompts
-from parity.experiment import CaseSpec
+from parity.identity import first_difference, identity
 from parity.metrics import NOISE_FLOOR
 from parity.sharding import Shard, partition
+from tests.helpers_runs import fixed_arms, make_case, make_run
 
 RUN_ARGS = ("--fixture", "rgb-stripes", "--fixture", "quadrants", "--scenario", "all", "--max-new-tokens", "4",
             "--no-plot")
@@ -237,3 +239,12 @@ def test_appending_a_fixture_moves_no_case():
     assert len(after) == len(before) + 3 and {k: after[k] for k in before} == before
     # The negative control: putting it first reshuffles (what "appended at the end" protects against).
     assert {k: v for k, v in _assigned(["mosaic", "rgb-stripes", "quadrants", "bands"]).items() if k in before} != before
+
+
+def test_a_gpu_runs_cpu_threads_do_not_split_an_experiment():
+    def on(device, threads):
+        run = make_run([make_case(fixed_arms())])
+        return dataclasses.replace(run, environment={**run.environment, "device": device, "threads": threads})
+
+    assert first_difference(identity(on("cuda", 8)), identity(on("cuda", 64))) is None
+    assert first_difference(identity(on("cpu", 1)), identity(on("cpu", 2))) == "environment.threads"
