@@ -17,7 +17,7 @@ from parity.reporting.report import render_json, render_markdown
 from parity.reporting.terminal import print_table
 from parity.results import FixtureInfo
 from tests.helpers_runs import (
-    NORMAL_IDS, ZERO_IDS, fixed_arms, fixture_info, legacy_arms, make_arm, make_case, make_run, stream_case,
+    NORMAL_IDS, ZERO_IDS, fixed_arms, fixture_info, legacy_arms, make_arm, make_case, make_run, scored, stream_case,
 )
 
 HOSTILE_ID = "x\n# injected | heading [red]w[/] \x1b[31m `tick` <!--"
@@ -178,7 +178,8 @@ def test_parity_report_and_verdict_print_any_valid_results_file(parity_cli, tmp_
     case = make_case([replace(a, text="a\ud800b \x1b[2J") for a in fixed_arms()], "id\udfff\n# x|y",
                      prompt="p\ud800", fixture=fixture_info("c"))
     path = tmp_path / "results.json"
-    write_results(make_run([case, make_case(_decisive_flip(), "b/describe")]), path)
+    # Scored as a run writes it: the loader refuses a file whose arms lack teacher-forced scores.
+    write_results(make_run([scored(case), scored(make_case(_decisive_flip(), "b/describe"))]), path)
     assert "\\udfff" in path.read_text(encoding="utf-8")  # written as JSON's escape, read back as the same string
     for args in (("report", "--format", "markdown"), ("report", "--format", "table"), ("report", "--format", "json"),
                  ("verdict",), ("verdict", "--json")):
