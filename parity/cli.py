@@ -176,6 +176,8 @@ def cli() -> None:
 @click.option("--junit", "junit_path", callback=_not_empty(), help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
+@click.option("--sglang-fix", type=click.Choice(["deepstack-slot"]), default=None,
+              help="Run parity's DeepStack replay slot fix inside the SGLang servers (SGLang 0.5.23 only).")
 @click.option("--concurrent", is_flag=True,
               help="Keep both SGLang servers up: started at once when --gpus gives each its own GPUs, else one "
                    "after the other on the shared GPU.")
@@ -218,7 +220,7 @@ def run(**options) -> None:
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
         sglang_args=tuple(o["sglang_args"]), concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
-        ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"],
+        ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"], sglang_fix=o["sglang_fix"],
     )
     _warn_ignored(click.get_current_context(), backend.name)
     note = plan_note(spec, o["model"])

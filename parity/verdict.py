@@ -11,9 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
-from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.buckets import smallest_fitting
 from parity.evidence import Evidence
+from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 
 PASS = "PASS"
@@ -114,11 +114,9 @@ def groups(case: CaseResult) -> tuple[Group, ...]:
         return (Group(None, None, case.fixture, {a.name: a for a in case.arms}, FOUR_ARMS, FOUR_ARM_CHECKS),)
     out = []
     for i, request in enumerate(case.requests):
-        # A request's DeepStack action is its graph arm's (the power arm runs eagerly only).
-        graph_arm = next((a for a in request.arms if a.mode == "bcg"), request.arms[0] if request.arms else None)
-        check = sequence_check(graph_arm.deepstack if graph_arm else "normal")
+        check = sequence_check(request.deepstack)
         needed, checks = (check.b, check.a), (check,)
-        if i == 0:
+        if i == 0:  # the sequence's power arm (design §3 v3)
             needed, checks = needed + (SEQUENCE_POWER_ARM,), checks + (POWER_CHECK,)
         out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms}, needed, checks))
     return tuple(out)
@@ -206,12 +204,24 @@ def _not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, 
     largest = "unknown" if evidence is None or evidence.max_bucket is None else evidence.max_bucket
     how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
     if rules.backend == "sglang":
-        hint = (f"raise --cuda-graph-max-bs-prefill to at least {tokens} and do not disable the prefill CUDA graph "
-                "(--sglang-arg)")
+        hint = _sglang_not_replayed_hint(evidence)
     else:
         hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
     return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
             f"so the graph path was not tested; {hint}")
+
+
+def _sglang_not_replayed_hint(evidence: Evidence | None) -> str:
+    tokens = None if evidence is None else evidence.prompt_tokens
+    largest = None if evidence is None else evidence.max_bucket
+    if tokens is not None and largest is not None and tokens <= largest:
+        # A bucket fits, so the server itself did not replay: SGLang turned its prefill graph off
+        # (an auto-disable such as torch_native attention) or declined this batch.
+        return ("a captured bucket fits the prompt, so the server did not replay it: look for SGLang's "
+                "\"Disable prefill CUDA graph because ...\" lines in the bcg server's log (sglang-bcg.log) and "
+                "for a flag that turns the prefill graph off (--sglang-arg)")
+    return (f"raise --cuda-graph-max-bs-prefill to at least {tokens if tokens is not None else '?'} and do not "
+            "disable the prefill CUDA graph (--sglang-arg)")
 
 
 # --- judging -------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
 
 from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
-from parity.sglang import plugin  # noqa: E402
+from parity.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
 
 VERSION = "0.5.23+standin"
 DEEPSTACK_WIDTH = 12  # hidden 4 x 3 DeepStack levels
@@ -84,6 +84,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="a breakable server whose prefills all run eager")
     parser.add_argument("--standin-replay-image-fault", action="store_true",
                         help="replaying an image prefill kills the process (the fault 0.5.23's comment names)")
+    parser.add_argument("--standin-kernel-call", default=None,
+                        help="call this sgl_kernel op through parity's CPU kernel stand-in (a path that needs it)")
+    parser.add_argument("--standin-kernel-call-on", choices=("startup", "request"), default="startup")
     args, _ = parser.parse_known_args(argv)  # every other SGLang flag is accepted and ignored
     return args
 
@@ -134,6 +137,10 @@ class Model:
         self.graph = args.cuda_graph_backend_prefill != "disabled" and not args.standin_no_replay
         self.buckets = args.cuda_graph_bs_prefill or prefill_bucket_ladder(args.cuda_graph_max_bs_prefill)
         self.hook = None if args.standin_no_plugin else plugin.activate()
+        # What parity's plugin does first with PARITY_SGLANG_FIX: outside SGLang 0.5.23 it records a
+        # refusal (the stand-in has no prefill runner to put a slot in).
+        folder = os.environ.get(plugin.ENV_VAR)
+        deepstack_slot.activate(os.environ, Path(folder) if folder else None)
 
         class LanguageModel:
             def forward(self) -> None:
@@ -273,9 +280,13 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 os._exit(3)  # abrupt, like a CUDA fault: the scheduler child is orphaned
             state.served += 1
             try:
+                if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "request":
+                    kernel_standin.stub(state.args.standin_kernel_call)()
                 self._send(200, answer(state.model, body))
             except Rejected as err:
                 self._send(400, {"error": {"message": str(err)}})
+            except kernel_standin.StandinCalled as err:  # SGLang answers a failed forward with an error
+                self._send(500, {"error": {"message": str(err)}})
 
     return Handler
 
@@ -287,6 +298,12 @@ def start_up(state: State, started: float) -> None:
     time.sleep(max(0.0, state.args.standin_startup_delay - (time.monotonic() - started)))
     if state.args.standin_never_ready:
         return
+    if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "startup":
+        try:
+            kernel_standin.stub(state.args.standin_kernel_call)()
+        except kernel_standin.StandinCalled as err:
+            print(f"standin: scheduler died: {err}", flush=True)
+            os._exit(1)
     # SGLang's VLM warm-up is an image request (§1.4); it runs through the hook before /ready.
     image = "warmup-image" if state.args.standin_warmup == "image" else None
     placeholder = f"<|vision_start|>{IMAGE_PLACEHOLDER}<|vision_end|>" if image else ""

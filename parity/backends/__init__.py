@@ -35,6 +35,7 @@ class BackendOptions:
     gpus: tuple[int, ...] = ()
     ready_timeout: float = 1800.0
     mem_fraction: float = 0.70
+    sglang_fix: str | None = None  # parity's DeepStack slot fix inside the servers
 
 
 def apply_thread_policy(requested: int | None, embedded: bool) -> None:
@@ -68,18 +69,23 @@ def _transformers(options: BackendOptions, max_new_tokens: int, run_dir: Path) -
 def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     from parity.presets import PRESETS
     from parity.sglang.backend import create_sglang_backend
+    from parity.sglang.servers import flag_values
 
-    if options.model in PRESETS:
-        raise UsageError(f"{options.model!r} is an embedded preset, built in parity's process: it runs on the "
-                         "transformers backend; give --backend sglang a Qwen3-VL checkpoint id or path")
-    if options.seed is not None:
-        raise UsageError("--seed builds an embedded preset; the sglang backend serves checkpoints")
+    device = "cpu" if options.device == "cpu" else "cuda"
+    embedded = options.model in PRESETS
+    if options.seed is not None and not embedded:
+        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
     sglang_args = options.sglang_args
-    if options.dtype != "auto":
-        sglang_args = (*sglang_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
-    return create_sglang_backend(model=options.model, max_new_tokens=max_new_tokens, run_dir=run_dir,
+    # The servers, not parity, load the weights. Explicit on a CPU and for presets: under `auto`
+    # SGLang runs a float32 checkpoint in float16 (sglang-cpu.md).
+    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
+    if dtype is not None and flag_values(sglang_args, "--dtype") is None:
+        sglang_args = (*sglang_args, "--dtype", dtype)
+    return create_sglang_backend(model=options.model, seed=options.seed, max_new_tokens=max_new_tokens, run_dir=run_dir,
                                  sglang_args=sglang_args, concurrent=options.concurrent, gpus=options.gpus,
-                                 ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction)
+                                 ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction,
+                                 device=device, graph_backend=options.graph_backend, fix=options.sglang_fix,
+                                 threads=options.threads)
 
 
 BACKENDS: dict[str, Callable[[BackendOptions, int, Path], Backend]] = {"transformers": _transformers,

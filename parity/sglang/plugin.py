@@ -1,7 +1,8 @@
 """parity's tap inside an SGLang server: a general plugin and the channel that steers it.
 
 SGLang loads `register()` through the `sglang.srt.plugins` entry point in every server process
-(sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder, so
+(sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder (or
+`PARITY_SGLANG_FIX` asks for parity's DeepStack slot fix, deepstack_slot.py), so
 installing parity next to a production server changes nothing. When set, it adds an AFTER hook
 on `prepare_mm_inputs`, the last eager point before the language model in both execution modes
 (§3.4), called once per LM entry (prefill, or an eagerly run decode step) in the process that
@@ -80,11 +81,12 @@ class TapEntry:
     raw_tokens: int | None  # the real tokens of the batch
     replay: bool  # BCG replay was active for this entry
     record: DeepStackRecord | None  # the tap's fingerprint; None: no DeepStack rows in this entry
+    dtype: str | None = None  # of the embeddings handed to the LM: the dtype the model really runs in
 
     def to_json(self) -> dict:
         return {"tag": self.tag, "pid": self.pid, "role": self.role, "extend": self.extend, "tokens": self.tokens,
                 "raw_tokens": self.raw_tokens, "replay": self.replay,
-                "record": None if self.record is None else self.record.to_json()}
+                "record": None if self.record is None else self.record.to_json(), "dtype": self.dtype}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> "TapEntry":
@@ -93,7 +95,7 @@ class TapEntry:
         record = raw.get("record")
         return cls(tag=str(raw["tag"]), pid=int(raw["pid"]), role=str(raw.get("role", "")), extend=raw.get("extend"),
                    tokens=raw.get("tokens"), raw_tokens=raw.get("raw_tokens"), replay=bool(raw.get("replay")),
-                   record=None if record is None else DeepStackRecord.from_json(record))
+                   record=None if record is None else DeepStackRecord.from_json(record), dtype=raw.get("dtype"))
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,12 @@ def _rows(input_ids: Any) -> int | None:
     return int(shape[0]) if shape else None
 
 
+def _dtype(embeddings: Any) -> str | None:
+    # prepare_mm_inputs returns the embeddings the LM gets (None on later pipeline ranks).
+    dtype = getattr(embeddings, "dtype", None)
+    return None if dtype is None else str(dtype)
+
+
 def _is_replay(language_model: Any) -> bool:
     # BCG shadows the LM's class forward with an instance attribute for the replay; `forward` is
     # absent from the instance dict until the first replay, hence the getattr form.
@@ -227,7 +235,7 @@ class TapHook:
         if tokens is None and tensor is not None:
             tokens = int(tensor.shape[0])
         entry = TapEntry(control.tag, os.getpid(), process_role(), _is_extend(forward_batch), tokens, raw, replay,
-                         None if record is None else replace(record, replay=replay))
+                         None if record is None else replace(record, replay=replay), _dtype(result))
         self.channel.append(entry)
         return None
 
@@ -258,10 +266,20 @@ def activate(environ: Mapping[str, str] = os.environ) -> TapHook | None:
 
 
 def register() -> None:
-    """SGLang general-plugin entry point: inert unless PARITY_SGLANG_TAP is set."""
+    """SGLang general-plugin entry point: inert unless PARITY_SGLANG_TAP or PARITY_SGLANG_FIX is set.
+
+    The tap, and the DeepStack replay slot fix when parity asks for it (parity/sglang/deepstack_slot.py).
+    """
+    from parity.sglang import deepstack_slot
+
     hook = activate()
-    if hook is None:
+    folder = os.environ.get(ENV_VAR)
+    fix = deepstack_slot.activate(os.environ, Path(folder) if folder else None)
+    if hook is None and fix is None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
+    if hook is not None:
+        HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
+    if fix is not None:
+        fix.register()
