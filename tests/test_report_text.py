@@ -183,7 +183,7 @@ def test_parity_report_and_verdict_print_any_valid_results_file(parity_cli, tmp_
     case = make_case([replace(a, text="a\ud800b \x1b[2J") for a in fixed_arms()], "id\udfff\n# x|y",
                      prompt="p\ud800", fixture=fixture_info("c"))
     path = tmp_path / "results.json"
-    write_results(make_run([case, make_case(_decisive_flip(), "b/describe")]), path)
+    write_results(make_run([case, make_case(legacy_arms(), "b/describe")]), path)
     assert "\\udfff" in path.read_text(encoding="utf-8")  # written as JSON's escape, read back as the same string
     for args in (("report", "--format", "markdown"), ("report", "--format", "table"), ("report", "--format", "json"),
                  ("verdict",), ("verdict", "--json")):
