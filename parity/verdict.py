@@ -15,6 +15,7 @@ from parity.buckets import smallest_fitting
 from parity.evidence import Evidence
 from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
+from parity.sharding import unmerged_note
 
 PASS = "PASS"
 ERROR = "ERROR"
@@ -361,6 +362,9 @@ def judge_run(run: RunResult) -> RunResult:
     verdict = overall_verdict(cases)
     if run.interrupted and verdict.code == PASS:  # what never ran cannot pass
         verdict = Verdict(INCOMPLETE, f"interrupted before the run finished ({verdict.reason})")
+    unmerged = unmerged_note(run.config)  # a merge told to go without a shard: at best INCOMPLETE
+    if unmerged and verdict.code in (PASS, INCONCLUSIVE_NO_POWER):
+        verdict = Verdict(INCOMPLETE, f"{unmerged} ({verdict.reason})")
     return replace(run, cases=cases, verdict=verdict)
 
 

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,6 +79,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--standin-deepstack-replay", action="store_true", help="the upstream fix")
     parser.add_argument("--standin-no-plugin", action="store_true",
                         help="the hook is never called (parity not installed, or apply_hooks failed)")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size",
+                        help="ranks: each runs the hook on its own copy of the LM inputs, as its own process")
+    parser.add_argument("--standin-silent-rank", type=int, default=None, help="this rank's hook never runs")
+    parser.add_argument("--standin-disagreeing-rank", type=int, default=None,
+                        help="this rank is handed other DeepStack rows than the others")
     parser.add_argument("--standin-no-deepstack-key", action="store_true",
                         help="the hook is called, but image prefills never carry input_deepstack_embeds")
     parser.add_argument("--standin-no-replay", action="store_true",
@@ -187,8 +193,37 @@ class Model:
             return
         batch = SimpleNamespace(forward_mode=ForwardMode(extend), extend_seq_lens_cpu=[raw] if extend else None)
         input_ids = SimpleNamespace(shape=(rows,))
-        # Positional, like general_mm_embed_routine's call; AFTER hooks get the result first.
-        self.hook(None, input_ids, batch, self.language_model, lm_kwargs, None, None, None, {}, None)
+        for hook, kwargs in rank_calls(self.hook, self.args, lm_kwargs):
+            # Positional, like general_mm_embed_routine's call; AFTER hooks get the result first.
+            hook(None, input_ids, batch, self.language_model, kwargs, None, None, None, {}, None)
+
+
+@dataclass(frozen=True)
+class RankChannel(plugin.TapChannel):
+    """The channel as one tensor-parallel rank's model process writes it: SGLang titles each rank's
+    process `sglang::scheduler_TP<rank>`, which is how parity tells their records apart."""
+
+    rank: int = 0
+
+    def append(self, entry: plugin.TapEntry) -> None:
+        super().append(replace(entry, role=f"sglang::scheduler_TP{self.rank}"))
+
+
+def rank_calls(hook: plugin.TapHook, args: argparse.Namespace, lm_kwargs: dict) -> list[tuple[Any, dict]]:
+    """(hook, LM inputs) per rank that runs the hook. Rank 0's inputs are the ones the "LM" uses;
+    every other rank gets its own copy, taken before any rank's tap ran, as a separate process has
+    its own tensors."""
+    if args.tp_size == 1:
+        return [(hook, lm_kwargs)]
+    calls = []
+    for rank in range(args.tp_size):
+        kwargs = lm_kwargs if rank == 0 else dict(lm_kwargs)
+        if rank and plugin.DEEPSTACK_KEY in kwargs:
+            rows = kwargs[plugin.DEEPSTACK_KEY].clone()
+            kwargs[plugin.DEEPSTACK_KEY] = rows * 2 if rank == args.standin_disagreeing_rank else rows
+        if rank != args.standin_silent_rank:  # a silent rank: parity's plugin never loaded in its process
+            calls.append((plugin.TapHook(RankChannel(hook.channel.folder, rank)), kwargs))
+    return calls
 
 
 def step_logprobs(context: list[int], image: str | None, deepstack: float) -> list[float]:

@@ -24,14 +24,16 @@ from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, UsageError
 from parity.sglang import client, deepstack_slot, launcher, plugin, server_checks
-from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
-from parity.sglang.gpus import gpu_memory, gpu_name
+from parity.sglang.evidence import (
+    EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record,
+)
+from parity.sglang.gpus import gpu_count, gpu_memory, gpu_name, visible_gpu_count
 from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.presets import PRESETS
 from parity.sglang.servers import (
-    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings,
-    buckets_given, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
+    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, buckets_given,
+    check_gpu_count, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 
 TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
@@ -109,8 +111,8 @@ class SglangSession:
 
     def _check_fired(self, request: TaggedRequest, what: str) -> None:
         try:
-            check_fired(request, self.backend.facts.deepstack_layers, what)
-        except TapSilence as silence:
+            check_fired(request, self.backend.facts.deepstack_layers, what, self.backend.server_facts.tp_size)
+        except EvidenceFault as silence:
             raise self.process.failure(str(silence)) from None
 
     def _parsed(self, parse, doc):
@@ -401,6 +403,8 @@ def create_sglang_backend(
     if launch_command is None:
         server_checks.check_requirements(device)
         server_checks.check_fix_version(fix)
+        if device != "cpu":  # a CPU server needs no GPU
+            check_gpu_count(settings.facts, settings.gpus, gpu_count(), visible_gpu_count())
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     if model in PRESETS:  # the servers load a folder: the preset, saved once into parity's cache
         from parity.models.preset_checkpoint import saved_preset

@@ -104,6 +104,7 @@ class ServerFacts:
     gpus_per_server: int  # tp x pp x dp
     context_length: int | None
     dtype: str | None
+    tp_size: int = 1  # ranks that run every request, each with its own tap (design §8)
 
     @property
     def max_bucket(self) -> int | None:
@@ -126,9 +127,11 @@ class ServerFacts:
                 raise UsageError("--sglang-arg --cuda-graph-bs-prefill needs positive token counts")
         else:
             buckets = prefill_bucket_ladder(_max_prefill_bs(args))
-        sizes = [_int_flag(args, "--tp-size", "--tensor-parallel-size"),
+        # `--tp` and `--dp` are argparse's abbreviations of --tp-size and --dp-size (SGLang 0.5.23 has no
+        # other flag they could stand for; `--pp` is ambiguous there, and SGLang refuses it).
+        sizes = [_int_flag(args, "--tp-size", "--tensor-parallel-size", "--tp"),
                  _int_flag(args, "--pp-size", "--pipeline-parallel-size"),
-                 _int_flag(args, "--dp-size", "--data-parallel-size")]
+                 _int_flag(args, "--dp-size", "--data-parallel-size", "--dp")]
         gpus = 1
         for size in sizes:
             gpus *= size if size is not None else 1
@@ -137,6 +140,7 @@ class ServerFacts:
             prefill_buckets=buckets,
             max_replay_tokens=_int_flag(args, "--cuda-graph-max-seq-len-prefill"),
             gpus_per_server=gpus,
+            tp_size=sizes[0] or 1,
             context_length=_int_flag(args, "--context-length"),
             dtype=dtype[0] if dtype else None,
         )
@@ -266,6 +270,20 @@ def plan_launch(settings: SglangSettings, modes: Sequence[str] = MODES) -> Launc
     first, *later = modes
     where = {first: Placement(gpus, share), **{m: Placement(gpus, share, share=share) for m in later}}
     return LaunchPlan(tuple((m,) for m in modes), where)
+
+
+def check_gpu_count(facts: ServerFacts, gpus: Sequence[int], present: int | None, visible: int | None) -> None:
+    """Before any launch: each server needs tp x pp x dp GPUs (`plan_launch` checks --gpus gives
+    them), and the machine must have them; `present` counts nvidia-smi's GPUs (what --gpus indexes),
+    `visible` those a server without --gpus can use. None: the machine cannot tell; not checked."""
+    need = facts.gpus_per_server
+    if gpus and present is not None and max(gpus) >= present:
+        raise UsageError(f"--gpus {','.join(map(str, gpus))}: this machine has {present} GPU(s) "
+                         f"(indexes 0 to {present - 1})")
+    if not gpus and visible is not None and visible < need:
+        raise UsageError(f"each SGLang server needs {need} GPUs (tensor x pipeline x data parallel sizes in "
+                         f"--sglang-arg) but {visible} {'is' if visible == 1 else 'are'} visible "
+                         "(CUDA_VISIBLE_DEVICES, else nvidia-smi)")
 
 
 def fraction_for_share(share: float, memory: tuple[float, float] | None) -> float:
