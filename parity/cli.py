@@ -277,7 +277,9 @@ def verdict(results_file: str, as_json: bool) -> None:
 @cli.command()
 @click.argument("results_files", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
-def report(results_files: tuple[str, ...], fmt: str) -> None:
+@click.option("--no-images", is_flag=True,
+              help="Markdown: name the plots instead of linking them (a PR comment or CI summary cannot show them).")
+def report(results_files: tuple[str, ...], fmt: str, no_images: bool) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table.
 
     Several files: one matrix report over their experiments (the shards of each are merged)."""
@@ -300,7 +302,7 @@ def report(results_files: tuple[str, ...], fmt: str) -> None:
     if fmt == "table":
         print_table(run_result, _console())
     else:
-        click.echo(render_markdown(run_result) if fmt == "markdown" else render_json(run_result))
+        click.echo(render_markdown(run_result, images=not no_images) if fmt == "markdown" else render_json(run_result))
 
 
 @cli.command()

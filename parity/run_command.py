@@ -147,12 +147,13 @@ class RunStopped(Exception):
 def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
     """Run, show the verdict, then write the run folder: results.json, report.md and JUnit first,
     plots last. Ctrl-C or SIGTERM raises `RunStopped` after writing what finished."""
+    existed = output.run_dir.exists()
     try:
         result = _run(spec, backend, output, console)
     except RunInterrupted as stop:
-        raise _kept(stop, output, console) from None
+        raise _kept(stop, output, console, existed) from None
     except KeyboardInterrupt as stop:  # before the plan was made: the model loading, a server starting
-        raise RunStopped(signal_of(stop), "interrupted: nothing had finished; nothing written") from None
+        raise RunStopped(signal_of(stop), _nothing_finished(output, existed)) from None
     print_table(result, console)  # the verdict is shown before any write that can fail
     with deferred_stops(reraise=False) as noted:
         _write_files(result, output, console)
@@ -177,11 +178,12 @@ def _run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console:
                               warn=lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
 
 
-def _kept(stop: RunInterrupted, output: OutputOptions, console: Console) -> RunStopped:
+def _kept(stop: RunInterrupted, output: OutputOptions, console: Console, existed: bool) -> RunStopped:
     """Write what finished, shielded from a second signal, and say what was kept."""
     if stop.finished_arms == 0:
-        return RunStopped(stop.signum, "interrupted: nothing had finished; nothing written")
-    print_table(stop.result, console)
+        return RunStopped(stop.signum, _nothing_finished(output, existed))
+    # The cases that ran something, and the overall verdict: not a page of "not run" per case.
+    print_table(dataclasses.replace(stop.result, cases=tuple(c for c in stop.result.cases if c.all_arms())), console)
     with deferred_stops(reraise=False):
         _write_files(stop.result, output, console)
     if not stop.result.interrupted:
@@ -190,6 +192,13 @@ def _kept(stop: RunInterrupted, output: OutputOptions, console: Console) -> RunS
     return RunStopped(stop.signum, f"interrupted: every process parity started was stopped; the "
                                    f"{stop.finished_arms} arm(s) that finished are in {output.run_dir}, "
                                    "marked interrupted")
+
+
+def _nothing_finished(output: OutputOptions, existed: bool) -> str:
+    if existed or not output.run_dir.exists():
+        return "interrupted: nothing had finished; nothing written"
+    # A server backend logs into the run folder from its start.
+    return f"interrupted: nothing had finished; no results written ({output.run_dir} holds only the servers' logs)"
 
 
 def _write_files(result: RunResult, output: OutputOptions, console: Console) -> None:

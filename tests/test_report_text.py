@@ -155,11 +155,16 @@ def test_no_clear_in_four_arm_says_which_scenario_reaches_the_bug(runner, scenar
         assert sum(note in line for line in text.splitlines()) == 1
 
 
-def test_the_step_summary_version_links_no_image():
+def test_the_step_summary_version_links_no_image(parity_cli, tmp_path):
+    from parity.results import write_results
+
     run = make_run([replace(make_case(fixed_arms()), plot="rgb-stripes__describe.png")])
     assert "](rgb-stripes__describe.png)" in render_markdown(run)
     summary = render_markdown(run, images=False)
     assert "](" not in summary and "`rgb-stripes__describe.png` in the run folder" in summary
+    write_results(run, tmp_path / "results.json")
+    assert "](" in parity_cli("report", str(tmp_path / "results.json")).output
+    assert "](" not in parity_cli("report", str(tmp_path / "results.json"), "--no-images").output
 
 
 def test_a_lone_surrogate_is_printed_not_a_crash():

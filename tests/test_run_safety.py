@@ -115,6 +115,18 @@ def test_interrupt_before_anything_finished_writes_nothing(parity_cli, tmp_path,
     assert doc is None and not out.exists() and not junit.exists()
 
 
+def test_interrupt_while_a_server_starts_says_only_its_logs_were_written(parity_cli, monkeypatch):
+    def server_logs_then_ctrl_c(options, max_new_tokens, run_dir):
+        run_dir.mkdir(parents=True)
+        (run_dir / "eager.log").write_text("starting\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(parity.run_command, "create_backend", server_logs_then_ctrl_c)
+    result, doc, out = parity_cli.run(*FAST)
+    assert result.exit_code == 130 and doc is None and [p.name for p in out.iterdir()] == ["eager.log"]
+    assert "nothing had finished; no results written" in result.output and "only the servers' logs" in result.output
+
+
 @pytest.mark.parametrize("target, option", [("results.json", "--out"), ("report.md", "--out"),
                                             ("junit.xml", "--junit")])
 def test_a_full_disk_is_one_error_line_after_the_verdict(parity_cli, tmp_path, monkeypatch, target, option):

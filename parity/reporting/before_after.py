@@ -19,6 +19,7 @@ from rich.text import Text
 from parity.results import CaseResult, Comparison, RunResult, Verdict
 from parity.metrics import tuple_text
 from parity.reporting.report import check_label
+from parity.reporting.text import visible
 from parity.verdict import ERROR, PASS, Check, Group, checks_for, judge_run
 
 # Config keys whose difference changes what the comparisons mean. logprob_tol changes `match`;
@@ -137,8 +138,8 @@ def _code(verdict: Verdict | None) -> str:
 
 
 def _md_escape(text: str) -> str:
-    # A pipe would end the table cell; a newline would end the row.
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    # A pipe would end the table cell; a newline (shown as `\n` by visible) would end the row.
+    return visible(text).replace("\\", "\\\\").replace("|", "\\|")
 
 
 def render_markdown(ba: BeforeAfter) -> str:
@@ -171,16 +172,16 @@ def render_table(ba: BeforeAfter, console: Console) -> None:
         table.add_column(name)
     for r in ba.rows:
         # Text, not str: rich would read brackets in a case id as markup.
-        table.add_row(Text(r.case_id), r.label, _expected(r.expect_match),
+        table.add_row(Text(visible(r.case_id)), r.label, _expected(r.expect_match),
                       _styled(r.before, r.expect_match, ba.before_tol), _styled(r.after, r.expect_match, ba.after_tol))
     console.print(table)
     console.print(Text.assemble("before: ", _verdict_text(ba.before_verdict), " → after: ",
                                 _verdict_text(ba.after_verdict)))
     if len(ba.cases) > 1:
         for c in ba.cases:
-            console.print(Text(f"  {c.case_id}: {_code(c.before)} → {_code(c.after)}"))
+            console.print(Text(visible(f"  {c.case_id}: {_code(c.before)} → {_code(c.after)}")))
     for note in ba.notes:
-        console.print(Text(f"WARNING: {note}", style="bold yellow"))
+        console.print(Text(visible(f"WARNING: {note}"), style="bold yellow"))
 
 
 def _styled(comparison: Comparison | None, expect_match: bool, tol: float) -> Text:

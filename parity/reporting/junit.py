@@ -25,7 +25,7 @@ from typing import Sequence
 
 from parity.results import CaseResult, RunResult, Verdict, write_atomically
 from parity.metrics import tuple_text
-from parity.reporting.report import arms_with_labels, check_label, evidence_text, rows
+from parity.reporting.report import arm_evidence_text, arms_with_labels, check_label, rows
 from parity.verdict import ERROR, PASS, judge_run
 
 SUITE_PREFIX = "parity"
@@ -161,5 +161,5 @@ def _case_log(case: CaseResult, tol: float) -> str:
         lines.append(f"{label} {tuple_text(comparison, tol)} match={comparison.match} "
                      f"expected {expected} [{'ok' if ok else 'UNEXPECTED'}] ({check.meaning})")
     for label, arm in arms_with_labels(case):
-        lines.append(f"arm {label} failed: {arm.error}" if arm.failed else f"arm {label}: {evidence_text(arm.evidence)}")
+        lines.append(f"arm {label} failed: {arm.error}" if arm.failed else f"arm {label}: {arm_evidence_text(arm)}")
     return "\n".join(lines) + "\n"

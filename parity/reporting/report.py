@@ -114,7 +114,7 @@ def _md_header(run: RunResult) -> str:
                                              f"teacher-forced delta is within it too")
     return (
         f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{md_text(run.verdict.reason)}\n\n{notes}"
-        f"Model {md_code(str(run.config.get('model')))} · backend `{run.config.get('backend')}` · "
+        f"Model {md_code(str(run.config.get('model')))} · backend {md_code(str(run.config.get('backend')))} · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
         f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}\n"
     )
