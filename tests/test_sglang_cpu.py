@@ -354,17 +354,6 @@ def test_a_fix_that_refuses_to_install_in_the_server_is_an_error(tmp_path: Path,
     assert_nothing_left(tmp_path)
 
 
-def test_a_cpu_run_against_the_standin_records_its_device_and_servers(tmp_path: Path, tiny_parts) -> None:
-    # The stand-in's tokenizer is not the model's (one token per byte): give it buckets that fit.
-    result = run(make_backend(tmp_path, tiny_parts, concurrent=False, device="cpu",
-                              sglang_args=("--cuda-graph-max-bs-prefill", "256")))
-    assert result.verdict.code == "FAIL_DEEPSTACK_DROPPED", result.verdict.reason
-    config = result.config
-    assert (config["sglang_device"], config["sglang_graph_backend"]) == ("cpu", "emulated")
-    assert "torch_native" in config["sglang_servers"]["bcg"] and result.environment["gpu"] is None
-    assert_nothing_left(tmp_path)
-
-
 def test_another_launch_command_through_the_variable_skips_the_sglang_checks(parity_cli, tmp_path: Path, tiny) -> None:
     # No SGLang needed: the variable names the stand-in server, the preset is served from its folder.
     from tests.test_sglang_launcher import STANDIN
@@ -377,7 +366,10 @@ def test_another_launch_command_through_the_variable_skips_the_sglang_checks(par
     assert result.exit_code == 0, result.output[-2000:]
     doc = json.loads((tmp_path / "run" / "results.json").read_text())
     assert doc["verdict"]["code"] == "PASS" and doc["config"]["model"] == "tiny-qwen3-vl"
+    assert (doc["config"]["sglang_device"], doc["config"]["sglang_graph_backend"]) == ("cpu", "emulated")
+    assert doc["environment"]["gpu"] is None
     served = doc["config"]["sglang_servers"]["bcg"]
     assert served[served.index("--model-path") + 1].startswith(str(tmp_path / "cache" / "checkpoints"))
     assert "--dtype" in served and served[served.index("--dtype") + 1] == "float32"  # explicit on a CPU
+    assert "torch_native" in served and "--enable-deterministic-inference" not in served
     assert_nothing_left(tmp_path / "run")
