@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from parity.sglang import plugin
-from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
+from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
 from parity.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapChannelError, TapEntry, TapHook
 from parity.tap import fingerprint
 

@@ -22,10 +22,11 @@ from typing import Any, Iterator, Mapping, Sequence
 from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
-from parity.sglang import client, launcher, plugin
-from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
-from parity.sglang.gpus import cuda_present, gpu_memory, gpu_name
-from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
+from parity.serving import launcher
+from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
+from parity.serving.gpus import cuda_present, gpu_memory, gpu_name
+from parity.serving.prompts import ChatPrompts, CheckpointFacts, ImageFiles
+from parity.sglang import client, plugin
 from parity.sglang.servers import (
     DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, fraction_for_share,
     mode_flags, plan_launch, server_env, server_flags, split_user_args,

@@ -1,6 +1,6 @@
 """The client side of a request: the checkpoint's chat template and config, and the images as files.
 
-parity never loads the weights for the SGLang backend (the servers do); it reads the checkpoint's
+parity never loads the weights for a server backend (the servers do); it reads the checkpoint's
 processor (chat template, image placeholder) and config (dtype, DeepStack blocks, context), through
 the same loader and checks as the transformers backend (`parity.models.checkpoint`).
 """
@@ -31,7 +31,7 @@ class CheckpointFacts:
         indexes = getattr(vision, "deepstack_visual_indexes", None)
         if indexes is None:
             raise UsageError("the checkpoint's config has no vision_config.deepstack_visual_indexes: "
-                             "the sglang backend checks Qwen3-VL checkpoints")
+                             "the server backends check Qwen3-VL checkpoints")
         text = getattr(config, "text_config", config)
         dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
         return cls(dtype=str(dtype).removeprefix("torch."), deepstack_layers=len(indexes),

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from parity.evidence import DeepStackRecord, Evidence
-from parity.sglang.plugin import TapEntry
+from parity.serving.channel import TapEntry
 
 
 @dataclass(frozen=True)
