@@ -103,7 +103,7 @@ def cli() -> None:
 @click.option("--model", default="tiny-qwen3-vl", show_default=True,
               help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
 @click.option("--seed", type=int, default=None, help="Build the embedded preset from this seed instead of its own.")
-@click.option("--backend", type=click.Choice(["transformers", "sglang"]), default="transformers", show_default=True)
+@click.option("--backend", type=click.Choice(["transformers", "sglang", "vllm"]), default="transformers", show_default=True)
 @click.option("--arms", "arm_selection", default="all", show_default=True, help="`all` or a comma list of arm names.")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
 @click.option("--image", "images", multiple=True, help="A user image file, used as a fixture (repeatable).")
@@ -123,7 +123,8 @@ def cli() -> None:
               help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
 @click.option("--buckets", default="auto", show_default=True, callback=_int_list,
-              help="Prefill token buckets: auto (SGLang's ladder, covering every prompt) or a comma list.")
+              help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
+                   "(vllm backend: the capture sizes).")
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
               help="reuse: image then text request; stream: five requests back to back; all: the three.")
 @click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
@@ -134,15 +135,20 @@ def cli() -> None:
 @click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
+@click.option("--vllm-arg", "vllm_args", multiple=True,
+              help="Extra `vllm serve` flag for both servers (repeatable, vllm backend); flags parity sets are refused.")
+@click.option("--graph-mode", type=click.Choice(["full_and_piecewise", "full", "piecewise", "breakable"]),
+              default="full_and_piecewise", show_default=True,
+              help="vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE).")
 @click.option("--concurrent", is_flag=True,
-              help="Keep both SGLang servers up: started at once when --gpus gives each its own GPUs, else one "
+              help="Keep both servers (sglang, vllm) up: started at once when --gpus gives each its own GPUs, else one "
                    "after the other on the shared GPU.")
 @click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
 @click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=_positive,
-              help="Seconds to wait for an SGLang server's /ready.")
+              help="Seconds to wait for a server to be ready (SGLang /ready, vLLM /health).")
 @click.option("--mem-fraction", type=float, default=0.70, show_default=True,
-              help="SGLang --mem-fraction-static per GPU; with --concurrent on a shared GPU each server gets "
-                   "half of it of the GPU's total.")
+              help="SGLang --mem-fraction-static / vLLM --gpu-memory-utilization per GPU; with --concurrent on a "
+                   "shared GPU each server gets half of it of the GPU's total.")
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""
     # Heavy imports (torch, transformers) only when running.
@@ -168,7 +174,8 @@ def run(**options) -> None:
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
-        sglang_args=tuple(o["sglang_args"]), concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
+        sglang_args=tuple(o["sglang_args"]), vllm_args=tuple(o["vllm_args"]), graph_mode=o["graph_mode"],
+        concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
         ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"],
     )
     console = _console()

@@ -50,6 +50,29 @@ class DeepStackRecord:
 
 
 @dataclass(frozen=True)
+class LeakWitness:
+    """DeepStack rows an arm's requests read that an earlier request left in the engine's buffer.
+
+    Seen in the model process: rows of an LM entry's real tokens that this entry did not write
+    but that held DeepStack features when it ran (vLLM never clears its persistent DeepStack
+    buffer after a step it replays whole). A correct engine never shows one.
+    """
+
+    rows: int  # the most such rows one LM entry read
+    steps: int  # how many LM entries read such rows
+    source_sha256: str | None = None  # the image (fixture sha256) whose request left them; None: unknown
+
+    def merged(self, other: "LeakWitness | None") -> "LeakWitness":
+        if other is None:
+            return self
+        return LeakWitness(max(self.rows, other.rows), self.steps + other.steps,
+                           self.source_sha256 or other.source_sha256)
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "steps": self.steps, "source_sha256": self.source_sha256}
+
+
+@dataclass(frozen=True)
 class Evidence:
     """How an arm's requests were executed, counted by the backend as they ran (design §4)."""
 
@@ -61,6 +84,7 @@ class Evidence:
     tap_calls: int  # LM entries where the tap saw DeepStack rows
     prompt_tokens: int | None = None  # of the request, for the verdict's reason
     max_bucket: int | None = None  # the largest bucket the path under test could replay in
+    leak: LeakWitness | None = None  # stale DeepStack rows read (engines that can tell); None: none seen
 
     def merged(self, other: "Evidence") -> "Evidence":
         """One arm's evidence over several runs of it (`--repeat`): every prefill must have replayed."""
@@ -78,6 +102,7 @@ class Evidence:
             tap_calls=self.tap_calls + other.tap_calls,
             prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else other.prompt_tokens,
             max_bucket=self.max_bucket if self.max_bucket is not None else other.max_bucket,
+            leak=other.leak if self.leak is None else self.leak.merged(other.leak),
         )
 
     def inconsistency(self) -> str | None:
@@ -94,6 +119,8 @@ class Evidence:
             return "buckets must be listed exactly when some LM entry was replayed"
         if any(b <= 0 for b in self.buckets):
             return "bucket sizes must be > 0"
+        if self.leak is not None and (self.leak.rows <= 0 or self.leak.steps <= 0 or self.leak.steps > self.lm_calls):
+            return "a leak witness needs rows > 0 and 1..lm_calls steps"
         return None
 
     def to_json(self) -> dict:
@@ -101,4 +128,4 @@ class Evidence:
             "lm_calls": self.lm_calls, "replayed_calls": self.replayed_calls,
             "prefill_replayed": self.prefill_replayed, "buckets": list(self.buckets),
             "tap_calls": self.tap_calls, "prompt_tokens": self.prompt_tokens, "max_bucket": self.max_bucket,
-        }
+        } | ({} if self.leak is None else {"leak": self.leak.to_json()})

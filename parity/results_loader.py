@@ -16,7 +16,7 @@ from typing import Any
 
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
-from parity.evidence import DeepStackRecord, Evidence
+from parity.evidence import DeepStackRecord, Evidence, LeakWitness
 from parity.results import (
     FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_SCENARIOS, ArmResult, CaseResult, FixtureInfo, LayerError,
     Localization, Repeat, RequestResult, RunResult, TopLogprobs,
@@ -111,11 +111,21 @@ def _evidence(raw: Any, where: str) -> Evidence:
         tap_calls=_int(_get(raw, "tap_calls", int, where), f"{where}.tap_calls", 0),
         prompt_tokens=_get(raw, "prompt_tokens", int, where, optional=True),
         max_bucket=_get(raw, "max_bucket", int, where, optional=True),
+        leak=_leak(raw.get("leak"), f"{where}.leak"),
     )
     problem = evidence.inconsistency()
     if problem:
         raise _Invalid(f"{where} is inconsistent: {problem}")
     return evidence
+
+
+def _leak(raw: Any, where: str) -> LeakWitness | None:
+    # Optional: only engines with a leak witness (vLLM) write it, and only when it fired.
+    if raw is None:
+        return None
+    source = _get(raw, "source_sha256", str, where, optional=True)
+    return LeakWitness(_int(_get(raw, "rows", int, where), f"{where}.rows", 1),
+                       _int(_get(raw, "steps", int, where), f"{where}.steps", 1), source)
 
 
 def _forced(raw: Any, where: str) -> dict[str, tuple[float, ...]]:

@@ -31,6 +31,10 @@ class BackendOptions:
     buckets: str | tuple[int, ...] = "auto"
     # sglang
     sglang_args: tuple[str, ...] = ()
+    # vllm
+    vllm_args: tuple[str, ...] = ()
+    graph_mode: str = "full_and_piecewise"
+    # the server backends (sglang, vllm)
     concurrent: bool = False
     gpus: tuple[int, ...] = ()
     ready_timeout: float = 1800.0
@@ -65,15 +69,21 @@ def _transformers(options: BackendOptions, max_new_tokens: int, run_dir: Path) -
         raise UsageError(str(err)) from None
 
 
-def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
+def _served_checkpoint(options: BackendOptions) -> None:
+    """A server backend serves a checkpoint: refuse what only an embedded preset can be."""
     from parity.presets import PRESETS
-    from parity.sglang.backend import create_sglang_backend
 
     if options.model in PRESETS:
         raise UsageError(f"{options.model!r} is an embedded preset, built in parity's process: it runs on the "
-                         "transformers backend; give --backend sglang a Qwen3-VL checkpoint id or path")
+                         f"transformers backend; give --backend {options.name} a Qwen3-VL checkpoint id or path")
     if options.seed is not None:
-        raise UsageError("--seed builds an embedded preset; the sglang backend serves checkpoints")
+        raise UsageError(f"--seed builds an embedded preset; the {options.name} backend serves checkpoints")
+
+
+def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
+    from parity.sglang.backend import create_sglang_backend
+
+    _served_checkpoint(options)
     sglang_args = options.sglang_args
     if options.dtype != "auto":
         sglang_args = (*sglang_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
@@ -82,11 +92,26 @@ def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Back
                                  ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction)
 
 
+def _vllm(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
+    from parity.vllm.backend import create_vllm_backend
+
+    _served_checkpoint(options)
+    vllm_args = options.vllm_args
+    if options.dtype != "auto":
+        vllm_args = (*vllm_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
+    return create_vllm_backend(model=options.model, max_new_tokens=max_new_tokens, run_dir=run_dir,
+                               vllm_args=vllm_args, graph_mode_name=options.graph_mode, buckets=options.buckets,
+                               concurrent=options.concurrent, gpus=options.gpus,
+                               ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction)
+
+
 BACKENDS: dict[str, Callable[[BackendOptions, int, Path], Backend]] = {"transformers": _transformers,
-                                                                      "sglang": _sglang}
+                                                                      "sglang": _sglang, "vllm": _vllm}
 
 
 def create_backend(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     if options.name not in BACKENDS:
         raise UsageError(f"unknown backend {options.name!r}; known backends: {', '.join(BACKENDS)}")
+    if options.name != "vllm" and (options.vllm_args or options.graph_mode != BackendOptions.graph_mode):
+        raise UsageError("--graph-mode and --vllm-arg choose the vllm backend's servers; add --backend vllm")
     return BACKENDS[options.name](options, max_new_tokens, run_dir)

@@ -48,22 +48,38 @@ class TapEntry:
     extend: bool | None  # an extend (prompt) batch; None: the batch did not say
     tokens: int | None  # rows the LM gets: the bucket under replay, the real tokens otherwise
     raw_tokens: int | None  # the real tokens of the batch
-    replay: bool  # BCG replay was active for this entry
+    replay: bool | None  # the entry ran by graph replay; None: the engine's decision was not seen
     record: DeepStackRecord | None  # the tap's fingerprint; None: no DeepStack rows in this entry
+    # Engines that say more (vLLM): the engine's own name for how the entry ran ("FULL",
+    # "PIECEWISE", "BREAKABLE", "NONE"), the engine's ids of the batch's requests, and the leak
+    # witness: real rows of this entry that read DeepStack an earlier entry left in a persistent
+    # buffer, which entry's request (tag) wrote them, and the rows the engine still counted as
+    # uncleared when the entry began.
+    mode: str | None = None
+    requests: tuple[str, ...] = ()
+    stale_rows: int = 0
+    stale_source: str | None = None
+    uncleared: int = 0
 
     def to_json(self) -> dict:
         return {"tag": self.tag, "pid": self.pid, "role": self.role, "extend": self.extend, "tokens": self.tokens,
                 "raw_tokens": self.raw_tokens, "replay": self.replay,
-                "record": None if self.record is None else self.record.to_json()}
+                "record": None if self.record is None else self.record.to_json(),
+                "mode": self.mode, "requests": list(self.requests), "stale_rows": self.stale_rows,
+                "stale_source": self.stale_source, "uncleared": self.uncleared}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> "TapEntry":
         from parity.evidence import DeepStackRecord
 
-        record = raw.get("record")
+        record, replay = raw.get("record"), raw.get("replay")
         return cls(tag=str(raw["tag"]), pid=int(raw["pid"]), role=str(raw.get("role", "")), extend=raw.get("extend"),
-                   tokens=raw.get("tokens"), raw_tokens=raw.get("raw_tokens"), replay=bool(raw.get("replay")),
-                   record=None if record is None else DeepStackRecord.from_json(record))
+                   tokens=raw.get("tokens"), raw_tokens=raw.get("raw_tokens"),
+                   replay=None if replay is None else bool(replay),
+                   record=None if record is None else DeepStackRecord.from_json(record),
+                   mode=raw.get("mode"), requests=tuple(str(r) for r in raw.get("requests", ())),
+                   stale_rows=int(raw.get("stale_rows", 0)), stale_source=raw.get("stale_source"),
+                   uncleared=int(raw.get("uncleared", 0)))
 
 
 @dataclass(frozen=True)

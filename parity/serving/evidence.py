@@ -9,9 +9,9 @@ each another prefill under the same mode and tap, so all of them are its evidenc
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from parity.evidence import DeepStackRecord, Evidence
+from parity.evidence import DeepStackRecord, Evidence, LeakWitness
 from parity.serving.channel import TapEntry
 
 
@@ -45,28 +45,42 @@ def check_fired(request: TaggedRequest, deepstack_layers: int, what: str) -> Non
                          "server's model process")
     if request.has_image and deepstack_layers > 0 and not any(e.record for e in request.prefills):
         raise TapSilence(f"the tap never fired on the prefill of the {what}: the hook saw its LM entries but no "
-                         f"input_deepstack_embeds rows, so DeepStack was neither recorded nor zeroed")
+                         "DeepStack rows, so DeepStack was neither recorded nor zeroed")
 
 
-def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None) -> Evidence:
-    """The arm's evidence over all its requests: generation first, then teacher-forced scoring."""
+def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
+                 sources: Mapping[str, str | None] | None = None) -> Evidence:
+    """The arm's evidence over all its requests: generation first, then teacher-forced scoring.
+
+    `sources` maps the tag of a request parity sent to the sha256 of its image, to name the
+    request whose DeepStack rows a leak witness saw."""
     entries = [e for r in requests for e in r.first_rank]
     prefills = [e for r in requests for e in r.prefills]
-    if not prefills or any(e.extend is None for e in prefills):
-        replayed: bool | None = None  # the batches did not say which of them carried the prompt
+    if not prefills or any(e.extend is None or e.replay is None for e in prefills):
+        replayed: bool | None = None  # the batches did not say which carried the prompt, or how it ran
     else:
         replayed = all(e.replay for e in prefills)
     # For the verdict's hint: the longest request whose prefill did not replay, else the generation.
     eager = [r.prompt_tokens for r in requests if any(not e.replay for e in r.prefills)]
     return Evidence(
         lm_calls=len(entries),
-        replayed_calls=sum(e.replay for e in entries),
+        replayed_calls=sum(bool(e.replay) for e in entries),
         prefill_replayed=replayed,
         buckets=tuple(sorted({e.tokens for e in entries if e.replay and e.tokens})),
         tap_calls=sum(e.record is not None for e in entries),
         prompt_tokens=max(eager) if eager else (requests[0].prompt_tokens if requests else None),
         max_bucket=max_bucket,
+        leak=leak_witness(entries, sources or {}),
     )
+
+
+def leak_witness(entries: Sequence[TapEntry], sources: Mapping[str, str | None]) -> LeakWitness | None:
+    """What the entries' leak witness saw (stale DeepStack rows read), or None when it never fired."""
+    stale = [e for e in entries if e.stale_rows > 0]
+    if not stale:
+        return None
+    source = next((sources.get(e.stale_source) for e in stale if e.stale_source in sources), None)
+    return LeakWitness(rows=max(e.stale_rows for e in stale), steps=len(stale), source_sha256=source)
 
 
 def request_record(request: TaggedRequest) -> DeepStackRecord | None:

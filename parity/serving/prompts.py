@@ -61,6 +61,10 @@ class ChatPrompts:
             raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
         return len(encoded["input_ids"][0])
 
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids as the text a chat message carries them in (special tokens kept)."""
+        return self._processor.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=False)
+
     def unexpanded(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
         """Expanded prompt ids (as the server returns them) with each run of image tokens folded
         back into the one placeholder a prompt carries, so the server expands it again the same way."""
