@@ -13,7 +13,7 @@
 # requirements the wheel's METADATA lists, less torch/torchvision/torchaudio and the GPU-only
 # kernel packages (flashinfer, tilelang, cutlass, nvidia-*, ...), all under a constraint that keeps
 # torch at 2.14.1. `pip check` therefore reports the torch pins and the GPU packages as missing;
-# that is expected. About 10 minutes and ~7 GB. The venv lives outside the repository; remove it
+# that is expected. About 7 minutes and 7.3 GB (measured on a 2-core machine). The venv lives outside the repository; remove it
 # with `rm -rf VENV`. It never touches any other environment.
 set -euo pipefail
 
@@ -68,10 +68,11 @@ with open(sys.argv[1], "w") as out:
     out.writelines(f"{str(r).split(';')[0].strip()}\n" for r in keep)
 print(f"  {len(keep)} requirements; left out: {', '.join(sorted(r.name for r in skipped))}")
 PY
-"${PIP[@]}" -c "$constraints" -r "$requirements"
+# --no-warn-conflicts: the missing pins and GPU packages above are left out on purpose.
+"${PIP[@]}" --no-warn-conflicts -c "$constraints" -r "$requirements"
 
 echo "[4/4] parity (editable, with its test extra) from $REPO"
-"${PIP[@]}" -c "$constraints" -e "$REPO[test]"
+"${PIP[@]}" --no-warn-conflicts -c "$constraints" -e "$REPO[test]"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
 from importlib.metadata import entry_points, version
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
