@@ -51,7 +51,8 @@ def test_the_servers_differ_only_in_the_cudagraph_mode(tmp_path: Path, graph_mod
     for needed in ("--no-enable-prefix-caching", "--seed", "--generation-config", "--cudagraph-capture-sizes"):
         assert needed in graph
     assert graph[graph.index("--generation-config") + 1] == "vllm"
-    assert graph[-2:] == ("--max-model-len", "4096") and s.facts.max_model_len == 4096  # the user's, last
+    assert graph[-2:] == ("--max-model-len", "4096") and graph.count("--max-model-len") == 1  # the user's
+    assert s.facts.max_model_len == 4096
     env = servers.server_env(s, TapChannel(tmp_path), servers.plan_launch(s).placements["bcg"])
     assert env[servers.BREAKABLE_ENV] == breakable and env[plugin.ENV_VAR] == str(tmp_path.resolve())
 
@@ -81,6 +82,11 @@ def test_user_flags_are_split_and_read_as_vllm_reads_them() -> None:
                                     "--limit-mm-per-prompt", '{"image": 2}', "--otlp-traces-endpoint", "-1"])
     facts = servers.ServerFacts.parse(args)
     assert (facts.gpus_per_server, facts.max_batched_tokens, facts.max_model_len) == (4, 16384, 8192)
+    counts = servers.ServerFacts.parse(servers.split_vllm_args(["--max-model-len 32k --max-num-batched-tokens=2K"]))
+    assert (counts.max_model_len, counts.max_batched_tokens) == (32000, 2048)
+    assert servers.ServerFacts.parse(servers.split_vllm_args(["--max-model-len auto"])).max_model_len is None
+    with pytest.raises(UsageError, match="--max-model-len needs one count"):
+        servers.ServerFacts.parse(servers.split_vllm_args(["--max-model-len lots"]))
     with pytest.raises(UsageError, match="-tp needs one integer"):
         servers.ServerFacts.parse(servers.split_vllm_args(["-tp two"]))
     with pytest.raises(UsageError, match="each vLLM server needs 4 GPUs .*--vllm-arg"):

@@ -160,7 +160,7 @@ class VllmBackend:
 
     @property
     def max_positions(self) -> int | None:
-        return self.server_facts.max_model_len
+        return self.server_facts.max_model_len or self.facts.max_positions
 
     @property
     def max_bucket(self) -> int | None:

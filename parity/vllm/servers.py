@@ -102,14 +102,37 @@ def _owned(token: str) -> str | None:
     return None
 
 
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _token_count(args: Sequence[str], name: str, auto: bool = False) -> int | None:
+    """A count flag as vLLM reads it: 8192, 32k (decimal), 32K (binary); `auto` or -1 where vLLM
+    takes the model's own (None here). Not given: None."""
+    values = flag_values(args, name)
+    if values is None:
+        return None
+    text = values[0] if len(values) == 1 else ""
+    if auto and text in ("auto", "-1"):
+        return None
+    try:
+        if text[-1:] in _SUFFIXES:
+            number = float(text[:-1]) if text[-1].islower() else int(text[:-1])
+            return int(number * _SUFFIXES[text[-1]])
+        return int(text)
+    except ValueError:
+        raise UsageError(f"{ARG_OPTION} {name} needs one count (e.g. 8192, 32k), got {' '.join(values) or 'nothing'}") \
+            from None
+
+
 @dataclass(frozen=True)
 class ServerFacts:
     """What the user's `--vllm-arg`s decide for parity, resolved as vLLM 0.33 does."""
 
     gpus_per_server: int  # tensor x pipeline x data parallel sizes
-    max_model_len: int
+    max_model_len: int | None  # None: the model's own context (--max-model-len auto)
     max_batched_tokens: int | None  # None: parity sets it to cover the capture sizes
     dtype: str | None
+    max_model_len_given: bool = False  # the user set --max-model-len (else parity sets its default)
 
     @classmethod
     def parse(cls, args: Sequence[str]) -> "ServerFacts":
@@ -118,13 +141,14 @@ class ServerFacts:
                       ("-dp", "--data-parallel-size")):
             size = int_flag(args, ARG_OPTION, *names)
             gpus *= size if size is not None else 1
-        max_len = int_flag(args, ARG_OPTION, "--max-model-len")
+        given = flag_values(args, "--max-model-len") is not None
+        max_len = _token_count(args, "--max-model-len", auto=True)
         dtype = flag_values(args, "--dtype")
         facts = cls(gpus_per_server=gpus,
-                    max_model_len=max_len if max_len is not None else DEFAULT_MAX_MODEL_LEN,
-                    max_batched_tokens=int_flag(args, ARG_OPTION, "--max-num-batched-tokens"),
-                    dtype=dtype[0] if dtype else None)
-        if min(facts.gpus_per_server, facts.max_model_len, facts.max_batched_tokens or 1) <= 0:
+                    max_model_len=max_len if given else DEFAULT_MAX_MODEL_LEN,
+                    max_batched_tokens=_token_count(args, "--max-num-batched-tokens"),
+                    dtype=dtype[0] if dtype else None, max_model_len_given=given)
+        if min(facts.gpus_per_server, facts.max_model_len or 1, facts.max_batched_tokens or 1) <= 0:
             raise UsageError(f"{ARG_OPTION}: parallel sizes, --max-model-len and --max-num-batched-tokens must be > 0")
         return facts
 
@@ -216,8 +240,9 @@ def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: 
     facts = settings.facts
     batched = () if facts.max_batched_tokens is not None else (
         "--max-num-batched-tokens", str(max(DEFAULT_MAX_BATCHED_TOKENS, max(sizes, default=0))))
+    context = () if facts.max_model_len_given else ("--max-model-len", str(DEFAULT_MAX_MODEL_LEN))
     return (settings.model, *DETERMINISM_FLAGS, "--gpu-memory-utilization", f"{mem_fraction:.4g}",
-            "--max-model-len", str(facts.max_model_len), *batched, *DEFAULT_FLAGS,
+            *context, *batched, *DEFAULT_FLAGS,
             f"-cc.cudagraph_mode={mode_cudagraph(settings, mode)}",
             "--cudagraph-capture-sizes", *map(str, sizes), *settings.vllm_args)
 
