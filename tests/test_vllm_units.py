@@ -302,6 +302,10 @@ def test_a_sequence_whose_leak_witness_fired_never_passes_even_with_equal_answer
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["cases"][0]["requests"][3]["arms"]["bcg_normal"]["evidence"]["leak"]["rows"] == 12
     assert "leak" not in doc["cases"][0]["requests"][0]["arms"]["bcg_normal"]["evidence"]
+    from parity.reporting.report import render_markdown
+
+    report = render_markdown(run)
+    assert "received 12 DeepStack row(s)" in report and "LEAK WITNESS: 12 stale DeepStack row(s) read in 2" in report
 
 
 def test_a_leak_witness_that_contradicts_its_counts_is_refused(tmp_path: Path) -> None:

@@ -56,8 +56,10 @@ def evidence_text(evidence: Evidence | None) -> str:
     replayed = {True: "yes", False: "NO", None: "unknown"}[evidence.prefill_replayed]
     buckets = ", ".join(map(str, evidence.buckets)) or "—"
     tokens = "?" if evidence.prompt_tokens is None else evidence.prompt_tokens
+    leak = evidence.leak
+    stale = "" if leak is None else f" · LEAK WITNESS: {leak.rows} stale DeepStack row(s) read in {leak.steps} step(s)"
     return (f"prefill replayed: {replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens")
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{stale}")
 
 
 def fenced(text: str, info: str = "text") -> str:
