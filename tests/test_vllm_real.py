@@ -147,6 +147,30 @@ def test_capture_sizes_resolve_as_parity_plans_and_vllms_default_is_the_trap() -
     assert resolve(list(servers.ladder(320)), 1, batched=256)[1] == 256
 
 
+# --- the request bodies --------------------------------------------------------------------------------------
+
+def test_the_bodies_pass_vllms_validation_as_greedy_requests_whatever_the_generation_config() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from parity.vllm import client
+
+    image = client.image_url(b"png")
+    checkpoint_defaults = {"repetition_penalty": 1.05, "presence_penalty": 1.5, "top_k": 20, "top_p": 0.8}
+    for body, logprobs, prompt_logprobs in ((client.generate_body("Describe.", image, 20, "t1"), 5, None),
+                                            (client.score_body("Describe.", image, "A red", "t2"), None, 0)):
+        request = ChatCompletionRequest.model_validate(body)
+        params = request.to_sampling_params(20, checkpoint_defaults)  # --generation-config auto would pass these
+        assert (params.temperature, params.repetition_penalty, params.presence_penalty) == (0.0, 1.0, 0.0)
+        assert (params.logprobs, params.prompt_logprobs, params.seed) == (logprobs, prompt_logprobs, 0)
+        assert request.request_id == body["request_id"] and request.return_token_ids
+    scoring = ChatCompletionRequest.model_validate(client.score_body("Describe.", image, "A red", "t2"))
+    assert scoring.continue_final_message and not scoring.add_generation_prompt
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="logprobs"):  # vLLM refuses top_logprobs without logprobs
+        ChatCompletionRequest.model_validate(client.generate_body("x", None, 1, "t3") | {"logprobs": False})
+
+
 # --- the plugin ---------------------------------------------------------------------------------------------
 
 _WRAPPED = """

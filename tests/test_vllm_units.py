@@ -137,7 +137,7 @@ def test_scores_are_kept_only_where_the_server_scored_exactly_the_reference() ->
     assert client.parse_scores(doc, [7, 9]) is None  # re-tokenized into other tokens: no score, no tf delta
     with pytest.raises(ServerRejected, match="garbles"):
         client.parse_scores({"prompt_token_ids": [1, 2], "prompt_logprobs": [None]}, [2])
-    body = client.score_body("m", "Describe.", "data:image/png;base64,AA==", "ab", "tag")
+    body = client.score_body("Describe.", "data:image/png;base64,AA==", "ab", "tag")
     assert body["continue_final_message"] and not body["add_generation_prompt"] and body["prompt_logprobs"] == 0
     assert body["messages"][0]["content"][0]["type"] == "image_url" and body["request_id"] == "tag"
 

@@ -69,7 +69,7 @@ class VllmSession:
         backend, tap = self.backend, TAP_MODE_OF[deepstack]
         image, sha = backend.image_url(request), request.fixture.sha256 if request.fixture else None
         doc, generated = self.post_tagged(tap, sha, lambda tag: client.generate_body(
-            backend.settings.model, request.prompt, image, backend.settings.max_new_tokens, tag))
+            request.prompt, image, backend.settings.max_new_tokens, tag))
         answer = self._parsed(client.parse_completion, doc)
         requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
         self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
@@ -78,7 +78,7 @@ class VllmSession:
         for tokens in (*force, answer.generation.token_ids):
             reference = backend.prompts.decode(tokens)
             doc, scored = self.post_tagged(tap, sha, lambda tag: client.score_body(
-                backend.settings.model, request.prompt, image, reference, tag))
+                request.prompt, image, reference, tag))
             scores.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(doc.get("prompt_token_ids") or ()), image is not None, scored))
             self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
@@ -255,7 +255,7 @@ class VllmBackend:
         session = VllmSession(server, self)
         try:
             _, entries = session.post_tagged("record", None, lambda tag: client.generate_body(
-                self.settings.model, PROBE_PROMPT, None, 1, tag))
+                PROBE_PROMPT, None, 1, tag))
         except ArmFailure as failure:
             return failure
         if not entries:

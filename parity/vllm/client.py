@@ -32,12 +32,16 @@ def user_message(prompt: str, image: str | None) -> dict[str, Any]:
     return {"role": "user", "content": content}
 
 
-def _common(model: str, messages: list, max_tokens: int, request_id: str) -> dict[str, Any]:
+def _common(messages: list, max_tokens: int, request_id: str) -> dict[str, Any]:
+    # No "model": the server's one model answers whatever --served-model-name says. Neutral
+    # penalties sent explicitly: greedy must not inherit the checkpoint's generation config.
     return {
-        "model": model,
         "messages": messages,
         "temperature": 0,
         "seed": 0,
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
         "max_completion_tokens": max_tokens,
         "request_id": request_id,  # the engine's id becomes chatcmpl-<it>-<random>: the tap sees it
         "return_token_ids": True,
@@ -45,18 +49,18 @@ def _common(model: str, messages: list, max_tokens: int, request_id: str) -> dic
     }
 
 
-def generate_body(model: str, prompt: str, image: str | None, max_new_tokens: int, request_id: str) -> dict[str, Any]:
+def generate_body(prompt: str, image: str | None, max_new_tokens: int, request_id: str) -> dict[str, Any]:
     """Greedy generation with the chosen and top-k logprobs of every step."""
-    body = _common(model, [user_message(prompt, image)], max_new_tokens, request_id)
+    body = _common([user_message(prompt, image)], max_new_tokens, request_id)
     body.update({"logprobs": True, "top_logprobs": TOP_LOGPROBS})
     return body
 
 
-def score_body(model: str, prompt: str, image: str | None, reference: str, request_id: str) -> dict[str, Any]:
+def score_body(prompt: str, image: str | None, reference: str, request_id: str) -> dict[str, Any]:
     """Teacher forcing: the prompt, then `reference` (decoded tokens to score) as the assistant's
     unfinished answer; one new token, and the logprob of every prompt token."""
     messages = [user_message(prompt, image), {"role": "assistant", "content": reference}]
-    body = _common(model, messages, 1, request_id)
+    body = _common(messages, 1, request_id)
     body.update({"add_generation_prompt": False, "continue_final_message": True, "prompt_logprobs": 0})
     return body
 
