@@ -182,8 +182,9 @@ def not_localized_note(case: CaseResult, run: RunResult) -> str | None:
     """Why a case whose bcg arm disagrees with eager has no localization (None: it has one, or needs none)."""
     if case.localization is not None or target_of(case) is None:
         return None
-    if run.config.get("backend") == "sglang":
-        return not_available("sglang") + " (docs/sglang-runbook.md)"
+    backend = run.config.get("backend")
+    if backend in ("sglang", "vllm"):  # the engine's graphs, not parity's: nothing to probe per layer
+        return not_available(str(backend)) + f" (docs/{backend}-runbook.md)"
     return f"not localized in this run; `parity localize results.json --case {case.id} --write` adds it"
 
 
