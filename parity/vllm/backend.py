@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import io
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,7 +28,8 @@ from parity.serving import launcher
 from parity.serving.channel import TapChannel, TapEntry
 from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
 from parity.serving.gpus import cuda_present, gpu_name
-from parity.serving.http import ServerRejected, ServerUnreachable, get_json, post_json
+from parity.serving.http import ServerRejected, ServerUnreachable, get_json
+from parity.serving.pool import Server, ServerPool, parsed, post_tagged
 from parity.serving.prompts import ChatPrompts, CheckpointFacts
 from parity.vllm import client, plugin
 from parity.vllm.servers import (
@@ -40,12 +41,9 @@ TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
 PROBE_PROMPT = "Say OK."
 
 
-@dataclass(frozen=True)
-class Server:
-    """A ready server of one mode and the channel of its tap."""
-
-    process: launcher.ServerProcess
-    channel: TapChannel
+def _own(entry: TapEntry, tag: str) -> bool:
+    # The request id parity sent becomes vLLM's chatcmpl-<tag>-<8 chars>: only its steps count.
+    return any(tag in request for request in entry.requests)
 
 
 # --- the session -------------------------------------------------------------------------------------
@@ -70,16 +68,15 @@ class VllmSession:
         image, sha = backend.image_url(request), request.fixture.sha256 if request.fixture else None
         doc, generated = self.post_tagged(tap, sha, lambda tag: client.generate_body(
             request.prompt, image, backend.settings.max_new_tokens, tag))
-        answer = self._parsed(client.parse_completion, doc)
+        answer = parsed(self.process, client.parse_completion, doc)
         requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
         self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
         scores, start = [], time.perf_counter()
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
             reference = backend.prompts.decode(tokens)
-            doc, scored = self.post_tagged(tap, sha, lambda tag: client.score_body(
-                request.prompt, image, reference, tag))
-            scores.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
+            doc, scored = self.post_tagged(tap, sha, lambda tag: client.score_body(request.prompt, image, reference, tag))
+            scores.append(parsed(self.process, lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(doc.get("prompt_token_ids") or ()), image is not None, scored))
             self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
         forced_seconds = time.perf_counter() - start
@@ -88,46 +85,16 @@ class VllmSession:
                        forced=tuple(scores[:-1]), self_forced=scores[-1], forced_seconds=forced_seconds)
 
     def post_tagged(self, tap: str, image_sha: str | None, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
-        """POST one request under its own tag (also its request id); its answer and the steps the
-        tap recorded for the engine request with that id."""
-        tag = uuid.uuid4().hex
-        self.backend.tag_images[tag] = image_sha
-        self.server.channel.arm(tap, tag)
-        try:
-            doc = self._post(body_for(tag))
-        finally:
-            self.server.channel.disarm()
-        return doc, tuple(e for e in self.server.channel.entries(tag) if any(tag in r for r in e.requests))
+        """One request under its own tag (also its request id); its answer and its engine steps."""
+        tag, doc, entries = post_tagged(self.server, tap, client.CHAT_PATH, body_for, _own)
+        self.backend.tag_images[tag] = image_sha  # a leak witness names the request by its image
+        return doc, tuple(entries)
 
     def _check_fired(self, request: TaggedRequest, what: str) -> None:
         try:
             check_fired(request, self.backend.facts.deepstack_layers, what)
         except TapSilence as silence:
             raise self.process.failure(str(silence)) from None
-
-    def _parsed(self, parse, doc):
-        try:
-            return parse(doc)
-        except ServerRejected as err:
-            raise self.process.failure(str(err)) from None
-
-    def _post(self, body: Mapping[str, Any]) -> dict:
-        try:
-            return post_json(f"{self.process.base_url}{client.CHAT_PATH}", body)
-        except ServerRejected as err:
-            raise self.process.failure(str(err)) from None
-        except ServerUnreachable as err:
-            if _exited_within(self.process, 5.0):
-                raise self.process.failure(f"died mid-run with code {self.process.exit_code()}") from None
-            raise self.process.failure(f"connection lost: {err}") from None
-
-
-def _exited_within(server: launcher.ServerProcess, seconds: float) -> bool:
-    # A dropped connection and the process exit race; give the exit a moment to show.
-    deadline = time.monotonic() + seconds
-    while server.exit_code() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return server.exit_code() is not None
 
 
 # --- the backend -------------------------------------------------------------------------------------
@@ -145,9 +112,8 @@ class VllmBackend:
         self.tag_images: dict[str, str | None] = {}  # every tag sent -> the sha256 of its image
         self._modes: tuple[str, ...] = MODES
         self._sizes: tuple[int, ...] = self.capture.sizes_for(())
-        self._servers: dict[str, Server] = {}
-        self._failures: dict[str, ArmFailure] = {}
-        self._launches: dict[str, int] = {}
+        self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
+                               settings.stop_grace)
         self._commands: dict[str, list[str]] = {}
         self._envs: dict[str, dict[str, str]] = {}
         self._tap_processes: dict[str, list[str]] = {}
@@ -156,7 +122,7 @@ class VllmBackend:
 
     @property
     def launch_count(self) -> int:
-        return sum(self._launches.values())
+        return self.pool.launch_count
 
     @property
     def max_positions(self) -> int | None:
@@ -177,8 +143,6 @@ class VllmBackend:
         if fixture is None:
             return None
         if fixture.sha256 not in self._images:
-            import io
-
             png = io.BytesIO()
             fixture.image.save(png, format="PNG")  # lossless: the server decodes the very pixels
             self._images[fixture.sha256] = client.image_url(png.getvalue())
@@ -194,47 +158,17 @@ class VllmBackend:
         self.plan = plan_launch(self.settings, self._modes)
         if self.settings.concurrent and len(modes) > 1:
             for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
-                self._launch(tuple(m for m in stage if m in modes))
+                self.pool.launch(tuple(m for m in stage if m in modes))
 
     @contextmanager
     def session(self, mode: str) -> Iterator[VllmSession]:
-        if mode not in self._servers and mode not in self._failures:
-            self._launch((mode,))
-        if mode in self._failures:
-            raise self._failures[mode]
-        server = self._servers[mode]
-        try:
+        with self.pool.serving(mode) as server:
             yield VllmSession(server, self)
-        finally:
-            # Free the GPU as soon as the mode is done; a later session(mode) launches anew.
-            self._servers.pop(mode, None)
-            server.process.stop(self.settings.stop_grace)
 
     # --- launching -----------------------------------------------------------------------------
 
-    def _launch(self, modes: Sequence[str]) -> None:
-        started = []
-        for mode in modes:
-            try:
-                started.append(self._start(mode))
-            except ArmFailure as failure:
-                self._failures[mode] = failure
-        failures = launcher.wait_ready([s.process for s in started], self.settings.ready_timeout,
-                                       self.settings.ready_poll)
-        for server in started:
-            mode = server.process.name
-            failure = failures.get(mode) or self._probe(server)
-            if failure is not None:
-                self._servers.pop(mode, None)
-                server.process.stop(self.settings.stop_grace)
-                self._failures[mode] = failure
-            elif self._version is None:
-                self._version = _server_version(server.process)
-
-    def _start(self, mode: str) -> Server:
+    def _start(self, mode: str, count: int) -> Server:
         placement = self.plan.placements[mode]
-        count = self._launches.get(mode, 0) + 1
-        self._launches[mode] = count
         stem = f"vllm-{mode}" if count == 1 else f"vllm-{mode}-{count}"
         channel = TapChannel(self.settings.run_dir / f"{stem}.tap")
         channel.create()
@@ -244,10 +178,7 @@ class VllmBackend:
                                    log_path=self.settings.run_dir / f"{stem}.log", env=MappingProxyType(env),
                                    ready_path=READY_PATH)
         self._commands[mode], self._envs[mode] = list(flags), environment_of(env)
-        server = Server(launcher.start_server(spec), channel)
-        # Registered before waiting: a Ctrl-C during start-up still finds it in close().
-        self._servers[mode] = server
-        return server
+        return Server(launcher.start_server(spec), channel)
 
     def _probe(self, server: Server) -> ArmFailure | None:
         """One tagged text-only request: the tap must record its steps, with the engine's dispatch
@@ -271,6 +202,8 @@ class VllmBackend:
                 "(CudaGraphManager.dispatch was not wrapped): graph replay cannot be shown; look for 'parity:' "
                 "lines in the log")
         self._tap_processes[server.process.name] = processes(entries)
+        if self._version is None:
+            self._version = _server_version(server.process)
         return None
 
     # --- reporting -----------------------------------------------------------------------------
@@ -305,8 +238,7 @@ class VllmBackend:
         }
 
     def close(self) -> None:
-        for mode in list(self._servers):
-            self._servers.pop(mode).process.stop(self.settings.stop_grace)
+        self.pool.close()
 
 
 def _server_version(server: launcher.ServerProcess) -> str | None:
