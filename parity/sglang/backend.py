@@ -12,7 +12,6 @@ import importlib.metadata
 import importlib.util
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,6 +24,7 @@ from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.serving import launcher
 from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
 from parity.serving.gpus import cuda_present, gpu_memory, gpu_name
+from parity.serving.pool import Server, ServerPool, parsed, post_tagged
 from parity.serving.prompts import ChatPrompts, CheckpointFacts, ImageFiles
 from parity.sglang import client, plugin
 from parity.sglang.servers import (
@@ -37,14 +37,6 @@ PROBE_PROMPT = "Say OK."
 # What a bcg server that dies while starting most likely hit (sglang-0.5.23.md §8).
 BCG_START_HINT = ("SGLang's warm-up sends an image request through the prefill graph, so a crash here is most "
                   "likely the multimodal BCG replay fault, not the DeepStack drop (see docs/sglang-runbook.md)")
-
-
-@dataclass(frozen=True)
-class Server:
-    """A ready server of one mode and the channel of its tap."""
-
-    process: launcher.ServerProcess
-    channel: plugin.TapChannel
 
 
 # --- the session -------------------------------------------------------------------------------------
@@ -70,7 +62,7 @@ class SglangSession:
         text = prompts.text(request)
         doc, generated = self.post_tagged(tap, lambda tag: client.generate_body(
             text, image, self.backend.settings.max_new_tokens, rid=tag))
-        answer = self._parsed(client.parse_completion, doc)
+        answer = parsed(self.process, client.parse_completion, doc)
         requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
         self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
         forced, start = [], time.perf_counter()
@@ -79,7 +71,7 @@ class SglangSession:
         for tokens in (*force, answer.generation.token_ids):
             doc, scored = self.post_tagged(tap, lambda tag: client.score_body(
                 prompt, tokens, len(answer.prompt_ids), image, rid=tag))
-            forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
+            forced.append(parsed(self.process, lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(answer.prompt_ids) + len(tokens), image is not None, scored))
             self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
         forced_seconds = time.perf_counter() - start
@@ -89,43 +81,14 @@ class SglangSession:
 
     def post_tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
         """POST one request under its own tag; its answer and the LM entries the hook recorded for it."""
-        tag = uuid.uuid4().hex
-        self.server.channel.arm(tap, tag)
-        try:
-            doc = self._post(body_for(tag))
-        finally:
-            self.server.channel.disarm()
-        return doc, tuple(self.server.channel.entries(tag))
+        _, doc, entries = post_tagged(self.server, tap, "/generate", body_for)
+        return doc, tuple(entries)
 
     def _check_fired(self, request: TaggedRequest, what: str) -> None:
         try:
             check_fired(request, self.backend.facts.deepstack_layers, what)
         except TapSilence as silence:
             raise self.process.failure(str(silence)) from None
-
-    def _parsed(self, parse, doc):
-        try:
-            return parse(doc)
-        except client.ServerRejected as err:
-            raise self.process.failure(str(err)) from None
-
-    def _post(self, body: Mapping[str, Any]) -> dict:
-        try:
-            return client.post_json(f"{self.process.base_url}/generate", body)
-        except client.ServerRejected as err:
-            raise self.process.failure(str(err)) from None
-        except client.ServerUnreachable as err:
-            if _exited_within(self.process, 5.0):
-                raise self.process.failure(f"died mid-run with code {self.process.exit_code()}") from None
-            raise self.process.failure(f"connection lost: {err}") from None
-
-
-def _exited_within(server: launcher.ServerProcess, seconds: float) -> bool:
-    # A dropped connection and the process exit race; give the exit a moment to show.
-    deadline = time.monotonic() + seconds
-    while server.exit_code() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return server.exit_code() is not None
 
 
 # --- the backend -------------------------------------------------------------------------------------
@@ -141,16 +104,15 @@ class SglangBackend:
         self.images = ImageFiles(settings.run_dir / "images")
         self.plan = plan_launch(settings)  # refuses impossible GPU combinations before any start
         self._modes: tuple[str, ...] = MODES
-        self._servers: dict[str, Server] = {}
-        self._failures: dict[str, ArmFailure] = {}
-        self._launches: dict[str, int] = {}
+        self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
+                               settings.stop_grace, explain_exit=_explain_exit)
         self._commands: dict[str, list[str]] = {}
         self._tap_processes: dict[str, list[str]] = {}
         self._version: str | None = None
 
     @property
     def launch_count(self) -> int:
-        return sum(self._launches.values())
+        return self.pool.launch_count
 
     @property
     def max_positions(self) -> int | None:
@@ -172,50 +134,18 @@ class SglangBackend:
         self.plan = plan_launch(self.settings, self._modes)
         if self.settings.concurrent and len(modes) > 1:
             for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
-                self._launch(tuple(m for m in stage if m in modes))
+                self.pool.launch(tuple(m for m in stage if m in modes))
 
     @contextmanager
     def session(self, mode: str) -> Iterator[SglangSession]:
-        if mode not in self._servers and mode not in self._failures:
-            self._launch((mode,))
-        if mode in self._failures:
-            raise self._failures[mode]
-        server = self._servers[mode]
-        try:
+        with self.pool.serving(mode) as server:
             yield SglangSession(server, self)
-        finally:
-            # Free the GPU as soon as the mode is done; a later session(mode) launches anew.
-            self._servers.pop(mode, None)
-            server.process.stop(self.settings.stop_grace)
 
     # --- launching -----------------------------------------------------------------------------
 
-    def _launch(self, modes: Sequence[str]) -> None:
-        started = []
-        for mode in modes:
-            try:
-                started.append(self._start(mode, self.plan.placements[mode]))
-            except ArmFailure as failure:
-                self._failures[mode] = failure
-        failures = launcher.wait_ready([s.process for s in started], self.settings.ready_timeout,
-                                       self.settings.ready_poll)
-        for server in started:
-            mode = server.process.name
-            failure = failures.get(mode)
-            if failure is not None and mode == "bcg" and server.process.exit_code() is not None:
-                failure = ArmFailure(f"{failure}; {BCG_START_HINT}", log_tail=failure.log_tail)
-            failure = failure or self._probe(server)
-            if failure is not None:
-                self._servers.pop(mode, None)
-                server.process.stop(self.settings.stop_grace)
-                self._failures[mode] = failure
-            elif self._version is None:
-                self._version = _server_version(server.process)
-
-    def _start(self, mode: str, placement: Placement) -> Server:
+    def _start(self, mode: str, count: int) -> Server:
+        placement = self.plan.placements[mode]
         fraction = self._fraction(mode, placement)
-        count = self._launches.get(mode, 0) + 1
-        self._launches[mode] = count
         stem = f"sglang-{mode}" if count == 1 else f"sglang-{mode}-{count}"
         channel = plugin.TapChannel(self.settings.run_dir / f"{stem}.tap")
         channel.create()
@@ -223,10 +153,7 @@ class SglangBackend:
         spec = launcher.ServerSpec(name=mode, command=command, log_path=self.settings.run_dir / f"{stem}.log",
                                    env=MappingProxyType(server_env(channel, placement)))
         self._commands[mode] = list(command[len(self.settings.launch_command):])
-        server = Server(launcher.start_server(spec), channel)
-        # Registered before waiting: a Ctrl-C during start-up still finds it in close().
-        self._servers[mode] = server
-        return server
+        return Server(launcher.start_server(spec), channel)
 
     def _fraction(self, mode: str, placement: Placement) -> float:
         """The placement's fraction; for a server sharing GPUs with one already running, the fraction
@@ -258,6 +185,8 @@ class SglangBackend:
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in "
                 "SGLANG_PLUGINS if you set it, and look for 'Failed to apply hooks' in the log")
         self._tap_processes[server.process.name] = processes(entries)
+        if self._version is None:
+            self._version = _server_version(server.process)
         return None
 
     # --- reporting -----------------------------------------------------------------------------
@@ -284,8 +213,14 @@ class SglangBackend:
         }
 
     def close(self) -> None:
-        for mode in list(self._servers):
-            self._servers.pop(mode).process.stop(self.settings.stop_grace)
+        self.pool.close()
+
+
+def _explain_exit(mode: str, failure: ArmFailure) -> ArmFailure:
+    """A bcg server that exited while starting: say what it most likely hit."""
+    if mode != "bcg":
+        return failure
+    return ArmFailure(f"{failure}; {BCG_START_HINT}", log_tail=failure.log_tail)
 
 
 def _server_version(server: launcher.ServerProcess) -> str | None:
