@@ -23,6 +23,7 @@ def prefill_bucket_ladder(max_tokens: int) -> tuple[int, ...]:
 
 
 def smallest_fitting(buckets: Iterable[int], num_tokens: int) -> int | None:
+    """The bucket the policy assigns to a prompt of `num_tokens`: the smallest that fits."""
     return min((b for b in buckets if b >= num_tokens), default=None)
 
 
@@ -51,9 +52,17 @@ class BucketPolicy:
     def bucket_of(self, num_tokens: int) -> int | None:
         return smallest_fitting(self.candidates, num_tokens) if num_tokens > 0 else None
 
-    def needed(self, lengths: Iterable[int]) -> tuple[int, ...]:
-        """Only the buckets these prompt lengths replay in: capturing the others costs time for nothing."""
-        return tuple(sorted({b for b in map(self.bucket_of, lengths) if b is not None}))
+    def captured(self, lengths: Iterable[int]) -> tuple[int, ...]:
+        """The buckets a run captures, as a server has them: its whole ladder up to the largest bucket
+        these prompt lengths need (the smaller ones included), or every bucket of an explicit list.
+
+        Capturing only the buckets a run's prompts replay in would hide every bug in choosing among
+        buckets (a wrong bucket, a copy bounded by another bucket's size) from single-fixture runs.
+        """
+        if self.explicit is not None:
+            return self.explicit
+        needed = [b for b in map(self.bucket_of, lengths) if b is not None]
+        return tuple(b for b in self.candidates if needed and b <= max(needed))
 
     def describe(self) -> str | list[int]:
         return AUTO if self.explicit is None else list(self.explicit)

@@ -1,25 +1,34 @@
 """The `parity` command line: parse options, build a spec, call the library, render.
 
-Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_* · 4 ERROR · 130 interrupted.
+Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_* · 4 ERROR · 130 interrupted
+(Ctrl-C) · 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
+from rich.markup import escape
 
 from parity import __version__
 from parity.errors import ParityError, UsageError
 from parity.metrics import DEFAULT_TIE_MARGIN
-from parity.results import SCENARIOS
+from parity.results import FOUR_ARM, SCENARIOS
 from parity.results_loader import MIN_LOGPROB_TOL
 from parity.verdict import USAGE_EXIT, exit_code
 
-INTERRUPTED_EXIT = 130
+INTERRUPTED_EXIT = 130  # 128 + SIGINT; SIGTERM exits 143 (parity.interrupts)
+# Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
+MAX_SEED = 2**63 - 1
+# The server backends' options, and the backends each one applies to.
+SERVER_OPTIONS = {"sglang_args": ("sglang",), "vllm_args": ("vllm",), "graph_mode": ("vllm",),
+                  **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")}}
 
 
 class ParityCommandError(click.ClickException):
@@ -34,6 +43,9 @@ class ParityGroup(click.Group):
             return super().invoke(ctx)
         except ParityError as err:
             raise ParityCommandError(str(err)) from None
+        except KeyboardInterrupt:  # a light command stopped by Ctrl-C: nothing to keep, no traceback
+            click.echo("interrupted", err=True)
+            ctx.exit(INTERRUPTED_EXIT)
 
 
 def _console() -> Console:
@@ -43,6 +55,31 @@ def _console() -> Console:
 def _positive(ctx, param, value):
     if value is not None and value <= 0:
         raise click.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+def _threads(ctx, param, value):
+    cpus = os.cpu_count() or 1
+    if value is not None and not 1 <= value <= cpus:
+        raise click.BadParameter(f"must be between 1 and this machine's {cpus} CPUs, got {value}")
+    return value
+
+
+def _not_empty(hint: str = ""):
+    def callback(ctx, param, value):
+        if value is not None and not value.strip():
+            raise click.BadParameter(f"must not be empty{hint}")
+        return value
+
+    return callback
+
+
+def _arm_selection(ctx, param, value):
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise click.BadParameter("expected `all` or a comma list of arm names (see `parity arms`)")
+    if "all" in names and len(names) > 1:
+        raise click.BadParameter(f"`all` already names every arm; give it alone or list the arms, got {value!r}")
     return value
 
 
@@ -76,6 +113,8 @@ _LOCALIZE_THRESHOLD_HELP = ("auto (from the dtype's measured noise) or a number:
 
 
 def _int_list(ctx, param, value):
+    if param.name == "buckets" and value is not None and not value.strip():
+        raise click.BadParameter("expected auto or a comma list of bucket sizes, got an empty value")
     if value is None or value == "":
         return ()
     if param.name == "buckets" and value == "auto":
@@ -95,30 +134,34 @@ def _int_list(ctx, param, value):
 def cli() -> None:
     """parity: does prefill graph replay give the same answer as eager, and does it see DeepStack?
 
-    Exit codes: 0 PASS, 1 FAIL_*, 2 usage error, 3 INCOMPLETE or INCONCLUSIVE_*, 4 ERROR.
+    Exit codes: 0 PASS, 1 FAIL_*, 2 usage error, 3 INCOMPLETE or INCONCLUSIVE_*, 4 ERROR,
+    130 interrupted (Ctrl-C), 143 terminated (SIGTERM); an interrupted run writes what finished.
     """
 
 
 @cli.command()
-@click.option("--model", default="tiny-qwen3-vl", show_default=True,
+@click.option("--model", default="tiny-qwen3-vl", show_default=True, callback=_not_empty(),
               help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
-@click.option("--seed", type=int, default=None, help="Build the embedded preset from this seed instead of its own.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
+              help="Build the embedded preset from this seed instead of its own.")
 @click.option("--backend", type=click.Choice(["transformers", "sglang", "vllm"]), default="transformers", show_default=True)
-@click.option("--arms", "arm_selection", default="all", show_default=True, help="`all` or a comma list of arm names.")
+@click.option("--arms", "arm_selection", default="all", show_default=True, callback=_arm_selection,
+              help="`all` or a comma list of arm names (four-arm scenario only).")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
 @click.option("--image", "images", multiple=True, help="A user image file, used as a fixture (repeatable).")
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=_positive)
-@click.option("--logprob-tol", default="auto", show_default=True, callback=_auto_or_number(MIN_LOGPROB_TOL, True, " (the repeat noise floor)"),
+@click.option("--logprob-tol", default="auto", show_default=True, callback=_auto_or_number(MIN_LOGPROB_TOL, True, " (the fp32 noise floor of any x86 CPU)"),
               help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
 @click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=_tie_margin,
               help="Two tokens this close in logprob, in both arms, are a near-tie: a noise flip, not a failure.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="auto: float32 for embedded presets and on CPU, bfloat16 for checkpoints on GPU.")
-@click.option("--threads", type=int, default=None, callback=_positive,
-              help="CPU threads (default: 1 for embedded presets unless OMP_NUM_THREADS is set).")
+@click.option("--threads", type=int, default=None, callback=_threads,
+              help="CPU threads, at most the machine's CPUs (default: 1 for embedded presets unless "
+                   "OMP_NUM_THREADS is set).")
 @click.option("--runner", type=click.Choice(["fixed", "legacy", "no-clear"]), default="fixed", show_default=True,
               help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
@@ -131,8 +174,9 @@ def cli() -> None:
               help="Run every arm N times; an arm that does not reproduce itself is INCONCLUSIVE_NONDETERMINISTIC.")
 @click.option("--localize-threshold", default="auto", show_default=True, callback=_auto_or_number(0.0, False),
               help="Localizing a failing case (transformers backend): " + _LOCALIZE_THRESHOLD_HELP)
-@click.option("--out", "out_dir", help="Run folder (default reports/<timestamp>-<model>/).")
-@click.option("--junit", "junit_path", help="Also write a JUnit XML file here.")
+@click.option("--out", "out_dir", callback=_not_empty("; leave --out out for reports/<timestamp>-<model>/"),
+              help="Run folder (default reports/<timestamp>-<model>/).")
+@click.option("--junit", "junit_path", callback=_not_empty(), help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
 @click.option("--vllm-arg", "vllm_args", multiple=True,
@@ -155,10 +199,17 @@ def run(**options) -> None:
     from parity.arms import select_arms
     from parity.backends import BackendOptions
     from parity.experiment import RunSpec
-    from parity.run_command import OutputOptions, build_cases, check_writable, default_run_dir, execute_run
+    from parity.interrupts import sigterm_as_interrupt
+    from parity.run_command import (
+        OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run, plan_note,
+    )
 
     o = options
     scenario = o["scenario"]
+    if scenario != FOUR_ARM and o["arm_selection"].strip() != "all":
+        raise UsageError(f"--arms {o['arm_selection']} with --scenario {scenario}: a reuse or stream sequence "
+                         "compares every request in both modes, so it needs all arms; give --arms all, or "
+                         "--scenario four-arm to choose arms")
     spec = RunSpec(
         model=o["model"], arms=select_arms(o["arm_selection"]),
         cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"]),
@@ -178,14 +229,31 @@ def run(**options) -> None:
         concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
         ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"],
     )
+    _warn_ignored(click.get_current_context(), backend.name)
+    note = plan_note(spec, o["model"])
+    if note:
+        click.echo(note, err=True)
     console = _console()
     try:
-        run_result = execute_run(spec, backend, output, console)
-    except KeyboardInterrupt:
-        console.print("[red]interrupted[/]: every process parity started was stopped; what finished is in the "
-                      "run folder, marked interrupted")
-        sys.exit(INTERRUPTED_EXIT)
+        with sigterm_as_interrupt():
+            run_result = execute_run(spec, backend, output, console)
+    except RunStopped as stopped:
+        console.print(f"[red]{escape(stopped.message)}[/]", highlight=False)
+        sys.exit(stopped.exit_code)
     sys.exit(exit_code(run_result.verdict))
+
+
+def _warn_ignored(ctx: click.Context, backend: str) -> None:
+    """A server backend's options mean nothing to another backend: say so rather than drop them silently."""
+    ignored: dict[tuple[str, ...], list[str]] = {}
+    for param in ctx.command.params:
+        backends = SERVER_OPTIONS.get(param.name or "")
+        if backends and backend not in backends and \
+                ctx.get_parameter_source(param.name) not in (None, ParameterSource.DEFAULT):
+            ignored.setdefault(backends, []).append(param.opts[0])
+    for backends, given in ignored.items():
+        click.echo(f"warning: {', '.join(given)} only apply to --backend {' or '.join(backends)}; ignored with "
+                   f"--backend {backend}", err=True)
 
 
 @cli.command()
@@ -194,6 +262,7 @@ def run(**options) -> None:
 def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json
+    from parity.reporting.text import visible
     from parity.results_loader import load_results
     from parity.verdict import judge_run
 
@@ -202,8 +271,8 @@ def verdict(results_file: str, as_json: bool) -> None:
         click.echo(render_json(run_result))
     else:
         for case in run_result.cases:
-            click.echo(f"{case.id}: {case.verdict.code}: {case.verdict.reason}")
-        click.echo(f"{run_result.verdict.code}: {run_result.verdict.reason}")
+            click.echo(visible(f"{case.id}: {case.verdict.code}: {case.verdict.reason}"))
+        click.echo(visible(f"{run_result.verdict.code}: {run_result.verdict.reason}"))
     sys.exit(exit_code(run_result.verdict))
 
 
@@ -212,7 +281,8 @@ def verdict(results_file: str, as_json: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
 def report(results_file: str, fmt: str) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table."""
-    from parity.reporting.report import print_table, render_json, render_markdown
+    from parity.reporting.report import render_json, render_markdown
+    from parity.reporting.terminal import print_table
     from parity.results_loader import load_results
     from parity.verdict import judge_run
 
@@ -243,6 +313,7 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
     """
     from parity.localize_command import LocalizeOptions, localize_results
     from parity.reporting.report import localization_json, localization_lines
+    from parity.reporting.text import visible
 
     result = localize_results(LocalizeOptions(Path(results_file), case_id, tuple(images), localize_threshold,
                                               device, write))
@@ -255,7 +326,7 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
         for case in cases:
             click.echo("\n".join(localization_lines(case)))
     for path in result.written:
-        click.echo(f"wrote {path}", err=as_json)
+        click.echo(visible(f"wrote {path}"), err=as_json)
 
 
 @cli.command()

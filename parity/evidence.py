@@ -80,7 +80,7 @@ class Evidence:
     replayed_calls: int  # of those, how many ran by graph replay
     # Whether every prefill that carried a prompt ran by graph replay; None: the backend cannot tell.
     prefill_replayed: bool | None
-    buckets: tuple[int, ...]  # the buckets the replays used
+    buckets: tuple[int, ...]  # the buckets the prefill replays used
     tap_calls: int  # LM entries where the tap saw DeepStack rows
     prompt_tokens: int | None = None  # of the request, for the verdict's reason
     max_bucket: int | None = None  # the largest bucket the path under test could replay in
@@ -115,8 +115,11 @@ class Evidence:
             return f"tap_calls {self.tap_calls} > lm_calls {self.lm_calls}"
         if self.prefill_replayed and self.replayed_calls == 0:
             return "prefill_replayed is true but no LM entry was replayed"
-        if (self.replayed_calls > 0) != bool(self.buckets):
-            return "buckets must be listed exactly when some LM entry was replayed"
+        # Buckets are those of replayed prefills; an engine may also replay decode steps (vLLM).
+        if self.buckets and self.replayed_calls == 0:
+            return "buckets are listed but no LM entry was replayed"
+        if self.prefill_replayed and not self.buckets:
+            return "prefill_replayed is true but no bucket is listed"
         if any(b <= 0 for b in self.buckets):
             return "bucket sizes must be > 0"
         if self.leak is not None and (self.leak.rows <= 0 or self.leak.steps <= 0 or self.leak.steps > self.lm_calls):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+import signal
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -23,12 +24,13 @@ from parity.arms import (
 from parity.backends.base import Backend, Generation, Request, Session
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture, Prompt
+from parity.interrupts import deferred_stops, signal_of
 from parity.localization import CanLocalize, auto_threshold, localize_run
-from parity.metrics import DEFAULT_TIE_MARGIN
+from parity.metrics import DEFAULT_TIE_MARGIN, Tolerances, auto_tolerances
 from parity.results import (
-    FOUR_ARM, REUSE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
 )
-from parity.verdict import FOUR_ARM_CHECKS, judge_run
+from parity.verdict import FOUR_ARM_CHECKS, POWER_CHECK, SEQUENCE_POWER_ARM, judge_run
 
 # Appended to a text-only request until it lands in its image request's bucket.
 _FILLER = " Answer in plain words."
@@ -78,11 +80,17 @@ ProgressFn = Callable[[Progress], None]
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C during a run: `result` holds every arm that finished, the run marked interrupted."""
+    """Ctrl-C or SIGTERM (`signum`) during a run: `result` holds every arm that finished, the run
+    marked interrupted (or, stopped while localizing, the whole judged run without localizations)."""
 
-    def __init__(self, result: RunResult) -> None:
+    def __init__(self, result: RunResult, signum: int = signal.SIGINT) -> None:
         super().__init__("interrupted")
         self.result = result
+        self.signum = signum
+
+    @property
+    def finished_arms(self) -> int:
+        return sum(len(case.all_arms()) for case in self.result.cases)
 
 
 # --- the plan ------------------------------------------------------------------------------------
@@ -92,6 +100,7 @@ class PlannedRequest:
     label: str
     request: Request
     deepstack: str
+    power: bool = False  # also run eagerly with DeepStack zeroed: the sequence's power (design §3 v3)
 
 
 @dataclass(frozen=True)
@@ -117,12 +126,12 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
                 requests = (PlannedRequest("image", image, "normal"),)
             elif scenario == REUSE:
                 arms = ()
-                requests = (PlannedRequest("primer (image)", image, "normal"),
+                requests = (PlannedRequest("primer (image)", image, "normal", power=True),
                             PlannedRequest("follow-up (text only)", text_request_in_bucket(backend, image, False), "normal"))
             else:
                 arms = ()
                 requests = (
-                    PlannedRequest("image", image, "normal"),
+                    PlannedRequest("image", image, "normal", power=True),
                     PlannedRequest("image, DeepStack zeroed", image, "zero"),
                     PlannedRequest("twin image (same size, other pixels)", Request(case.fixture.twin(), case.prompt.text),
                                    "normal"),
@@ -134,6 +143,19 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
     if len(set(ids)) != len(ids):
         raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
     return tuple(planned)
+
+
+# Requests per case of each sequence scenario, as plan_cases builds them; each runs once per mode.
+SEQUENCE_REQUESTS = {REUSE: 2, STREAM: 5}
+
+
+def planned_arm_runs(spec: RunSpec) -> int:
+    """How many generations the plan makes (repeats included), known before a model loads."""
+    # A sequence: every request in each mode, and its first request's eager power arm.
+    per_case = sum(len(spec.arms) if scenario == FOUR_ARM
+                   else SEQUENCE_REQUESTS[scenario] * len(spec.modes) + ("eager" in spec.modes)
+                   for scenario in spec.scenarios)
+    return per_case * len(spec.cases) * spec.repeat
 
 
 def text_request_in_bucket(backend: Backend, image: Request, same_length: bool) -> Request:
@@ -171,30 +193,41 @@ class _Collected:
 def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None,
                    warn: Callable[[str], object] | None = None) -> RunResult:
     """Run, judge, and localize every case whose bcg arm disagrees with eager (design §7), on the
-    still-loaded backend; `warn` hears about cases that could not be localized. Ctrl-C after the
-    plan is made raises `RunInterrupted` with every arm that finished."""
+    still-loaded backend; `warn` hears about cases that could not be localized. Ctrl-C or SIGTERM
+    after the plan is made raises `RunInterrupted` with every arm that finished. The backend is
+    closed in every case, a second signal notwithstanding."""
     try:
-        planned, collected, interrupted = _run_plan(spec, backend, progress)
-        config = dict(backend.config())
-        localizes = isinstance(backend, CanLocalize)
-        if localizes:
-            config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
-        run = _run_result(spec, backend, planned, collected, config, interrupted)
-        if interrupted:
-            raise RunInterrupted(run)
-        if not localizes:
-            return run  # nothing to probe: the report says so on every case that would need it
-        try:
-            return localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
-                                config["localize_threshold"], warn=warn)
-        except KeyboardInterrupt:  # the judged run stands; only its localizations are missing
-            raise RunInterrupted(run) from None
-    finally:
+        run = _run_and_judge(spec, backend, progress, warn)
+    except BaseException:
+        with deferred_stops(reraise=False):  # already stopping: a second Ctrl-C must not leave a server up
+            backend.close()
+        raise
+    with deferred_stops():
         backend.close()
+    return run
+
+
+def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
+                   warn: Callable[[str], object] | None) -> RunResult:
+    planned, collected, stop = _run_plan(spec, backend, progress)
+    config = dict(backend.config())
+    localizes = isinstance(backend, CanLocalize)
+    if localizes:
+        config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
+    run = _run_result(spec, backend, planned, collected, config, stop is not None)
+    if stop is not None:
+        raise RunInterrupted(run, signal_of(stop))
+    if not localizes:
+        return run  # nothing to probe: the report says so on every case that would need it
+    try:
+        return localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
+                            config["localize_threshold"], warn=warn)
+    except KeyboardInterrupt as stop:  # the judged run stands; only its localizations are missing
+        raise RunInterrupted(run, signal_of(stop)) from None
 
 
 def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
-    """(planned cases, the arms that finished, whether Ctrl-C stopped it)."""
+    """(planned cases, the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or None)."""
     planned = plan_cases(spec, backend)
     collected = _Collected()
     try:
@@ -210,9 +243,9 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
         backend.prepare(spec.modes, lengths)
         for mode in spec.modes:
             _run_mode(spec, backend, planned, mode, collected, announce)
-    except KeyboardInterrupt:
-        return planned, collected, True
-    return planned, collected, False
+    except KeyboardInterrupt as stop:
+        return planned, collected, stop
+    return planned, collected, None
 
 
 def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase]) -> list[int]:
@@ -232,7 +265,8 @@ def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCas
 def _arms_for(case: PlannedCase, mode: str, req: PlannedRequest) -> list[str]:
     if case.scenario == FOUR_ARM:
         return [a.name for a in case.arms if a.mode == mode]
-    return [arm_named(mode, req.deepstack)]
+    arm = arm_named(mode, req.deepstack)
+    return [arm, SEQUENCE_POWER_ARM] if req.power and mode == "eager" else [arm]
 
 
 def _run_mode(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase], mode: str, collected: _Collected,
@@ -258,6 +292,8 @@ def _references(case: PlannedCase, request: int, name: str, collected: _Collecte
     """The finished, successful references this arm is compared against (teacher forcing)."""
     if case.scenario == FOUR_ARM:
         names = [c.b for c in FOUR_ARM_CHECKS if c.a == name]
+    elif case.requests[request].power and name == SEQUENCE_POWER_ARM:
+        names = [POWER_CHECK.b]
     else:
         mode, deepstack = arm_mode_and_deepstack(name)
         names = [arm_named("eager", deepstack)] if mode == "bcg" else []
@@ -270,20 +306,19 @@ def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, re
     first, seconds = _timed(session, req.request, deepstack, [r.token_ids for r in refs])
     if isinstance(first, ArmFailure):
         return _failed(name, first, seconds)
-    evidence, repeats, scoring = first.evidence, [], first.forced_seconds
+    repeats, scoring = [], first.forced_seconds
     for _ in range(spec.repeat - 1):
         again, more = _timed(session, req.request, deepstack, [])
         seconds += more
         if isinstance(again, ArmFailure):
             return _failed(name, again, seconds)
         scoring += again.forced_seconds
-        repeats.append(Repeat(again.token_ids, again.token_logprobs))
-        if evidence is not None and again.evidence is not None:
-            evidence = evidence.merged(again.evidence)
+        # Each repeat keeps its own evidence: rule 4 is checked per run (design §3 v3).
+        repeats.append(Repeat(again.token_ids, again.token_logprobs, again.evidence))
     return ArmResult(
         name=name, mode=mode, deepstack=deepstack, token_ids=first.token_ids, text=first.text,
         token_logprobs=first.token_logprobs, top_logprobs=first.top_logprobs,
-        deepstack_record=first.deepstack_record, evidence=evidence,
+        deepstack_record=first.deepstack_record, evidence=first.evidence,
         forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced) if lps is not None}
                                 | ({} if first.self_forced is None else {name: first.self_forced})),
         seconds=round(seconds - scoring, 4), forced_seconds=round(scoring, 4),
@@ -323,7 +358,7 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
         return CaseResult(case.id, info, case.spec.prompt.text, arms=arms_of(0, names), scenario=FOUR_ARM)
     requests = tuple(
         RequestResult(req.label, _fixture_info(req.request.fixture), req.request.prompt,
-                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES]))
+                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES] + [SEQUENCE_POWER_ARM] * req.power))
         for i, req in enumerate(case.requests)
     )
     return CaseResult(case.id, info, case.spec.prompt.text, requests=requests, scenario=case.scenario)
@@ -331,13 +366,15 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
 
 def _run_result(spec, backend, planned, collected, config, interrupted) -> RunResult:
     dtype = str(config.get("dtype", "float32"))
-    tol = spec.logprob_tol if spec.logprob_tol is not None else auto_logprob_tol(dtype)
+    # A user's --logprob-tol is one flat bound on every step; auto follows the dtype's measured noise.
+    tol = Tolerances(spec.logprob_tol) if spec.logprob_tol is not None else auto_tolerances(dtype)
     run = RunResult(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         environment=_environment(backend),
         config={
             "model": spec.model, "backend": backend.name, "max_new_tokens": spec.max_new_tokens,
-            "logprob_tol": tol, "logprob_tol_source": "user" if spec.logprob_tol is not None else "auto",
+            "logprob_tol": tol.logprob_tol, "logprob_mean_tol": tol.mean_tol,
+            "logprob_tol_source": "user" if spec.logprob_tol is not None else "auto",
             "tie_margin": spec.tie_margin, "scenarios": list(spec.scenarios), "repeat": spec.repeat,
             "arms": [a.name for a in spec.arms], **config,
         },
@@ -345,15 +382,6 @@ def _run_result(spec, backend, planned, collected, config, interrupted) -> RunRe
         interrupted=interrupted,
     )
     return judge_run(run)
-
-
-# Above the noise of a correct (fixed) runner, measured on the CPU with scripts/measure_noise.py:
-# 3.1e-6 in fp32, 0.061 in bf16 (docs/verdicts.md, "Tolerances"). Not yet measured on a GPU.
-AUTO_LOGPROB_TOL = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
-
-
-def auto_logprob_tol(dtype: str) -> float:
-    return AUTO_LOGPROB_TOL.get(dtype, AUTO_LOGPROB_TOL["bfloat16"])
 
 
 def _environment(backend: Backend) -> dict:

@@ -176,12 +176,16 @@ def _written(run: RunResult, ids: tuple[str, ...], path: Path) -> Localized:
     from parity.reporting.plots import plot_localization
 
     cases, plots = [], []
-    for case in run.cases:
-        if case.id in ids and case.localization is not None:
-            plot = plot_localization(case, Path(path).parent)
-            plots.append(plot)
-            case = dataclasses.replace(case, localization_plot=plot.name)
-        cases.append(case)
-    run = dataclasses.replace(run, cases=tuple(cases))
-    write_results(run, Path(path))
+    try:
+        for case in run.cases:
+            if case.id in ids and case.localization is not None:
+                plot = plot_localization(case, Path(path).parent)
+                plots.append(plot)
+                case = dataclasses.replace(case, localization_plot=plot.name)
+            cases.append(case)
+        run = dataclasses.replace(run, cases=tuple(cases))
+        write_results(run, Path(path))
+    except OSError as err:  # a full disk, a folder made read-only: the file as it was stays
+        raise UsageError(f"--write: cannot write beside {path} ({err.strerror or err}); the results file is "
+                         "unchanged") from None
     return Localized(run, ids, (Path(path), *plots))

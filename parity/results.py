@@ -35,6 +35,8 @@ class Repeat:
 
     token_ids: tuple[int, ...]
     token_logprobs: tuple[float, ...]
+    # How this repeat ran (rule 4 is checked per repeat); None in files written before v3.
+    evidence: Evidence | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Comparison:
     tf_delta: float | None
     match: bool
     request: int | None = None  # index into the case's requests (sequence scenarios)
+    logprob_mean: float = 0.0  # mean |Δ logprob| over the same steps as logprob_delta
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,12 @@ class RunResult:
         return float(self.config["logprob_tol"])
 
     @property
+    def logprob_mean_tol(self) -> float | None:
+        """The bound on the mean |Δ| (v3, reduced precision); None: only the max is bounded."""
+        value = self.config.get("logprob_mean_tol")
+        return None if value is None else float(value)
+
+    @property
     def tie_margin(self) -> float | None:
         """None for a /1 file: the tie rule did not exist, so nothing is a tie."""
         value = self.config.get("tie_margin")
@@ -202,15 +211,15 @@ def arm_to_json(arm: ArmResult) -> dict:
         "forced_seconds": arm.forced_seconds,
     }
     if arm.repeats:
-        out["repeats"] = [{"token_ids": list(r.token_ids), "token_logprobs": list(r.token_logprobs)}
-                          for r in arm.repeats]
+        out["repeats"] = [{"token_ids": list(r.token_ids), "token_logprobs": list(r.token_logprobs),
+                           "evidence": r.evidence.to_json() if r.evidence else None} for r in arm.repeats]
     return out
 
 
 def comparison_to_json(c: Comparison) -> dict:
     out = {"a": c.a, "b": c.b, "divergence_char": c.divergence_char, "token_match": c.token_match,
            "first_token_divergence": c.first_token_divergence, "logprob_delta": c.logprob_delta,
-           "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
+           "logprob_mean": c.logprob_mean, "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
     if c.request is not None:
         out["request"] = c.request
     return out
@@ -277,16 +286,28 @@ def dumps(run: RunResult) -> str:
 
 
 def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file."""
+    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file.
+
+    The file gets the mode an ordinary `open` would (0666 less the umask), not mkstemp's 0600. A
+    lone surrogate (from a results file read back) is written as its JSON escape `\\udXXX`.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as out:
             out.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    # Reading the umask means setting it; parity writes its files from one thread.
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
 
 
 def write_results(run: RunResult, path: Path) -> None:

@@ -17,12 +17,15 @@ from typing import Any
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness
+from parity.metrics import NOISE_FLOOR
+from parity.verdict import SEQUENCE_POWER_ARM
 from parity.results import (
     FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_SCENARIOS, ArmResult, CaseResult, FixtureInfo, LayerError,
     Localization, Repeat, RequestResult, RunResult, TopLogprobs,
 )
 
-MIN_LOGPROB_TOL = 1e-6  # the repeat noise floor: a smaller tolerance cannot be met by any run
+V2_MIN_LOGPROB_TOL = 1e-6  # what files written before v3 may hold
+MIN_LOGPROB_TOL = NOISE_FLOOR  # a smaller tolerance cannot be met by a correct run on every CPU
 # A results file is a few hundred KB; anything far larger is not one, and reading it is a hang.
 MAX_FILE_BYTES = 256 * 1024 * 1024
 
@@ -162,8 +165,10 @@ def _arm(name: str, raw: Any, where: str, v2: bool) -> ArmResult:
     repeats = []
     for i, rep in enumerate(_get(raw, "repeats", list, where, optional=True) or []):
         rwhere = f"{where}.repeats[{i}]"
+        rep_evidence = rep.get("evidence") if isinstance(rep, dict) else None
         repeats.append(Repeat(_ints(_get(rep, "token_ids", list, rwhere), f"{rwhere}.token_ids"),
-                              _floats(_get(rep, "token_logprobs", list, rwhere), f"{rwhere}.token_logprobs")))
+                              _floats(_get(rep, "token_logprobs", list, rwhere), f"{rwhere}.token_logprobs"),
+                              None if rep_evidence is None else _evidence(rep_evidence, f"{rwhere}.evidence")))
     seconds = {key: _number(_get(raw, key, (int, float), where, optional=True) or 0.0, f"{where}.{key}")
                for key in ("seconds", "forced_seconds")}
     return ArmResult(
@@ -209,7 +214,9 @@ def _requests(raw: Any, where: str) -> tuple[RequestResult, ...]:
     for i, request in enumerate(raw):
         rwhere = f"{where}[{i}]"
         arms = _arms(_get(request, "arms", dict, rwhere), f"{rwhere}.arms", v2=True)
-        if len({a.deepstack for a in arms}) > 1:
+        # One DeepStack action in both modes; only the first request adds its eager power arm.
+        graph_actions = {a.deepstack for a in arms if not (i == 0 and a.name == SEQUENCE_POWER_ARM)}
+        if len(graph_actions) > 1:
             raise _Invalid(f"{rwhere}.arms mixes DeepStack actions; a request is one action in both modes")
         requests.append(RequestResult(
             label=_get(request, "label", str, rwhere),
@@ -290,9 +297,14 @@ def _case(raw: Any, where: str, v2: bool) -> CaseResult:
 def _config(raw: Any, v2: bool) -> dict:
     config = dict(_get(raw, "config", dict, "document"))
     tol = _number(_get(config, "logprob_tol", (int, float), "config"), "config.logprob_tol")
-    floor = MIN_LOGPROB_TOL if v2 else 0.0
+    # Files written before v3 held tolerances down to 1e-6: read them as written.
+    floor = V2_MIN_LOGPROB_TOL if v2 else 0.0
     if tol < floor:
         raise _Invalid(f"config.logprob_tol must be >= {floor:g}, got {tol}")
+    if config.get("logprob_mean_tol") is not None:
+        mean = _number(config["logprob_mean_tol"], "config.logprob_mean_tol")
+        if mean < floor:
+            raise _Invalid(f"config.logprob_mean_tol must be >= {floor:g}, got {mean}")
     if v2:
         margin = _number(_get(config, "tie_margin", (int, float), "config"), "config.tie_margin")
         if margin < 0:

@@ -19,12 +19,14 @@ from rich.markup import escape
 
 from parity.backends import BackendOptions, create_backend
 from parity.errors import UsageError
-from parity.experiment import CaseSpec, RunInterrupted, RunSpec, run_experiment
+from parity.experiment import CaseSpec, RunInterrupted, RunSpec, planned_arm_runs, run_experiment
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
+from parity.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary
 from parity.reporting.progress import progress_display
-from parity.reporting.report import print_table, render_markdown
-from parity.results import RunResult, write_atomically, write_results
+from parity.reporting.report import render_markdown
+from parity.reporting.terminal import print_table
+from parity.results import RunResult, dumps, write_atomically
 
 
 @dataclass(frozen=True)
@@ -104,40 +106,133 @@ def check_writable(option: str, path: Path, directory: bool) -> Path:
     return path
 
 
+# Seconds per generation of a tiny preset on one CPU core, measured with `parity run --fixture all
+# --scenario all` (126 generations) at 4, 20 and 40 new tokens on a loaded two-core machine.
+_TINY_SECONDS_PER_ARM = (0.15, 0.01)  # (fixed, per new token)
+# Above this many generations a run says how long it will take before it starts.
+LARGE_PLAN_ARMS = 500
+
+
+def plan_note(spec: RunSpec, model: str) -> str | None:
+    """'N arm runs planned, roughly M minutes' for a large plan; None for an ordinary one."""
+    runs = planned_arm_runs(spec)
+    if runs <= LARGE_PLAN_ARMS:
+        return None
+    if not model.startswith("tiny-"):
+        return f"{runs} arm runs planned (each a full generation of {model})"
+    fixed, per_token = _TINY_SECONDS_PER_ARM
+    minutes = runs * (fixed + per_token * spec.max_new_tokens) / 60
+    return f"{runs} arm runs planned, roughly {max(1, round(minutes))} minutes on a CPU"
+
+
+def check_buckets(buckets: str | Sequence[int], max_positions: int | None) -> None:
+    """A bucket past the model's context can never be filled, and capturing it costs without end."""
+    if isinstance(buckets, str) or max_positions is None:
+        return
+    too_large = [b for b in buckets if b > max_positions]
+    if too_large:
+        raise UsageError(f"--buckets {max(too_large)}: larger than the model's context of {max_positions} positions; "
+                         "no prompt can fill it")
+
+
+class RunStopped(Exception):
+    """A signal ended the run; `message` says what was kept, `exit_code` is 128 + the signal."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code_of(signum)
+        self.message = message
+
+
 def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
+    """Run, show the verdict, then write the run folder: results.json, report.md and JUnit first,
+    plots last. Ctrl-C or SIGTERM raises `RunStopped` after writing what finished."""
+    try:
+        result = _run(spec, backend, output, console)
+    except RunInterrupted as stop:
+        raise _kept(stop, output, console) from None
+    except KeyboardInterrupt as stop:  # before the plan was made: the model loading, a server starting
+        raise RunStopped(signal_of(stop), "interrupted: nothing had finished; nothing written") from None
+    print_table(result, console)  # the verdict is shown before any write that can fail
+    with deferred_stops(reraise=False) as noted:
+        _write_files(result, output, console)
+    if noted:
+        raise RunStopped(noted[-1], f"interrupted: the results are written in {output.run_dir}; no plots were drawn")
+    if output.plots:
+        result = _plotted(result, output, console)
+    console.print(f"results: {escape(str(output.run_dir / 'results.json'))}  "
+                  f"report: {escape(str(output.run_dir / 'report.md'))}", highlight=False)
+    return result
+
+
+def _run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
     engine = create_backend(backend, spec.max_new_tokens, output.run_dir)
     try:
-        with progress_display(console) as progress:
-            result = run_experiment(spec, engine, progress,
-                                    warn=lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
-    except RunInterrupted as interrupted:
-        write_outputs(interrupted.result, output, console, plots=False)
-        raise KeyboardInterrupt from None
-    result = write_outputs(result, output, console, plots=output.plots)
-    print_table(result, console)
-    console.print(f"results: {output.run_dir / 'results.json'}  report: {output.run_dir / 'report.md'}",
-                  highlight=False)
-    return result
+        check_buckets(backend.buckets, engine.max_positions)
+    except BaseException:
+        engine.close()
+        raise
+    with progress_display(console) as progress:
+        return run_experiment(spec, engine, progress,
+                              warn=lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
 
 
-def write_outputs(result: RunResult, output: OutputOptions, console: Console, plots: bool) -> RunResult:
-    """results.json first (the evidence must survive a failing plot), then plots, report, JUnit."""
-    results_path = output.run_dir / "results.json"
-    write_results(result, results_path)
-    if plots:
-        result = _with_plots(result, output.run_dir, console)
-        write_results(result, results_path)
-    markdown = render_markdown(result)
-    write_atomically(output.run_dir / "report.md", markdown)
+def _kept(stop: RunInterrupted, output: OutputOptions, console: Console) -> RunStopped:
+    """Write what finished, shielded from a second signal, and say what was kept."""
+    if stop.finished_arms == 0:
+        return RunStopped(stop.signum, "interrupted: nothing had finished; nothing written")
+    print_table(stop.result, console)
+    with deferred_stops(reraise=False):
+        _write_files(stop.result, output, console)
+    if not stop.result.interrupted:
+        return RunStopped(stop.signum, f"interrupted while localizing: every process parity started was stopped; "
+                                       f"the judged results, without localizations, are in {output.run_dir}")
+    return RunStopped(stop.signum, f"interrupted: every process parity started was stopped; the "
+                                   f"{stop.finished_arms} arm(s) that finished are in {output.run_dir}, "
+                                   "marked interrupted")
+
+
+def _write_files(result: RunResult, output: OutputOptions, console: Console) -> None:
+    """results.json, report.md, JUnit, the CI step summary: each whole or not at all."""
+    _write(output.run_dir / "results.json", dumps(result) + "\n", f"--out {output.run_dir}")
+    _write(output.run_dir / "report.md", render_markdown(result), f"--out {output.run_dir}")
     if output.junit is not None:
-        from parity.reporting.junit import write_junit
+        from parity.reporting.junit import junit_xml
 
-        write_junit(result, output.junit)
+        _write(output.junit, junit_xml(result), "--junit")
     try:
-        append_step_summary(markdown)
+        append_step_summary(render_markdown(result, images=False))
     except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning
-        console.print(f"[yellow]warning:[/] GITHUB_STEP_SUMMARY not written ({err.strerror or err})")
-    return result
+        console.print(f"[yellow]warning:[/] GITHUB_STEP_SUMMARY not written ({escape(err.strerror or str(err))})")
+
+
+def _write(path: Path, text: str, option: str) -> None:
+    try:
+        write_atomically(path, text)
+    except OSError as err:
+        raise UsageError(f"{option}: cannot write {path} ({err.strerror or err}); the verdict above was not "
+                         "saved there") from None
+
+
+def _plotted(result: RunResult, output: OutputOptions, console: Console) -> RunResult:
+    """The plots, then results.json and report.md again with them linked. A stop while plotting
+    keeps the files already written (their report has no plot links)."""
+    try:
+        plotted = _with_plots(result, output.run_dir, console)
+    except KeyboardInterrupt as stop:
+        raise RunStopped(signal_of(stop), f"interrupted while plotting: results.json, report.md and JUnit are "
+                                          f"written in {output.run_dir}; the plots are not linked") from None
+    try:
+        with deferred_stops():
+            write_atomically(output.run_dir / "results.json", dumps(plotted) + "\n")
+            write_atomically(output.run_dir / "report.md", render_markdown(plotted))
+    except OSError as err:
+        console.print("[yellow]warning:[/] plots drawn but not linked in report.md "
+                      f"({escape(err.strerror or str(err))})")
+        return result
+    except KeyboardInterrupt as stop:
+        raise RunStopped(signal_of(stop), f"interrupted: the results are written in {output.run_dir}") from None
+    return plotted
 
 
 def _with_plots(result: RunResult, run_dir: Path, console: Console) -> RunResult:
@@ -150,6 +245,7 @@ def _with_plots(result: RunResult, run_dir: Path, console: Console) -> RunResult
             if case.localization is not None:
                 case = dataclasses.replace(case, localization_plot=plot_localization(case, run_dir).name)
         except (OSError, ValueError, RuntimeError) as err:  # a plot is a view; results.json is already written
-            console.print(f"[yellow]warning:[/] no plot for {case.id} ({err.__class__.__name__}: {err})")
+            console.print(f"[yellow]warning:[/] no plot for {escape(case.id)} ({err.__class__.__name__}: "
+                          f"{escape(str(err))})")
         cases.append(case)
     return dataclasses.replace(result, cases=tuple(cases))

@@ -11,7 +11,9 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
-from parity.metrics import Tolerances, compare, first_divergence, tuple_text
+from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
+from parity.buckets import smallest_fitting
+from parity.evidence import Evidence
 from parity.results import ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 
 PASS = "PASS"
@@ -41,8 +43,9 @@ USAGE_EXIT = 2
 # Verdicts that say the set-up could not be trusted: a PASS in another case does not hide them.
 SETUP_FAULTS = (INCOMPLETE, INCONCLUSIVE_NONDETERMINISTIC, INCONCLUSIVE_NOT_REPLAYED)
 
-# An arm reproduces itself when ids are equal and logprobs agree to this (the noise floor).
-REPEAT_TOL = 1e-6
+# An arm reproduces itself when ids are equal and logprobs agree to this: the noise floor of a
+# correct replay on any x86 CPU (metrics.NOISE_FLOOR), not bit equality.
+REPEAT_TOL = NOISE_FLOOR
 
 
 @dataclass(frozen=True)
@@ -55,13 +58,18 @@ class Check:
     meaning: str
 
 
+POWER_CHECK = Check(EAGER_ZERO, EAGER_NORMAL, False, "power: DeepStack changes the eager answer")
 FOUR_ARM_CHECKS = (
     Check(BCG_NORMAL, EAGER_NORMAL, True, "graph replay preserves semantics"),
     Check(BCG_NORMAL, BCG_ZERO, False, "graph replay sees DeepStack"),
     Check(BCG_ZERO, EAGER_ZERO, True, "control: graph and eager agree with DeepStack ablated"),
-    Check(EAGER_ZERO, EAGER_NORMAL, False, "power: DeepStack changes the eager answer"),
+    POWER_CHECK,
 )
 FOUR_ARMS = (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO)
+# A sequence's first request (its image, DeepStack normal) is also run eagerly with DeepStack zeroed,
+# in the eager session: the sequence's power (design §3 v3). No graph arm runs it, so the graph
+# sequence is exactly the requests a server would see.
+SEQUENCE_POWER_ARM = EAGER_ZERO
 
 
 @dataclass(frozen=True)
@@ -71,11 +79,14 @@ class Rules:
     tolerances: Tolerances
     deepstack_layers: int | None  # None (a /1 file): inferred from the tap records
     backend: str = "transformers"
+    captured: tuple[int, ...] | None = None  # the buckets the run captured; None: not recorded
 
     @classmethod
     def of(cls, run: RunResult) -> "Rules":
-        return cls(Tolerances(run.logprob_tol, run.tie_margin), run.deepstack_layers,
-                   str(run.config.get("backend", "transformers")))
+        captured = run.config.get("captured_buckets")
+        return cls(Tolerances(run.logprob_tol, run.tie_margin, run.logprob_mean_tol), run.deepstack_layers,
+                   str(run.config.get("backend", "transformers")),
+                   None if captured is None else tuple(sorted(int(b) for b in captured)))
 
 
 @dataclass(frozen=True)
@@ -103,10 +114,13 @@ def groups(case: CaseResult) -> tuple[Group, ...]:
         return (Group(None, None, case.fixture, {a.name: a for a in case.arms}, FOUR_ARMS, FOUR_ARM_CHECKS),)
     out = []
     for i, request in enumerate(case.requests):
-        deepstack = request.arms[0].deepstack if request.arms else "normal"
-        check = sequence_check(deepstack)
-        out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms},
-                         (check.b, check.a), (check,)))
+        # A request's DeepStack action is its graph arm's (the power arm runs eagerly only).
+        graph_arm = next((a for a in request.arms if a.mode == "bcg"), request.arms[0] if request.arms else None)
+        check = sequence_check(graph_arm.deepstack if graph_arm else "normal")
+        needed, checks = (check.b, check.a), (check,)
+        if i == 0:
+            needed, checks = needed + (SEQUENCE_POWER_ARM,), checks + (POWER_CHECK,)
+        out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms}, needed, checks))
     return tuple(out)
 
 
@@ -148,12 +162,42 @@ def _consumes_deepstack(case: CaseResult, rules: Rules) -> bool:
     return any(tap_fired(arm) for arm in case.all_arms() if not arm.failed)
 
 
-def _not_replayed_reason(arm: ArmResult, rules: Rules) -> str | None:
-    shown = replay_shown(arm)
-    evidence = arm.evidence
+def runs_of(arm: ArmResult) -> tuple[tuple[str, Evidence | None, bool | None], ...]:
+    """(label, evidence, replay shown) of every run of the arm: the first, then each repeat. A repeat
+    without its own evidence (a file from before v3) is covered by the arm's, which merged them."""
+    runs = [(arm.name, arm.evidence, replay_shown(arm))]
+    for i, rep in enumerate(arm.repeats):
+        if rep.evidence is not None:
+            runs.append((f"{arm.name} (repeat {i + 2})", rep.evidence, rep.evidence.prefill_replayed))
+    return tuple(runs)
+
+
+def _bucket_fault(label: str, evidence: Evidence | None, rules: Rules) -> str | None:
+    """Why a replay's bucket breaks the policy (design §6 v3), or None: a replay must use the
+    smallest captured bucket that fits its prompt."""
+    if evidence is None or not evidence.prefill_replayed or evidence.prompt_tokens is None:
+        return None
+    tokens = evidence.prompt_tokens
+    small = [b for b in evidence.buckets if b < tokens]
+    if small:
+        return f"{label} replayed its {tokens}-token prompt in bucket {small[0]}, smaller than the prompt"
+    if rules.captured is None:
+        return None
+    stray = [b for b in evidence.buckets if b not in rules.captured]
+    if stray:
+        return f"{label} replayed in bucket {stray[0]}, which the run never captured ({list(rules.captured)})"
+    policy = smallest_fitting(rules.captured, tokens)
+    if policy not in evidence.buckets:
+        return (f"{label} replayed its {tokens}-token prompt in bucket {evidence.buckets[0]}, but the bucket "
+                f"policy assigns bucket {policy} (the smallest captured bucket that fits)")
+    return None
+
+
+def _not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, shown: bool | None,
+                         rules: Rules) -> str | None:
     if arm.mode == "eager":
         if shown or (evidence is not None and evidence.replayed_calls > 0):
-            return (f"{arm.name} is an eager arm but ran by graph replay, so it is not an eager reference; "
+            return (f"{label} is an eager arm but ran by graph replay, so it is not an eager reference; "
                     "check that the eager path really disables the prefill graph")
         return None
     if shown is True:
@@ -170,7 +214,7 @@ def _not_replayed_reason(arm: ArmResult, rules: Rules) -> str | None:
                 "decided NONE)")
     else:
         hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
-    return (f"{arm.name}: the prefill of its {tokens}-token prompt {how} (largest bucket: {largest}), "
+    return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
             f"so the graph path was not tested; {hint}")
 
 
@@ -207,26 +251,33 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
             if group.fixture is not None and not tap_fired(arm):
                 return Verdict(ERROR, f"{group.where(n)}arm {arm.name} shows no tap call at its LM entry for an "
                                       "image request: the DeepStack ablation cannot be trusted")
+    for group, arm in present:  # rule 1c: a replay outside the bucket policy is a runner fault
+        for label, evidence, _ in runs_of(arm):
+            fault = _bucket_fault(label, evidence, rules)
+            if fault:
+                return Verdict(ERROR, f"{group.where(n)}{fault}")
     for group in all_groups:  # rule 2
         missing = [name for name in group.needed if name not in group.arms]
         if missing:
             return Verdict(INCOMPLETE, f"{group.where(n)}arm(s) not run: {', '.join(missing)}")
+    # Rule 4 before rule 3, per run: a repeat that took another path did not "fail to reproduce".
+    for group, arm in present:
+        for label, evidence, shown in runs_of(arm):
+            reason = _not_replayed_reason(label, arm, evidence, shown, rules)
+            if reason:
+                return Verdict(INCONCLUSIVE_NOT_REPLAYED, group.where(n) + reason)
     for group, arm in present:  # rule 3
         reproduced, worst = self_delta(arm)
         if not reproduced:
             return Verdict(INCONCLUSIVE_NONDETERMINISTIC,
                            f"{group.where(n)}arm {arm.name} does not reproduce itself "
                            f"(self-delta {worst:.3g} > {REPEAT_TOL:g} or ids differ)")
-    for group, arm in present:  # rule 4
-        reason = _not_replayed_reason(arm, rules)
-        if reason:
-            return Verdict(INCONCLUSIVE_NOT_REPLAYED, group.where(n) + reason)
     leak = _leak_verdict(all_groups, n)  # an engine that leaked stale DeepStack rows never passes
     if leak is not None:
         return leak
     by_key = {(c.a, c.b, c.request): c for c in comparisons}
     if case.is_sequence:
-        return _sequence_verdict(all_groups, by_key, n, tol)
+        return _sequence_verdict(all_groups, by_key, n, rules.tolerances)
     return _four_arm_verdict(by_key, tol)
 
 
@@ -277,14 +328,32 @@ def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:
     return Verdict(FAIL_GRAPH_DIVERGES, f"{_describe(same, tol)}: graph replay differs from eager")  # rule 9
 
 
-def _sequence_verdict(all_groups: tuple[Group, ...], by_key: Mapping, n: int, tol: float) -> Verdict:
+def _sequence_verdict(all_groups: tuple[Group, ...], by_key: Mapping, n: int, tolerances: Tolerances) -> Verdict:
+    tol = tolerances.logprob_tol
+    first = all_groups[0]
+    power = by_key[(POWER_CHECK.a, POWER_CHECK.b, first.request)]
+    if power.match:  # rule 5: the sequence cannot show that DeepStack reached the graph at all
+        return Verdict(INCONCLUSIVE_NO_POWER,
+                       f"{first.where(n)}{_describe(power, tol)}: zeroing DeepStack does not change the eager "
+                       "answer to the sequence's image request, so the sequence proves nothing about DeepStack")
     for group in all_groups:
         check = group.checks[0]
         c = by_key[(check.a, check.b, group.request)]
-        if not c.match:
+        if c.match:
+            continue
+        if group is not first:
             return Verdict(FAIL_STALE_STATE,
                            f"{group.where(n)}{_describe(c, tol)}: after the requests before it, the graph "
                            "sequence answers differently from the eager one")
+        # Nothing ran before the first request: no state can be stale. Name what it is.
+        dropped = compare(group.arms[check.a], group.arms[SEQUENCE_POWER_ARM], tolerances, group.request)
+        if dropped.match:
+            return Verdict(FAIL_DEEPSTACK_DROPPED,
+                           f"{group.where(n)}{c.a} vs {SEQUENCE_POWER_ARM} {tuple_text(dropped, tol)}: the graph "
+                           "answers the sequence's first request as if DeepStack were zero")
+        return Verdict(FAIL_GRAPH_DIVERGES,
+                       f"{group.where(n)}{_describe(c, tol)}: graph replay differs from eager on the sequence's "
+                       "first request, before any state could go stale")
     return Verdict(PASS, f"all {n} requests of the graph sequence answer as the eager sequence")
 
 

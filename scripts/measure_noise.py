@@ -1,83 +1,209 @@
-"""The numeric noise of a correct (fixed) runner: what `--logprob-tol auto` is chosen from.
+"""The numeric noise of a correct (fixed) runner, and the effect of every planted runner bug: what
+`--logprob-tol auto` is chosen from (docs/verdicts.md, "Tolerances").
 
-For every embedded preset with DeepStack, seed, built-in fixture and dtype, one four-arm run of the
-fixed runner; reported per (preset, dtype): the largest logprob delta and teacher-forced delta of
-the two comparisons a correct runtime must match (bcg vs eager, normal and zeroed), how often the
-tokens flipped (and whether every flip was a near-tie), and how many cases passed with the auto
-tolerance. The legacy runner is run alongside as the negative control: every case must FAIL.
+The sweep is several times wider than the tests': every embedded preset with DeepStack, several
+seeds, every built-in fixture plus generated images of other sizes and aspect ratios, two prompts
+each (one the tests never use), 64 new tokens, fp32 and bf16, the four-arm and stream scenarios. For every
+comparison a correct runtime must match (bcg vs eager, in four-arm and in every stream request) it
+records the largest and the mean |Δ logprob| over the compared steps, whether the tokens flipped
+and whether a flip was a near-tie. Then every planted bug (tests/mutants.py, `--runner legacy`,
+`--runner no-clear`) runs on a smaller plan, and its effect is the strongest signal among the
+comparisons that a correct runtime would match.
 
-    python scripts/measure_noise.py [--seeds 0 1 2 3 4] [--dtypes float32 bfloat16] [--device cpu|cuda]
+    python scripts/measure_noise.py [--seeds 0 1] [--dtypes float32 bfloat16]
+        [--max-new-tokens 64] [--device cpu|cuda] [--jsonl OUT.jsonl]
+
+Prints one summary block per dtype; `--jsonl` keeps every comparison's figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
-from collections import defaultdict
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_arms  # noqa: E402
+from parity.arms import select_arms  # noqa: E402
 from parity.backends import PRESET_THREADS  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
-from parity.experiment import CaseSpec, RunSpec, auto_logprob_tol, run_experiment  # noqa: E402
-from parity.fixtures import builtin_fixtures, default_prompts  # noqa: E402
-from parity.graph_runner import RunnerVariant  # noqa: E402
+from parity.experiment import CaseSpec, RunSpec, run_experiment  # noqa: E402
+from parity.fixtures import Fixture, Prompt, builtin_fixtures, default_prompts  # noqa: E402
+from parity.graph_runner import PrefillGraphRunner, RunnerVariant  # noqa: E402
+from parity.metrics import auto_tolerances, first_divergence, forced_deltas, is_tie, position_deltas  # noqa: E402
 from parity.models import load_model  # noqa: E402
+from parity.verdict import checks_for  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tests"))
+import mutants  # noqa: E402
 
 PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")
-MUST_MATCH = ((BCG_NORMAL, EAGER_NORMAL), (BCG_ZERO, EAGER_ZERO))
+EXTRA_PROMPT = Prompt("unusual", "What is unusual about this picture? Answer briefly.")
+# Sizes and aspect ratios the built-in fixtures do not have (width, height).
+GENERATED_SIZES = ((64, 64), (224, 56), (56, 224), (160, 120))
 
 
-def sweep(presets, seeds, dtypes, max_new_tokens: int, device: str = "cpu"):
-    cases = tuple(CaseSpec(f, p) for f in builtin_fixtures() for p in default_prompts(f))
-    rows = defaultdict(lambda: defaultdict(float))
-    for preset in presets:
-        for seed in seeds:
-            for dtype in dtypes:
-                loaded = load_model(preset, device=device, dtype=dtype, seed=seed)
-                for variant in (RunnerVariant.FIXED, RunnerVariant.LEGACY):
-                    spec = RunSpec(model=preset, arms=select_arms("all"), cases=cases, max_new_tokens=max_new_tokens)
-                    run = run_experiment(spec, TransformersBackend(loaded, max_new_tokens=max_new_tokens,
-                                                                   runner_variant=variant))
-                    row = rows[(preset, dtype)]
-                    for case in run.cases:
-                        row[f"{variant.value} cases"] += 1
-                        row[f"{variant.value} {case.verdict.code}"] += 1
-                        if variant is RunnerVariant.LEGACY:
-                            continue
-                        for a, b in MUST_MATCH:
-                            c = case.comparison(a, b)
-                            row["max logprob delta"] = max(row["max logprob delta"], c.logprob_delta)
-                            row["max tf delta"] = max(row["max tf delta"], c.tf_delta or 0.0)
-                            if not c.token_match:
-                                row["flips"] += 1
-                                row["near-tie flips"] += c.tie
-                        power = case.comparison(EAGER_ZERO, EAGER_NORMAL)
-                        first = power.first_token_divergence
-                        row["power: first token changes"] += first == 0
-    return rows
+def generated_images() -> list[Fixture]:
+    """Smooth random colour fields of other sizes: 'user images' the tests never use."""
+    out = []
+    for i, (w, h) in enumerate(GENERATED_SIZES):
+        rng = np.random.default_rng(1000 + i)
+        coarse = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
+        image = Image.fromarray(coarse, mode="RGB").resize((w, h), Image.BICUBIC)
+        out.append(Fixture(f"generated-{w}x{h}", image))
+    return out
+
+
+def images() -> list[Fixture]:
+    return builtin_fixtures() + generated_images()
+
+
+def cases(stream: bool) -> tuple[CaseSpec, ...]:
+    """Four-arm: every image with its own first prompt and another; stream: the first prompt only."""
+    prompts = (lambda f: (default_prompts(f)[0],)) if stream else (lambda f: (default_prompts(f)[0], EXTRA_PROMPT))
+    return tuple(CaseSpec(f, p) for f in images() for p in prompts(f))
+
+
+@dataclass
+class Figures:
+    """Every must-match comparison's (max |Δ|, mean |Δ|) over its compared steps, when tokens match."""
+
+    matched: list[tuple[float, float]] = field(default_factory=list)
+    ties: list[tuple[float, float]] = field(default_factory=list)  # teacher-forced, of near-tie flips
+    flips: int = 0  # token flips that were not near-ties (a correct runner should have none)
+    comparisons: int = 0
+
+    def add(self, a, b, margin: float, rows: list, tag: dict) -> None:
+        self.comparisons += 1
+        divergence = first_divergence(a.token_ids, b.token_ids)
+        if divergence is None:
+            d = position_deltas(a.token_logprobs, b.token_logprobs, None)
+            self.matched.append((max(d, default=0.0), float(np.mean(d)) if d else 0.0))
+            kind = "match"
+        elif is_tie(a, b, divergence, margin) and forced_deltas(a, b):
+            d = forced_deltas(a, b)
+            self.ties.append((max(d), float(np.mean(d))))
+            kind = "tie"
+        else:
+            self.flips += 1
+            kind, d = "flip", ()
+        rows.append({**tag, "a": a.name, "b": b.name, "kind": kind,
+                     "max": max(d, default=0.0), "mean": float(np.mean(d)) if d else 0.0})
+
+
+def must_match(run):
+    for case in run.cases:
+        for group, check in checks_for(case):
+            if check.expect_match and check.a in group.arms and check.b in group.arms:
+                a, b = group.arms[check.a], group.arms[check.b]
+                if not a.failed and not b.failed:
+                    yield case, a, b
+
+
+def run_once(loaded, plan, scenarios, max_new_tokens, runner_class=PrefillGraphRunner,
+             variant=RunnerVariant.FIXED, backend_class=TransformersBackend):
+    spec = RunSpec(model=loaded.name, arms=select_arms("all"), cases=plan, scenarios=scenarios,
+                   max_new_tokens=max_new_tokens)
+    backend = backend_class(loaded, max_new_tokens=max_new_tokens, runner_variant=variant, runner_class=runner_class)
+    return run_experiment(spec, backend)
+
+
+def noise(args, rows) -> dict[str, Figures]:
+    figures: dict[str, Figures] = {}
+    for dtype in args.dtypes:
+        fig = figures.setdefault(dtype, Figures())
+        for preset in args.presets:
+            for seed in args.seeds:
+                start = time.perf_counter()
+                loaded = load_model(preset, device=args.device, dtype=dtype, seed=seed)
+                runs = [run_once(loaded, cases(stream), (scenario,), args.max_new_tokens)
+                        for stream, scenario in ((False, "four-arm"), (True, "stream"))]
+                for run in runs:
+                    for case, a, b in must_match(run):
+                        fig.add(a, b, 0.1, rows, {"dtype": dtype, "preset": preset, "seed": seed, "case": case.id})
+                print(f"  noise {preset} seed {seed} {dtype}: {sum(len(r.cases) for r in runs)} cases, "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return figures
+
+
+BUGS = {
+    "legacy (no DeepStack slot)": dict(variant=RunnerVariant.LEGACY),
+    "no-clear (slot never cleared)": dict(variant=RunnerVariant.NO_CLEAR),
+    **{cls.__name__: dict(runner_class=cls) for cls in mutants.ANSWER_BUGS},
+}
+
+
+def bug_effects(args) -> dict[str, dict[str, tuple[float, float, int]]]:
+    """Per dtype and bug: the smallest, over cases where a correct runner matches, of the bug's
+    strongest signal (max |Δ| of its worst must-match comparison; inf when tokens flip), and the
+    number of cases."""
+    plan = tuple(CaseSpec(f, default_prompts(f)[0]) for f in builtin_fixtures()[:3])
+    out: dict[str, dict[str, tuple[float, float, int]]] = {}
+    for dtype in args.dtypes:
+        for name, how in BUGS.items():
+            smallest_max, smallest_mean, n = math.inf, math.inf, 0
+            for preset in args.presets:
+                loaded = load_model(preset, device=args.device, dtype=dtype, seed=args.seeds[0])
+                run = run_once(loaded, plan, ("four-arm", "stream"), min(args.max_new_tokens, 20), **how)
+                worst: dict[str, tuple[float, float]] = {}
+                for case, a, b in must_match(run):
+                    key = case.id.split("/", 1)[-1] if case.scenario != "four-arm" else case.id
+                    if first_divergence(a.token_ids, b.token_ids) is not None:
+                        signal = (math.inf, math.inf)
+                    else:
+                        d = position_deltas(a.token_logprobs, b.token_logprobs, None)
+                        signal = (max(d, default=0.0), float(np.mean(d)) if d else 0.0)
+                    worst[key] = max(worst.get(key, (0.0, 0.0)), signal)
+                for signal in worst.values():
+                    smallest_max, smallest_mean = min(smallest_max, signal[0]), min(smallest_mean, signal[1])
+                    n += 1
+            out.setdefault(dtype, {})[name] = (smallest_max, smallest_mean, n)
+            print(f"  bug {name} {dtype}: done", file=sys.stderr, flush=True)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--max-new-tokens", type=int, default=20)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--jsonl", type=Path, help="write every must-match comparison's figures here")
+    parser.add_argument("--skip-bugs", action="store_true", help="only the noise sweep")
     args = parser.parse_args()
     torch.set_num_threads(PRESET_THREADS)
-    rows = sweep(args.presets, args.seeds, args.dtypes, args.max_new_tokens, args.device)
-    for (preset, dtype), row in rows.items():
-        print(f"{preset} {dtype} (auto logprob_tol {auto_logprob_tol(dtype):g}):")
-        for key in sorted(row):
-            value = row[key]
-            print(f"  {key:40} {value:.3g}" if isinstance(value, float) and not value.is_integer() else
-                  f"  {key:40} {int(value)}")
+    rows: list[dict] = []
+    figures = noise(args, rows)
+    effects = {} if args.skip_bugs else bug_effects(args)
+    if args.jsonl:
+        args.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    print(f"sweep: {len(args.presets)} presets x {len(args.seeds)} seeds x ({len(cases(False))} four-arm + "
+          f"{len(cases(True))} stream cases) x {args.max_new_tokens} new tokens, device {args.device}")
+    for dtype, fig in figures.items():
+        tol = auto_tolerances(dtype)
+        maxes = [m for m, _ in fig.matched + fig.ties]
+        means = [m for _, m in fig.matched + fig.ties]
+        print(f"{dtype}: auto tolerance max {tol.logprob_tol:g}, mean {tol.mean_tol}")
+        print(f"  must-match comparisons {fig.comparisons}: {len(fig.matched)} token-equal, "
+              f"{len(fig.ties)} near-tie flips, {fig.flips} other flips")
+        if maxes:
+            print(f"  largest max |Δ| {max(maxes):.3g} (p99 {np.percentile(maxes, 99):.3g}), "
+                  f"largest mean |Δ| {max(means):.3g} (p99 {np.percentile(means, 99):.3g})")
+            print(f"  margin: max bound / largest max = {tol.logprob_tol / max(max(maxes), 1e-12):.3g}x"
+                  + (f", mean bound / largest mean = {tol.mean_tol / max(max(means), 1e-12):.3g}x"
+                     if tol.mean_tol is not None else ""))
+        for name, (smax, smean, n) in effects.get(dtype, {}).items():
+            print(f"  bug {name:36} smallest effect over {n} cases: max |Δ| {smax:.3g}, mean |Δ| {smean:.3g}")
 
 
 if __name__ == "__main__":

@@ -141,8 +141,10 @@ def fixed_arms() -> tuple[ArmResult, ...]:
     return four_arms(bcg_normal=NORMAL_IDS)
 
 
-def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "stream/rgb-stripes/describe"):
-    """The five requests of a stream case; eager answers request i with ids (i*10+1, ...)."""
+def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "stream/rgb-stripes/describe",
+                power_ids: Sequence[int] | None = None):
+    """The five requests of a stream case; eager answers request i with ids (i*10+1, ...). The first
+    request's power arm (eager, DeepStack zeroed) answers `power_ids`, by default request 2's answer."""
     specs = [("image", True, "normal"), ("image, DeepStack zeroed", True, "zero"), ("twin image", True, "normal"),
              ("text only", False, "normal"), ("image again", True, "normal")]
     eager_ids = [tuple(range(i * 10 + 1, i * 10 + 6)) for i in range(len(specs))]
@@ -155,4 +157,7 @@ def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "
             make_arm(eager, e_ids, evidence=make_evidence("eager", tap_calls=tap)),
             make_arm(bcg, b_ids, evidence=make_evidence("bcg", tap_calls=tap)),
         ]))
+    power = make_arm(EAGER_ZERO, eager_ids[1] if power_ids is None else power_ids,
+                     evidence=make_evidence("eager", tap_calls=1))
+    requests[0][2].append(power)
     return make_sequence(requests, case_id)

@@ -156,7 +156,9 @@ def test_zero_cost_for_nodeepstack_model_and_exact_cost_for_tiny(tiny, tiny_node
     assert nbytes == 64 * tiny.adapter.hidden_size * 3 * 4 and slot.shape == (64, tiny.adapter.hidden_size * 3)
 
 
-def test_only_the_buckets_a_run_uses_are_captured(tiny):
+def test_buckets_are_captured_as_a_server_has_them(tiny):
+    """auto: SGLang's ladder up to the largest bucket the prompts need, the smaller ones included,
+    so a single-fixture run meets buckets smaller than its own; an explicit list: all of it."""
     from parity.backends.transformers_backend import TransformersBackend
 
     explicit = TransformersBackend(tiny, max_new_tokens=1, buckets=BucketPolicy((16, 32, 64, 128), 4096))
@@ -164,7 +166,8 @@ def test_only_the_buckets_a_run_uses_are_captured(tiny):
     auto = TransformersBackend(tiny, max_new_tokens=1)
     auto.prepare(["bcg"], [39, 49, 4])
     try:
-        assert explicit.runner.buckets == (32, 64) and auto.runner.buckets == (4, 48, 64)
+        assert explicit.runner.buckets == (16, 32, 64, 128)
+        assert auto.runner.buckets == (4, 8, 12, 16, 20, 24, 28, 32, 48, 64) and auto.max_bucket == 64
     finally:
         explicit.close()
         auto.close()

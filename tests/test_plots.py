@@ -10,6 +10,7 @@ from PIL import Image
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.metrics import Tolerances, compare
 from parity.reporting.plots import PLOT_SIZE_PX, comparable_pairs, plot_case, plot_filename, position_deltas
+from parity.results import LayerError, Localization
 from tests.helpers_runs import NORMAL_IDS, fixed_arms, four_arms, legacy_arms, make_arm, make_case, make_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -95,3 +96,36 @@ def test_plot_filename_is_flat_and_safe():
     assert plot_filename("../etc/pass wd") == "__etc__pass_wd.png"
     assert plot_filename("") == "case.png"
     assert "/" not in plot_filename("a/b/c/d") and plot_filename("a b") != plot_filename("a/b")
+
+
+@pytest.mark.parametrize("case_of", ["four-arm failing", "stream failing", "localized"])
+def test_the_legend_stays_inside_the_image(case_of):
+    from dataclasses import replace
+
+    from parity.reporting.plots import case_figure, localization_figure
+    from tests.helpers_runs import ZERO_IDS, legacy_arms, stream_case
+
+    if case_of == "stream failing":  # five comparisons, one of them flagged: the longest legend
+        case, run = _judged_case(stream_case(bcg_ids=[(7,) * 5] * 5))
+        figure = case_figure(case, run)
+    elif case_of == "four-arm failing":
+        case, run = _judged(legacy_arms())
+        figure = case_figure(case, run)
+    else:
+        case, run = _judged(legacy_arms())
+        points = tuple(LayerError(i // 2, i // 2 if i % 2 else None, 10.0 ** (i - 6)) for i in range(8))
+        case = replace(case, localization=Localization(arm="bcg_normal", reference="eager_normal", request=None,
+                                                       threshold=1e-4, points=points, first=3))
+        figure = localization_figure(case)
+    figure.canvas.draw()
+    (legend,) = figure.legends
+    box, image = legend.get_window_extent(), figure.bbox
+    assert image.x0 <= box.x0 and box.x1 <= image.x1 and image.y0 <= box.y0 and box.y1 <= image.y1, (box, image)
+    axes = figure.axes[0].get_window_extent()
+    assert box.y1 <= axes.y0  # below the axes: it covers no data
+    assert (figure.get_figwidth() * figure.dpi, figure.get_figheight() * figure.dpi) == PLOT_SIZE_PX
+
+
+def _judged_case(case):
+    run = make_run([case])
+    return run.cases[0], run

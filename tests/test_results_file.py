@@ -136,7 +136,8 @@ def test_a_v1_file_never_passes_on_missing_or_contrary_evidence(tmp_path: Path, 
     assert judge_run(load_results(path)).verdict.code == code
 
 
-def test_a_v1_reuse_case_without_evidence_is_not_replayed(tmp_path: Path):
+def test_a_v1_reuse_case_never_passes(tmp_path: Path):
+    """A /1 reuse case has neither evidence nor the power arm v3 asks of every sequence."""
     doc = v1_doc()
     case = doc["cases"][0]
     case.update(id="reuse/rgb-stripes/describe", scenario="reuse", primer="image request")
@@ -145,4 +146,5 @@ def test_a_v1_reuse_case_without_evidence_is_not_replayed(tmp_path: Path):
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(doc))
     run = judge_run(load_results(path))
-    assert run.cases[0].requests[0].label.startswith("follow-up") and run.verdict.code == "INCONCLUSIVE_NOT_REPLAYED"
+    assert run.cases[0].requests[0].label.startswith("follow-up") and run.verdict.code == "INCOMPLETE"
+    assert "eager_zero_deepstack" in run.verdict.reason

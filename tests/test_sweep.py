@@ -1,12 +1,12 @@
-"""The verdicts hold on every preset, fixture and dtype, and for any seed: not a picked seed.
+"""The verdicts hold on every preset, fixture and dtype, and not only for a picked seed.
 
-Over 5 seeds x every preset with DeepStack x every built-in fixture x {fp32, bf16}, the fixed
+Over 2 seeds x every preset with DeepStack x every built-in fixture x {fp32, bf16}, the fixed
 runner PASSes every case and the legacy runner (the upstream drop) is FAIL_DEEPSTACK_DROPPED in
-every case; and `--scenario all` passes on every preset and fixture in both dtypes.
+every case; and `--scenario all` passes on every preset in both dtypes.
 
-The seed sweep generates SWEEP_TOKENS tokens per arm to fit the suite's time budget: the drop shows
-at the first token, and noise flips are exercised at full length by the scenario test (20 tokens,
-three scenarios) and by `scripts/measure_noise.py` (every prompt, 20 tokens, the same 5 seeds).
+This is the suite's sweep, sized to its time budget: the drop shows at the first token. The wide
+sweep the tolerances are chosen from (more seeds, prompts, image sizes, 64 tokens, every planted
+bug) is `scripts/measure_noise.py`, a benchmark run by hand, not by every test run.
 """
 
 import pytest
@@ -19,16 +19,18 @@ from parity.graph_runner import RunnerVariant
 from parity.models import load_model
 from parity.results import SCENARIOS
 
-SEEDS = (0, 1, 2, 3, 4)
+SEEDS = (0, 3)
 DTYPES = ("float32", "bfloat16")
-SWEEP_TOKENS = 10
+SWEEP_TOKENS = 8
 CASES = tuple(CaseSpec(f, default_prompts(f)[0]) for f in builtin_fixtures())
+SCENARIO_CASES = CASES[:3]  # rgb-stripes, checkerboard, gradient-circle
 
 
 def _verdicts(preset: str, dtype: str, seed: int = 0, variant: RunnerVariant = RunnerVariant.FIXED,
-              scenarios: tuple[str, ...] = ("four-arm",), max_new_tokens: int = SWEEP_TOKENS) -> dict[str, str]:
+              scenarios: tuple[str, ...] = ("four-arm",), max_new_tokens: int = SWEEP_TOKENS,
+              cases=CASES) -> dict[str, str]:
     loaded = load_model(preset, device="cpu", dtype=dtype, seed=seed)
-    spec = RunSpec(model=preset, arms=select_arms("all"), cases=CASES, scenarios=scenarios,
+    spec = RunSpec(model=preset, arms=select_arms("all"), cases=cases, scenarios=scenarios,
                    max_new_tokens=max_new_tokens)
     run = run_experiment(spec, TransformersBackend(loaded, max_new_tokens=max_new_tokens, runner_variant=variant))
     return {case.id: case.verdict.code for case in run.cases}
@@ -48,9 +50,25 @@ def test_fixed_passes_and_legacy_drops_for_every_seed_fixture_and_dtype(preset, 
     ("tiny-qwen3-vl-nodeepstack", "float32"),
 ])
 def test_every_scenario_passes_on_every_preset_and_fixture(preset, dtype):
-    verdicts = _verdicts(preset, dtype, scenarios=SCENARIOS, max_new_tokens=20)
-    assert len(verdicts) == 3 * len(CASES)
+    verdicts = _verdicts(preset, dtype, scenarios=SCENARIOS, max_new_tokens=12, cases=SCENARIO_CASES)
+    assert len(verdicts) == 3 * len(SCENARIO_CASES)
     for case_id, code in verdicts.items():
-        # A model without DeepStack has nothing to prove in the four-arm case; its sequences must agree.
-        four_arm = not case_id.startswith(("reuse/", "stream/"))
-        assert code == ("INCONCLUSIVE_NO_POWER" if four_arm and "nodeepstack" in preset else "PASS"), (case_id, code)
+        # A model without DeepStack has nothing to prove, in any scenario (design §3 v3).
+        assert code == ("INCONCLUSIVE_NO_POWER" if "nodeepstack" in preset else "PASS"), (case_id, code)
+
+
+def test_bf16_correct_runner_passes_on_prompts_and_images_the_tuning_never_saw():
+    """The issue's false FAIL: the fixed runner on the MoE preset in bf16 with other prompts and user
+    images of other sizes was FAIL_CONTROL_DIVERGES on (49, True, 0.128) under v2's flat 0.1."""
+    import numpy as np
+    from PIL import Image
+
+    from parity.fixtures import Fixture, Prompt
+
+    rng = np.random.default_rng(7)
+    images = [Fixture(f"user-{w}x{h}", Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8))
+                      .resize((w, h), Image.BICUBIC)) for w, h in ((200, 72), (72, 160))]
+    prompts = [Prompt("odd", "Is anything odd here? Say it briefly."), Prompt("list", "List what you see.")]
+    cases = tuple(CaseSpec(f, p) for f in images for p in prompts)
+    verdicts = _verdicts("tiny-qwen3-vl-moe", "bfloat16", seed=1, max_new_tokens=24, cases=cases)
+    assert set(verdicts.values()) == {"PASS"}, verdicts

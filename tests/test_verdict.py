@@ -68,7 +68,7 @@ def test_row4_a_bcg_arm_that_did_not_replay_never_passes_or_fails(arms, replayed
     for name in (BCG_NORMAL, BCG_ZERO):
         v = verdict_of(with_arm(arms, name, evidence=make_evidence("bcg", replayed=replayed, max_bucket=16)))
         assert v.code == "INCONCLUSIVE_NOT_REPLAYED" and exit_code(v) == 3
-        assert name in v.reason and "39-token prompt" in v.reason and "largest bucket: 16" in v.reason
+        assert name in v.reason and "39-token prompt" in v.reason and "largest captured bucket: 16" in v.reason
         assert "--buckets auto" in v.reason
 
 
@@ -159,7 +159,34 @@ def test_a_tie_without_teacher_forced_scores_does_not_match():
 def test_stream_passes_when_every_request_matches_eager():
     run = make_run([stream_case()])
     assert run.verdict.code == "PASS" and "all 5 requests" in run.verdict.reason
-    assert [c.request for c in run.cases[0].comparisons] == [0, 1, 2, 3, 4]
+    assert [c.request for c in run.cases[0].comparisons] == [0, 0, 1, 2, 3, 4]
+    power = run.cases[0].comparisons[1]
+    assert (power.a, power.b, power.match) == (EAGER_ZERO, EAGER_NORMAL, False)
+
+
+def test_a_sequence_without_power_never_passes():
+    """A stream whose eager image answer does not move when DeepStack is zeroed proves nothing,
+    even when every graph request matches eager (the legacy drop passes such a sequence)."""
+    v = make_run([stream_case(power_ids=tuple(range(1, 6)))]).verdict
+    assert v.code == "INCONCLUSIVE_NO_POWER" and exit_code(v) == 3
+    assert "request 1 of 5 (image)" in v.reason and "eager_zero_deepstack vs eager_normal" in v.reason
+    # A sequence case needs its power arm: a file without it is incomplete, not a PASS.
+    case = stream_case()
+    first = case.requests[0]
+    case = replace(case, requests=(replace(first, arms=first.arms[:2]),) + case.requests[1:])
+    v = make_run([case]).verdict
+    assert v.code == "INCOMPLETE" and "eager_zero_deepstack" in v.reason
+
+
+def test_a_sequence_that_fails_its_first_request_names_the_drop_or_the_divergence():
+    eager_like = [tuple(range(i * 10 + 1, i * 10 + 6)) for i in range(5)]
+    dropped = [eager_like[1]] + eager_like[1:]  # the first image answers as with DeepStack zeroed
+    v = make_run([stream_case(dropped)]).verdict
+    assert v.code == "FAIL_DEEPSTACK_DROPPED" and "request 1 of 5 (image)" in v.reason
+    assert "stale" not in v.reason
+    other = [(99, 98, 97, 96, 95)] + eager_like[1:]
+    v = make_run([stream_case(other)]).verdict
+    assert v.code == "FAIL_GRAPH_DIVERGES" and "before any state could go stale" in v.reason
 
 
 def test_stream_names_the_first_request_that_differs_and_its_position():
@@ -186,14 +213,15 @@ def test_reuse_judges_its_primer_too():
 
         return make_sequence([
             ("primer (image)", True, [make_arm(EAGER_NORMAL, NORMAL_IDS),
-                                      make_arm(BCG_NORMAL, primer_bcg, evidence=make_evidence("bcg", replayed=primer_replayed))]),
+                                      make_arm(BCG_NORMAL, primer_bcg, evidence=make_evidence("bcg", replayed=primer_replayed)),
+                                      make_arm(EAGER_ZERO, ZERO_IDS)]),
             ("follow-up (text only)", False, [make_arm(EAGER_NORMAL, ZERO_IDS, evidence=make_evidence("eager", tap_calls=0)),
                                               make_arm(BCG_NORMAL, ZERO_IDS, evidence=make_evidence("bcg", tap_calls=0))]),
         ], "reuse/rgb-stripes/describe", "reuse")
 
     assert make_run([reuse(NORMAL_IDS)]).verdict.code == "PASS"
     v = make_run([reuse(ZERO_IDS)]).verdict
-    assert v.code == "FAIL_STALE_STATE" and "request 1 of 2 (primer (image))" in v.reason
+    assert v.code == "FAIL_DEEPSTACK_DROPPED" and "request 1 of 2 (primer (image))" in v.reason
     assert make_run([reuse(NORMAL_IDS, primer_replayed=False)]).verdict.code == "INCONCLUSIVE_NOT_REPLAYED"
 
 

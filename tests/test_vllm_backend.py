@@ -83,8 +83,9 @@ def test_every_scenario_passes_in_the_default_mode_with_evidence_from_dispatch(t
         assert evidence.prefill_replayed is bcg and (evidence.replayed_calls > 0) is bcg, (name, evidence)
         assert evidence.tap_calls >= 2  # the generation's prefill and every scoring prefill carry image rows
         assert arm.deepstack_record.nonzero_rows == 16 and arm.deepstack_record.replay is bcg
-        if bcg:  # PIECEWISE prefills in their ladder bucket, FULL decode steps in bucket 1
-            assert evidence.buckets[0] == 1 and max(evidence.buckets) <= evidence.max_bucket
+        if bcg:  # PIECEWISE prefills in their ladder buckets, and FULL decode steps: every step replayed
+            assert min(evidence.buckets) >= arm.deepstack_record.shape[0] and max(evidence.buckets) <= evidence.max_bucket
+            assert evidence.replayed_calls == evidence.lm_calls
     # The eager and graph servers were handed the same DeepStack rows.
     assert len({arm.deepstack_record.sha256 for arm in arms.values()}) == 1
     config = result.config
@@ -147,7 +148,7 @@ def test_full_mode_whose_prefills_run_eager_is_never_a_pass(tmp_path: Path) -> N
     assert result.verdict.code == "INCONCLUSIVE_NOT_REPLAYED", result.verdict.reason
     assert "vLLM's dispatcher decided NONE" in result.verdict.reason
     bcg = {arm.name: arm for arm in result.cases[0].arms}["bcg_normal"].evidence
-    assert bcg.prefill_replayed is False and bcg.replayed_calls > 0  # its decode steps did replay
+    assert bcg.prefill_replayed is False and bcg.replayed_calls > 0 and bcg.buckets == ()  # only decode replayed
     assert_nothing_left(tmp_path)
 
 
@@ -156,7 +157,7 @@ def test_capture_sizes_too_small_for_the_prompt_are_not_replayed(tmp_path: Path)
     assert backend.bucket_of(16) == 16 and backend.bucket_of(17) is None
     result = run(backend)
     assert result.verdict.code == "INCONCLUSIVE_NOT_REPLAYED", result.verdict.reason
-    assert "largest bucket: 16" in result.verdict.reason
+    assert "largest captured bucket: 16" in result.verdict.reason
     assert_nothing_left(tmp_path)
 
 

@@ -331,7 +331,6 @@ def test_the_documented_command_exits_2_with_one_line_where_vllm_or_a_gpu_is_mis
 
 @pytest.mark.parametrize("args, message", [
     (("--backend", "vllm", "--model", "Qwen/Qwen3-VL-8B-Instruct", "--vllm-arg", "-O0"), "--vllm-arg may not set -O"),
-    (("--graph-mode", "full"), "add --backend vllm"),
     (("--backend", "vllm"), "embedded preset"),
 ])
 def test_vllm_options_are_checked_before_anything_starts(parity_cli, args, message) -> None:

@@ -112,6 +112,4 @@ BACKENDS: dict[str, Callable[[BackendOptions, int, Path], Backend]] = {"transfor
 def create_backend(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     if options.name not in BACKENDS:
         raise UsageError(f"unknown backend {options.name!r}; known backends: {', '.join(BACKENDS)}")
-    if options.name != "vllm" and (options.vllm_args or options.graph_mode != BackendOptions.graph_mode):
-        raise UsageError("--graph-mode and --vllm-arg choose the vllm backend's servers; add --backend vllm")
     return BACKENDS[options.name](options, max_new_tokens, run_dir)

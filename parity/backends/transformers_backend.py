@@ -199,7 +199,8 @@ class TransformersBackend:
 
     @property
     def max_bucket(self) -> int | None:
-        return max(self.buckets.candidates, default=None)
+        """The largest captured bucket: what a prompt can replay in at most."""
+        return max(self._capture, default=None)
 
     def prepared(self, request: Request) -> PreparedPrompt:
         """The request's LM inputs, prepared once per run: every arm and repeat gets the same tensors
@@ -223,7 +224,7 @@ class TransformersBackend:
         )
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
-        self._capture = self.buckets.needed(prompt_lengths)
+        self._capture = self.buckets.captured(prompt_lengths)
 
     @contextmanager
     def session(self, mode: str) -> Iterator[TransformersSession]:
@@ -234,6 +235,7 @@ class TransformersBackend:
         yield TransformersSession(LMExecutor(self.loaded.adapter, runner), self)
 
     def bucket_of(self, num_tokens: int) -> int | None:
+        # Planning asks before capture: the policy's ladder, which the capture then covers.
         return self.buckets.bucket_of(num_tokens)
 
     @torch.inference_mode()

@@ -18,12 +18,14 @@ from pathlib import Path
 
 from parity import metrics
 from parity.metrics import first_divergence
+from parity.reporting.text import visible
 from parity.results import ArmResult, CaseResult, RunResult
 from parity.verdict import checks_for, comparable_pairs
 
 FIG_SIZE_IN = (8.0, 4.0)
 DPI = 100
-# The PNG's pixel size is fixed (no tight bounding box), so reports can lay plots out blind.
+# The PNG's pixel size is fixed (no tight bounding box), so reports can lay plots out blind; the
+# constrained layout shrinks the axes instead, so the legend below them stays inside the image.
 PLOT_SIZE_PX = (int(FIG_SIZE_IN[0] * DPI), int(FIG_SIZE_IN[1] * DPI))  # (width, height) = (800, 400)
 # Deltas are often exactly 0 and sometimes > 1: symlog shows both; linear below this threshold.
 SYMLOG_LINTHRESH = 1e-3
@@ -51,15 +53,32 @@ def new_axes():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=FIG_SIZE_IN, dpi=DPI)
+    figure = Figure(figsize=FIG_SIZE_IN, dpi=DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure, figure.add_subplot()
 
 
-def save(figure, axes, out_dir: str | Path, filename: str) -> Path:
-    # Below the axes, so the legend never covers the data it names.
-    axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, fontsize="small", frameon=False)
-    figure.subplots_adjust(bottom=0.3)
+def title_text(text: str) -> str:
+    """A case id as a title shows it: one line, and a `$` is a dollar, not the start of mathtext."""
+    return visible(text).replace("$", r"\$")
+
+
+def add_legend(figure, axes) -> None:
+    """Below the axes, so the legend never covers the data it names: two columns where they fit the
+    image's width, else one."""
+    handles, labels = axes.get_legend_handles_labels()
+    if not handles:
+        return
+    renderer = figure.canvas.get_renderer()
+    for ncols in (2, 1):
+        legend = figure.legend(handles, labels, loc="outside lower center", ncols=ncols, fontsize="small",
+                               frameon=False)
+        if ncols == 1 or legend.get_window_extent(renderer).width <= figure.bbox.width:
+            return
+        legend.remove()
+
+
+def save(figure, out_dir: str | Path, filename: str) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / filename
@@ -70,6 +89,10 @@ def save(figure, axes, out_dir: str | Path, filename: str) -> Path:
 
 def plot_case(case: CaseResult, out_dir: str | Path, run: RunResult) -> Path:
     """Write the case's plot as `out_dir/plot_filename(case.id)` and return that path."""
+    return save(case_figure(case, run), out_dir, plot_filename(case.id))
+
+
+def case_figure(case: CaseResult, run: RunResult):
     from matplotlib.ticker import MaxNLocator
 
     tol = run.logprob_tol
@@ -105,13 +128,18 @@ def plot_case(case: CaseResult, out_dir: str | Path, run: RunResult) -> Path:
     axes.set_xlabel("reference position (× first divergent token)")
     axes.set_ylabel("teacher-forced |Δ logprob|")
     verdict = case.verdict.code if case.verdict else "not judged"
-    axes.set_title(f"{case.id} — {verdict}")
-    return save(figure, axes, out_dir, plot_filename(case.id))
+    axes.set_title(f"{title_text(case.id)} — {verdict}")
+    add_legend(figure, axes)
+    return figure
 
 
 def plot_localization(case: CaseResult, out_dir: str | Path) -> Path:
     """Write the case's per-layer plot, `plot_filename(case.id, "-layers")`: the relative error of
     the replayed prefill at every probe point, log scale, against the localization threshold."""
+    return save(localization_figure(case), out_dir, plot_filename(case.id, "-layers"))
+
+
+def localization_figure(case: CaseResult):
     loc = case.localization
     figure, axes = new_axes()
     errors = [p.rel_error for p in loc.points]
@@ -141,5 +169,7 @@ def plot_localization(case: CaseResult, out_dir: str | Path) -> Path:
     axes.set_xlabel("probe point (L = after decoder layer, +DS = after the DeepStack add)")
     axes.set_ylabel("relative error")
     verdict = case.verdict.code if case.verdict else "not judged"
-    axes.set_title(f"{case.id} — {verdict}: ‖h_bcg − h_eager‖ / ‖h_eager‖ per layer", fontsize="medium")
-    return save(figure, axes, out_dir, plot_filename(case.id, "-layers"))
+    axes.set_title(f"{title_text(case.id)} — {verdict}: ‖h_bcg − h_eager‖ / ‖h_eager‖ per layer",
+                   fontsize="medium")
+    add_legend(figure, axes)
+    return figure

@@ -9,13 +9,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
 from parity.experiment import Progress, ProgressFn
+from parity.reporting.text import terminal, visible
 
 
 @contextmanager
 def progress_display(console: Console) -> Iterator[ProgressFn]:
     if not console.is_terminal:
         def plain(event: Progress) -> None:
-            console.print(f"[{event.index}/{event.total}] {event.case_id} {event.arm}", highlight=False, markup=False)
+            console.print(visible(f"[{event.index}/{event.total}] {event.case_id} {event.arm}"), highlight=False,
+                          markup=False)
 
         yield plain
         return
@@ -27,7 +29,7 @@ def progress_display(console: Console) -> Iterator[ProgressFn]:
             nonlocal task
             if task is None:
                 task = bar.add_task("", total=event.total)
-            bar.update(task, completed=event.index - 1, description=f"{event.case_id} · {event.arm}")
+            bar.update(task, completed=event.index - 1, description=terminal(f"{event.case_id} · {event.arm}"))
 
         yield update
 

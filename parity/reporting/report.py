@@ -6,14 +6,11 @@ import json
 import re
 from typing import Iterator
 
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
 from parity.evidence import Evidence
 from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
+from parity.reporting.text import encodable, md_code, md_text, visible
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
 from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
 
@@ -49,17 +46,36 @@ def arms_with_labels(case: CaseResult) -> Iterator[tuple[str, ArmResult]]:
             yield f"{i}. {arm.name}", arm
 
 
-def evidence_text(evidence: Evidence | None) -> str:
-    """One line a reviewer reads to know whether the path under test really ran."""
+def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
+    """One line a reviewer reads to know whether the path under test really ran. Capitals only
+    where something is wrong: a graph arm that did not replay, an eager arm that did."""
     if evidence is None:
         return "no execution evidence recorded"
-    replayed = {True: "yes", False: "NO", None: "unknown"}[evidence.prefill_replayed]
+    if mode == "eager":
+        replayed = {True: "prefill replayed: YES, in an eager arm (not a reference)",
+                    False: "eager (no replay expected)", None: "eager (replay unknown)"}[evidence.prefill_replayed]
+    else:
+        replayed = "prefill replayed: " + {True: "yes", False: "NO", None: "unknown"}[evidence.prefill_replayed]
     buckets = ", ".join(map(str, evidence.buckets)) or "—"
     tokens = "?" if evidence.prompt_tokens is None else evidence.prompt_tokens
     leak = evidence.leak
     stale = "" if leak is None else f" · LEAK WITNESS: {leak.rows} stale DeepStack row(s) read in {leak.steps} step(s)"
-    return (f"prefill replayed: {replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
+    return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
             f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{stale}")
+
+
+def arm_evidence_text(arm: ArmResult) -> str:
+    return evidence_text(arm.evidence, arm.mode)
+
+
+def run_notes(run: RunResult) -> list[str]:
+    """What a reader must know to read the verdict right, beyond the verdict itself."""
+    notes = []
+    if run.config.get("runner") == "no-clear" and not any(case.is_sequence for case in run.cases):
+        notes.append("--runner no-clear leaves stale DeepStack rows for the next request of the same bucket; the "
+                     "four-arm scenario serves no such request, so it cannot reach that bug: run --scenario stream "
+                     "or --scenario reuse")
+    return notes
 
 
 def fenced(text: str, info: str = "text") -> str:
@@ -71,68 +87,89 @@ def fenced(text: str, info: str = "text") -> str:
 
 # --- markdown ----------------------------------------------------------------------------------
 
-def render_markdown(run: RunResult) -> str:
-    parts = [_md_header(run)] + [_md_case(case, run) for case in run.cases] + [_md_environment(run)]
-    text = "\n".join(parts)
+def render_markdown(run: RunResult, images: bool = True) -> str:
+    """report.md; `images=False` for where relative links to the run folder's plots cannot show
+    (a CI step summary, a PR comment): the plots are then named, not linked."""
+    def render(with_texts: bool) -> str:
+        return "\n".join([_md_header(run), _md_summary(run)]
+                         + [_md_case(case, run, with_texts, images) for case in run.cases] + [_md_environment(run)])
+
+    text = render(True)
     if len(text) > MAX_COMMENT_CHARS:  # drop arm texts wholesale rather than exceed a PR comment
-        parts = [_md_header(run)] + [_md_case(c, run, with_texts=False) for c in run.cases] + [_md_environment(run)]
-        text = "\n".join(parts) + "\n_Arm texts were left out to fit a PR comment; see results.json._\n"
+        text = render(False) + "\n_Arm texts were left out to fit a PR comment; see results.json._\n"
     return clip_text(text, MAX_COMMENT_CHARS)
 
 
 def _md_header(run: RunResult) -> str:
     icon = "✅" if run.verdict.code == PASS else "❌"
     interrupted = "**Interrupted: only the arms that finished are reported.**\n\n" if run.interrupted else ""
+    notes = "".join(f"> **Note:** {md_text(note)}\n\n" for note in run_notes(run))
     tie = "" if run.tie_margin is None else (f"; a near-tie flip (margin ≤ {run.tie_margin:g}) matches when the "
                                              f"teacher-forced delta is within it too")
     return (
-        f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{_md_line(run.verdict.reason)}\n\n"
-        f"Model `{run.config.get('model')}` · backend `{run.config.get('backend')}` · "
+        f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{md_text(run.verdict.reason)}\n\n{notes}"
+        f"Model {md_code(str(run.config.get('model')))} · backend `{run.config.get('backend')}` · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
-        f"match = token match and delta ≤ {run.logprob_tol:g}{tie}\n"
+        f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}\n"
     )
 
 
-def _md_line(text: str) -> str:
-    return text.replace("\n", " ")
+def _mean_rule(run: RunResult) -> str:
+    mean = run.logprob_mean_tol
+    return "" if mean is None else f" and mean delta over the steps ≤ {mean:g}"
 
 
-def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True) -> str:
+def _md_summary(run: RunResult) -> str:
+    """Every case in one table, when there are several: what a reviewer reads first."""
+    if len(run.cases) < 2:
+        return ""
+    lines = ["| case | verdict | reason |", "|---|---|---|"]
+    lines += [f"| {md_code(c.id, in_table=True)} | `{c.verdict.code}` | {md_text(c.verdict.reason)} |"
+              for c in run.cases]
+    return "\n".join(lines) + "\n"
+
+
+def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True, images: bool = True) -> str:
     tol = run.logprob_tol
     fixture = "text only" if case.fixture is None else (
-        f"fixture `{case.fixture.name}` {case.fixture.size[0]}×{case.fixture.size[1]}, "
+        f"fixture {md_code(case.fixture.name)} {case.fixture.size[0]}×{case.fixture.size[1]}, "
         f"sha256 `{case.fixture.sha256}`")
-    lines = [f"### `{case.id}`: `{case.verdict.code}`\n", f"{_md_line(case.verdict.reason)}\n",
-             f"Scenario `{case.scenario}` · {fixture} · prompt: {case.prompt!r}\n"]
+    lines = [f"### {md_code(case.id)}: `{case.verdict.code}`\n", f"{md_text(case.verdict.reason)}\n",
+             f"Scenario `{case.scenario}` · {fixture} · prompt: {md_code(case.prompt)}\n"]
     if case.localization is not None:
-        lines.append(f"**{localization_sentence(case)}**\n")
+        lines.append(f"**{md_text(localization_sentence(case))}**\n")
     elif not_localized_note(case, run):
-        lines.append(f"_{not_localized_note(case, run)}_\n")
+        lines.append(f"_{md_text(not_localized_note(case, run))}_\n")
     if case.requests:
-        lines.append("Requests, served back to back in each mode: "
-                     + "; ".join(f"{i}. {r.label}" for i, r in enumerate(case.requests, 1)) + "\n")
+        lines += ["Requests, served back to back in each mode:", "",
+                  "| # | request | image | prompt |", "|---|---|---|---|"]
+        for i, r in enumerate(case.requests, 1):
+            image = "—" if r.fixture is None else md_code(r.fixture.name, in_table=True)
+            lines.append(f"| {i} | {md_text(r.label)} | {image} | {md_code(r.prompt, in_table=True)} |")
+        lines.append("")
     lines += ["| # | comparison | tuple | tf Δ | expected | ok |", "|---|---|---|---|---|---|"]
     for i, (group, check, comp) in enumerate(rows(case), 1):
         tup = f"`{tuple_text(comp, tol, extras=False)}`" if comp else "—"
         tf = "—" if comp is None or comp.tf_delta is None else format_delta(comp.tf_delta, tol)
         tf += " (near-tie)" if comp is not None and comp.tie else ""
         ok = "—" if comp is None else ("✅" if _ok(check.expect_match, comp.match) else "❌")
-        lines.append(f"| {i} | `{check_label(group, check)}` ({check.meaning}) | {tup} | {tf} | "
-                     f"{_expectation(check.expect_match)} | {ok} |")
+        label = f"{md_code(check_label(group, check), in_table=True)} ({md_text(check.meaning)})"
+        lines.append(f"| {i} | {label} | {tup} | {tf} | {_expectation(check.expect_match)} | {ok} |")
     lines += ["", "| arm | execution evidence |", "|---|---|"]
-    lines += [f"| `{label}` | {'failed' if arm.failed else evidence_text(arm.evidence)} |"
+    lines += [f"| `{label}` | {'failed' if arm.failed else arm_evidence_text(arm)} |"
               for label, arm in arms_with_labels(case)]
     lines.append("")
     lines += _md_repeats(case) + _md_records(case)
     for plot, alt in ((case.plot, "teacher-forced |Δ logprob| per position"),
                       (case.localization_plot, "relative error per layer")):
         if plot:
-            lines.append(f"![{alt}]({plot})\n")
+            lines.append(f"![{alt}]({plot})\n" if images else f"_Plot ({alt}): {md_code(plot)} in the run folder._\n")
     if case.localization is not None:
         lines.append(_md_layers(case.localization))
     if with_texts:
         for label, arm in arms_with_labels(case):
             body = f"error: {arm.error}" if arm.error else clip_text(arm.text, _ARM_TEXT_LIMIT)
+            body = visible(body, keep="\n\t")  # an answer keeps its lines; an escape sequence is shown
             lines.append(f"<details><summary><code>{label}</code> ({len(arm.token_ids)} tokens, "
                          f"{arm.seconds:.2f} s)</summary>\n\n{fenced(body)}\n</details>\n")
     return "\n".join(lines)
@@ -154,8 +191,8 @@ def _md_records(case: CaseResult) -> list[str]:
         return []
     lines = ["| arm | DeepStack seen at LM entry | non-zero rows | L2 norm | sha256 | handed on |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| `{label}` | {list(r.shape)} {r.dtype} | {r.nonzero_rows} | {r.l2_norm:.4g} | `{r.sha256[:16]}…` | "
-              f"{r.action} |" for label, r in records]
+    lines += [f"| `{label}` | {list(r.shape)} {md_text(r.dtype)} | {r.nonzero_rows} | {r.l2_norm:.4g} | "
+              f"{md_code(r.sha256[:16] + '…', in_table=True)} | {md_text(r.action)} |" for label, r in records]
     return lines + [""]
 
 
@@ -202,7 +239,7 @@ def localization_lines(case: CaseResult) -> list[str]:
     """A case's localization for a terminal: the sentence, then one line per probe point."""
     loc = case.localization
     where = "" if loc.request is None else f", request {loc.request + 1}"
-    lines = [f"{case.id}: {localization_sentence(case)}",
+    lines = [f"{visible(case.id)}: {localization_sentence(case)}",
              f"  {loc.arm} vs {loc.reference}{where}, relative error per probe point (threshold {loc.threshold:g}):"]
     for i, p in enumerate(loc.points):
         mark = "  <- first divergent" if i == loc.first else ("  above" if p.rel_error > loc.threshold else "")
@@ -216,36 +253,10 @@ def localization_json(cases: list[CaseResult]) -> str:
 
 
 def _md_environment(run: RunResult) -> str:
-    env = " · ".join(f"{k} `{v}`" for k, v in run.environment.items())
-    config = " · ".join(f"{k} `{v}`" for k, v in run.config.items())
+    env = " · ".join(f"{md_text(str(k))} {md_code(str(v))}" for k, v in run.environment.items())
+    config = " · ".join(f"{md_text(str(k))} {md_code(str(v))}" for k, v in run.config.items())
     return f"<details><summary>Environment and config</summary>\n\n{env}\n\n{config}\n</details>\n"
 
 
-# --- terminal ----------------------------------------------------------------------------------
-
-def print_table(run: RunResult, console: Console) -> None:
-    tol = run.logprob_tol
-    for case in run.cases:
-        table = Table(title=f"{case.id}  ·  {case.verdict.code}", title_justify="left")
-        for column in ("#", "comparison", "(div char, token match, Δ logprob)", "expected", "ok"):
-            table.add_column(column)
-        for i, (group, check, comp) in enumerate(rows(case), 1):
-            ok = "—" if comp is None else ("[green]yes[/]" if _ok(check.expect_match, comp.match) else "[red]NO[/]")
-            table.add_row(str(i), escape(check_label(group, check)), tuple_text(comp, tol) if comp else "not run",
-                          _expectation(check.expect_match), ok)
-        console.print(table)
-        for label, arm in arms_with_labels(case):
-            if arm.error:
-                console.print(f"[red]{escape(label)} failed:[/] {escape(arm.error)}", highlight=False)
-            else:
-                console.print(f"  {escape(label)}: {escape(evidence_text(arm.evidence))}", highlight=False)
-        if case.localization is not None:
-            console.print(f"  {escape(localization_sentence(case))}", highlight=False)
-        elif not_localized_note(case, run):
-            console.print(f"  {escape(not_localized_note(case, run))}", highlight=False)
-    style = "green" if run.verdict.code == PASS else "red"
-    console.print(f"[bold {style}]{run.verdict.code}[/]: {escape(run.verdict.reason)}", highlight=False)
-
-
 def render_json(run: RunResult) -> str:
-    return dumps(run)
+    return encodable(dumps(run))

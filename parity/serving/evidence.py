@@ -66,7 +66,7 @@ def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
         lm_calls=len(entries),
         replayed_calls=sum(bool(e.replay) for e in entries),
         prefill_replayed=replayed,
-        buckets=tuple(sorted({e.tokens for e in entries if e.replay and e.tokens})),
+        buckets=tuple(sorted({e.tokens for e in prefills if e.replay and e.tokens})),  # decode replays have none
         tap_calls=sum(e.record is not None for e in entries),
         prompt_tokens=max(eager) if eager else (requests[0].prompt_tokens if requests else None),
         max_bucket=max_bucket,
