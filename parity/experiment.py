@@ -28,7 +28,8 @@ from parity.interrupts import deferred_stops, signal_of
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN, Tolerances, auto_tolerances
 from parity.results import (
-    FOUR_ARM, REUSE, STREAM, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    CASE_IMAGE, FOUR_ARM, SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat,
+    RequestResult, RequestSpec, RunResult,
 )
 from parity.verdict import FOUR_ARM_CHECKS, POWER_CHECK, SEQUENCE_POWER_ARM, judge_run
 
@@ -124,20 +125,11 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
             if scenario == FOUR_ARM:
                 arms = tuple(sorted(spec.arms, key=lambda a: RUN_ORDER.index(a.name)))
                 requests = (PlannedRequest("image", image, "normal"),)
-            elif scenario == REUSE:
-                arms = ()
-                requests = (PlannedRequest("primer (image)", image, "normal", power=True),
-                            PlannedRequest("follow-up (text only)", text_request_in_bucket(backend, image, False), "normal"))
             else:
                 arms = ()
-                requests = (
-                    PlannedRequest("image", image, "normal", power=True),
-                    PlannedRequest("image, DeepStack zeroed", image, "zero"),
-                    PlannedRequest("twin image (same size, other pixels)", Request(case.fixture.twin(), case.prompt.text),
-                                   "normal"),
-                    PlannedRequest("text only", text_request_in_bucket(backend, image, True), "normal"),
-                    PlannedRequest("image again", image, "normal"),
-                )
+                requests = tuple(PlannedRequest(r.label, _sequence_request(r, scenario, backend, image), r.deepstack,
+                                                 power=r.power)
+                                 for r in SEQUENCE_REQUESTS[scenario])
             planned.append(PlannedCase(scenario_case_id(scenario, case), scenario, case, requests, arms))
     ids = [p.id for p in planned]
     if len(set(ids)) != len(ids):
@@ -145,15 +137,20 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
     return tuple(planned)
 
 
-# Requests per case of each sequence scenario, as plan_cases builds them; each runs once per mode.
-SEQUENCE_REQUESTS = {REUSE: 2, STREAM: 5}
+def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image: Request) -> Request:
+    if spec.image == CASE_IMAGE:
+        return image
+    if spec.image == TWIN_IMAGE:
+        return Request(image.fixture.twin(), image.prompt)
+    # reuse: a shorter text request in the image's bucket; stream: exactly as long where reachable
+    return text_request_in_bucket(backend, image, same_length=scenario == STREAM)
 
 
 def planned_arm_runs(spec: RunSpec) -> int:
     """How many generations the plan makes (repeats included), known before a model loads."""
     # A sequence: every request in each mode, and its first request's eager power arm.
     per_case = sum(len(spec.arms) if scenario == FOUR_ARM
-                   else SEQUENCE_REQUESTS[scenario] * len(spec.modes) + ("eager" in spec.modes)
+                   else len(SEQUENCE_REQUESTS[scenario]) * len(spec.modes) + ("eager" in spec.modes)
                    for scenario in spec.scenarios)
     return per_case * len(spec.cases) * spec.repeat
 
@@ -358,7 +355,8 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
         return CaseResult(case.id, info, case.spec.prompt.text, arms=arms_of(0, names), scenario=FOUR_ARM)
     requests = tuple(
         RequestResult(req.label, _fixture_info(req.request.fixture), req.request.prompt,
-                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES] + [SEQUENCE_POWER_ARM] * req.power))
+                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES] + [SEQUENCE_POWER_ARM] * req.power),
+                      req.deepstack)
         for i, req in enumerate(case.requests)
     )
     return CaseResult(case.id, info, case.spec.prompt.text, requests=requests, scenario=case.scenario)

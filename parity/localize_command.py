@@ -162,6 +162,10 @@ def _backend(run: RunResult, device: str | None):
     seed = config.get("preset_seed") if embedded else None
     loaded = load_model(str(config["model"]), device=device, dtype=str(config["dtype"]), seed=seed)
     captured = tuple(int(b) for b in config["captured_buckets"])
+    context = loaded.adapter.max_positions
+    if any(b > context for b in captured):  # a checkpoint's context is known only now; capturing past it hangs
+        raise UsageError(f"config.captured_buckets has {max(captured)}, beyond the {context}-token context of "
+                         f"{config['model']}; the file was not written by a run of this model")
     # The run's captured buckets, exactly: the same bucket for every prompt, the same graphs.
     backend = TransformersBackend(loaded, max_new_tokens=int(config.get("max_new_tokens", 1)),
                                   runner_variant=RunnerVariant(config["runner"]),

@@ -22,6 +22,7 @@ class TinyPreset:
     hidden_size: int = 64
     num_layers: int = 4
     seed: int = 0
+    max_positions: int = 4096  # the context: no prompt, bucket or answer may pass it
 
 
 # The recipe works for any seed (tests/test_presets.py checks several); 0 is just the default.

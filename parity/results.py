@@ -24,6 +24,32 @@ REUSE = "reuse"
 STREAM = "stream"
 SCENARIOS = (FOUR_ARM, REUSE, STREAM)
 SEQUENCE_SCENARIOS = (REUSE, STREAM)
+CASE_IMAGE = "case"  # a request with the case's own image
+TWIN_IMAGE = "twin"  # a request with the twin of the case's image: same size and tokens, other pixels
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a sequence scenario: what the experiment sends and what a complete file holds."""
+
+    label: str
+    image: str | None  # CASE_IMAGE, TWIN_IMAGE, or None for a text-only request
+    deepstack: str  # the DeepStack action at the LM entry, the same in both modes
+    # Also answered eagerly with DeepStack zeroed (the `eager_zero_deepstack` power arm, in the eager
+    # session only): the sequence's power (design §3 v3). The first request of every sequence.
+    power: bool = False
+
+
+# The requests of each sequence scenario, in the order a session serves them (design §6).
+SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
+    REUSE: (RequestSpec("primer (image)", CASE_IMAGE, "normal", power=True),
+            RequestSpec("follow-up (text only)", None, "normal")),
+    STREAM: (RequestSpec("image", CASE_IMAGE, "normal", power=True),
+             RequestSpec("image, DeepStack zeroed", CASE_IMAGE, "zero"),
+             RequestSpec("twin image (same size, other pixels)", TWIN_IMAGE, "normal"),
+             RequestSpec("text only", None, "normal"),
+             RequestSpec("image again", CASE_IMAGE, "normal")),
+})
 
 TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]
 _NO_FORCED: Mapping[str, tuple[float, ...]] = MappingProxyType({})
@@ -98,6 +124,7 @@ class RequestResult:
     fixture: FixtureInfo | None  # None: a text-only request
     prompt: str
     arms: tuple[ArmResult, ...]
+    deepstack: str = "normal"  # its DeepStack action, known even when no arm of it ran
 
 
 @dataclass(frozen=True)

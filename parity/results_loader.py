@@ -1,7 +1,8 @@
 """Reading a results file back (`parity.results/2`, and `/1` as written by parity 0.1).
 
 The loader validates meaning, not only types: arm names are the known four and agree with their
-`mode` and `deepstack`, numbers are finite, case ids are unique, evidence is consistent. Anything
+`mode` and `deepstack`, numbers are finite and in range, case ids are unique, a sequence case holds
+its scenario's requests, and the file does not contradict itself (`results_consistency`). Anything
 else is a `ResultsFileError` naming the file and the place, never a traceback. Stored comparisons
 and verdicts are dropped: `verdict.judge_run` recomputes them from the arms.
 """
@@ -9,7 +10,8 @@ and verdicts are dropped: `verdict.judge_run` recomputes them from the arms.
 from __future__ import annotations
 
 import json
-import math
+import re
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -17,108 +19,75 @@ from typing import Any
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness
-from parity.metrics import NOISE_FLOOR
 from parity.verdict import SEQUENCE_POWER_ARM
 from parity.results import (
-    FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_SCENARIOS, ArmResult, CaseResult, FixtureInfo, LayerError,
-    Localization, Repeat, RequestResult, RunResult, TopLogprobs,
+    CASE_IMAGE, FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, ArmResult,
+    CaseResult, FixtureInfo, LayerError, Localization, Repeat, RequestResult, RequestSpec, RunResult, TopLogprobs,
+)
+from parity.results_config import MIN_LOGPROB_TOL, config_from_json  # noqa: F401 (the CLI's floor too)
+from parity.results_consistency import Contradiction, check_consistency
+from parity.results_json import (
+    Invalid, get, ints, logprobs, non_negative_int, number, parse_unique_keys, positive,
 )
 
-V2_MIN_LOGPROB_TOL = 1e-6  # what files written before v3 may hold
-MIN_LOGPROB_TOL = NOISE_FLOOR  # a smaller tolerance cannot be met by a correct run on every CPU
 # A results file is a few hundred KB; anything far larger is not one, and reading it is a hang.
 MAX_FILE_BYTES = 256 * 1024 * 1024
-
-
-class _Invalid(Exception):
-    """A problem in the document, reported with the JSON path where it was found."""
-
-
-def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False) -> Any:
-    if not isinstance(obj, dict):
-        raise _Invalid(f"{where} must be an object")
-    if key not in obj:
-        if optional:
-            return None
-        raise _Invalid(f"{where} lacks {key!r}")
-    value = obj[key]
-    if optional and value is None:
-        return None
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    # bool is an int in Python; a JSON true where a number belongs is still an error.
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise _Invalid(f"{where}.{key} must be {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
-    return value
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _Invalid(f"{where} must be a number")
-    if not math.isfinite(value):
-        raise _Invalid(f"{where} is {value}: numbers in a results file must be finite")
-    return float(value)
-
-
-def _int(value: Any, where: str, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _Invalid(f"{where} must be an integer")
-    if minimum is not None and value < minimum:
-        raise _Invalid(f"{where} must be >= {minimum}, got {value}")
-    return value
-
-
-def _ints(values: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(values, list):
-        raise _Invalid(f"{where} must be a list of integers")
-    return tuple(_int(v, f"{where}[{i}]") for i, v in enumerate(values))
-
-
-def _floats(values: Any, where: str) -> tuple[float, ...]:
-    if not isinstance(values, list):
-        raise _Invalid(f"{where} must be a list of numbers")
-    return tuple(_number(v, f"{where}[{i}]") for i, v in enumerate(values))
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _top(raw: Any, where: str) -> TopLogprobs | None:
     if raw is None:
         return None
     if not isinstance(raw, list):
-        raise _Invalid(f"{where} must be a list of [[token_id, logprob], ...] per step")
+        raise Invalid(f"{where} must be a list of [[token_id, logprob], ...] per step")
     steps = []
     for i, step in enumerate(raw):
         if not isinstance(step, list) or not all(isinstance(p, list) and len(p) == 2 for p in step):
-            raise _Invalid(f"{where}[{i}] must be a list of [token_id, logprob] pairs")
-        steps.append(tuple((_int(t, f"{where}[{i}]"), _number(lp, f"{where}[{i}]")) for t, lp in step))
+            raise Invalid(f"{where}[{i}] must be a list of [token_id, logprob] pairs")
+        ids = ints([t for t, _ in step], f"{where}[{i}]")
+        steps.append(tuple(zip(ids, logprobs([lp for _, lp in step], f"{where}[{i}]"))))
     return tuple(steps)
 
 
 def _record(raw: Any, where: str) -> DeepStackRecord | None:
     if raw is None:
         return None
-    try:
-        record = DeepStackRecord.from_json(raw)
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise _Invalid(f"{where} is malformed") from None
-    if not math.isfinite(record.l2_norm) or record.nonzero_rows < 0:
-        raise _Invalid(f"{where} has a non-finite norm or a negative row count")
-    return record
+    shape = ints(get(raw, "shape", list, where), f"{where}.shape")
+    rows = non_negative_int(get(raw, "nonzero_rows", int, where), f"{where}.nonzero_rows")
+    if shape and rows > shape[0]:
+        raise Invalid(f"{where}.nonzero_rows is {rows}, more than the {shape[0]} rows of its shape")
+    sha = get(raw, "sha256", str, where)
+    if not _SHA256.fullmatch(sha):
+        raise Invalid(f"{where}.sha256 must be 64 lowercase hex digits")
+    action = get(raw, "action", str, where)
+    if action not in ("normal", "zero"):
+        raise Invalid(f"{where}.action must be 'normal' or 'zero', got {action!r}")
+    norm = number(get(raw, "l2_norm", (int, float), where), f"{where}.l2_norm")
+    if norm < 0:
+        raise Invalid(f"{where}.l2_norm must be >= 0, got {norm}")
+    calls = get(raw, "calls", int, where, optional=True)
+    return DeepStackRecord(
+        shape=shape, dtype=get(raw, "dtype", str, where), nonzero_rows=rows, l2_norm=norm, sha256=sha,
+        action=action, calls=1 if calls is None else non_negative_int(calls, f"{where}.calls"),
+        replay=get(raw, "replay", bool, where, optional=True),
+    )
 
 
 def _evidence(raw: Any, where: str) -> Evidence:
-    replayed = _get(raw, "prefill_replayed", bool, where, optional=True)
+    def count(key: str, optional: bool = False, minimum: int = 0) -> int | None:
+        value = get(raw, key, int, where, optional=optional)
+        return None if value is None else non_negative_int(value, f"{where}.{key}", minimum)
+
     evidence = Evidence(
-        lm_calls=_int(_get(raw, "lm_calls", int, where), f"{where}.lm_calls", 0),
-        replayed_calls=_int(_get(raw, "replayed_calls", int, where), f"{where}.replayed_calls", 0),
-        prefill_replayed=replayed,
-        buckets=_ints(_get(raw, "buckets", list, where), f"{where}.buckets"),
-        tap_calls=_int(_get(raw, "tap_calls", int, where), f"{where}.tap_calls", 0),
-        prompt_tokens=_get(raw, "prompt_tokens", int, where, optional=True),
-        max_bucket=_get(raw, "max_bucket", int, where, optional=True),
-        leak=_leak(raw.get("leak"), f"{where}.leak"),
+        lm_calls=count("lm_calls"), replayed_calls=count("replayed_calls"),
+        prefill_replayed=get(raw, "prefill_replayed", bool, where, optional=True),
+        buckets=ints(get(raw, "buckets", list, where), f"{where}.buckets", minimum=1),
+        tap_calls=count("tap_calls"), prompt_tokens=count("prompt_tokens", True, 1),
+        max_bucket=count("max_bucket", True, 1), leak=_leak(raw.get("leak"), f"{where}.leak"),
     )
     problem = evidence.inconsistency()
     if problem:
-        raise _Invalid(f"{where} is inconsistent: {problem}")
+        raise Invalid(f"{where} is inconsistent: {problem}")
     return evidence
 
 
@@ -126,54 +95,54 @@ def _leak(raw: Any, where: str) -> LeakWitness | None:
     # Optional: only engines with a leak witness (vLLM) write it, and only when it fired.
     if raw is None:
         return None
-    source = _get(raw, "source_sha256", str, where, optional=True)
-    return LeakWitness(_int(_get(raw, "rows", int, where), f"{where}.rows", 1),
-                       _int(_get(raw, "steps", int, where), f"{where}.steps", 1), source)
+    return LeakWitness(rows=non_negative_int(get(raw, "rows", int, where), f"{where}.rows", 1),
+                       steps=non_negative_int(get(raw, "steps", int, where), f"{where}.steps", 1),
+                       source_sha256=get(raw, "source_sha256", str, where, optional=True))
 
 
 def _forced(raw: Any, where: str) -> dict[str, tuple[float, ...]]:
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise _Invalid(f"{where} must be an object of reference arm -> logprobs")
+        raise Invalid(f"{where} must be an object of reference arm -> logprobs")
     for name in raw:
         if name not in ARM_ORDER:
-            raise _Invalid(f"{where} names unknown reference arm {name!r}")
-    return {name: _floats(lps, f"{where}.{name}") for name, lps in raw.items()}
+            raise Invalid(f"{where} names unknown reference arm {name!r}")
+    return {name: logprobs(lps, f"{where}.{name}") for name, lps in raw.items()}
 
 
 def _arm(name: str, raw: Any, where: str, v2: bool) -> ArmResult:
     if name not in ARM_ORDER:
-        raise _Invalid(f"{where}: unknown arm {name!r}; known arms: {', '.join(ARM_ORDER)}")
-    mode = _get(raw, "mode", str, where)
-    deepstack = _get(raw, "deepstack", str, where)
+        raise Invalid(f"{where}: unknown arm {name!r}; known arms: {', '.join(ARM_ORDER)}")
+    mode = get(raw, "mode", str, where)
+    deepstack = get(raw, "deepstack", str, where)
     if (mode, deepstack) != arm_mode_and_deepstack(name):
         expected = arm_mode_and_deepstack(name)
-        raise _Invalid(f"{where} has mode {mode!r} / deepstack {deepstack!r}, but arm {name} is "
-                       f"{expected[0]!r} / {expected[1]!r}")
-    error = _get(raw, "error", str, where, optional=True)
-    token_ids = _ints(_get(raw, "token_ids", list, where), f"{where}.token_ids")
-    logprobs = _floats(_get(raw, "token_logprobs", list, where), f"{where}.token_logprobs")
+        raise Invalid(f"{where} has mode {mode!r} / deepstack {deepstack!r}, but arm {name} is "
+                      f"{expected[0]!r} / {expected[1]!r}")
+    error = get(raw, "error", str, where, optional=True)
+    token_ids = ints(get(raw, "token_ids", list, where), f"{where}.token_ids")
+    lps = logprobs(get(raw, "token_logprobs", list, where), f"{where}.token_logprobs")
     top = _top(raw.get("top_logprobs"), f"{where}.top_logprobs")
-    if error is None and len(token_ids) != len(logprobs):
-        raise _Invalid(f"{where} has {len(token_ids)} token_ids but {len(logprobs)} token_logprobs")
+    if error is None and len(token_ids) != len(lps):
+        raise Invalid(f"{where} has {len(token_ids)} token_ids but {len(lps)} token_logprobs")
     if error is None and top is not None and len(top) != len(token_ids):
-        raise _Invalid(f"{where} has {len(token_ids)} token_ids but {len(top)} top_logprobs steps")
+        raise Invalid(f"{where} has {len(token_ids)} token_ids but {len(top)} top_logprobs steps")
     evidence_raw = raw.get("evidence")
     if v2 and error is None and evidence_raw is None:
-        raise _Invalid(f"{where} lacks 'evidence': a /2 arm that ran must say how it was executed")
+        raise Invalid(f"{where} lacks 'evidence': a /2 arm that ran must say how it was executed")
     repeats = []
-    for i, rep in enumerate(_get(raw, "repeats", list, where, optional=True) or []):
+    for i, rep in enumerate(get(raw, "repeats", list, where, optional=True) or []):
         rwhere = f"{where}.repeats[{i}]"
         rep_evidence = rep.get("evidence") if isinstance(rep, dict) else None
-        repeats.append(Repeat(_ints(_get(rep, "token_ids", list, rwhere), f"{rwhere}.token_ids"),
-                              _floats(_get(rep, "token_logprobs", list, rwhere), f"{rwhere}.token_logprobs"),
+        repeats.append(Repeat(ints(get(rep, "token_ids", list, rwhere), f"{rwhere}.token_ids"),
+                              logprobs(get(rep, "token_logprobs", list, rwhere), f"{rwhere}.token_logprobs"),
                               None if rep_evidence is None else _evidence(rep_evidence, f"{rwhere}.evidence")))
-    seconds = {key: _number(_get(raw, key, (int, float), where, optional=True) or 0.0, f"{where}.{key}")
+    seconds = {key: number(get(raw, key, (int, float), where, optional=True) or 0.0, f"{where}.{key}")
                for key in ("seconds", "forced_seconds")}
     return ArmResult(
         name=name, mode=mode, deepstack=deepstack, token_ids=token_ids,
-        text=_get(raw, "text", str, where), token_logprobs=logprobs, top_logprobs=top,
+        text=get(raw, "text", str, where), token_logprobs=lps, top_logprobs=top,
         deepstack_record=_record(raw.get("deepstack_record"), f"{where}.deepstack_record"),
         evidence=None if evidence_raw is None else _evidence(evidence_raw, f"{where}.evidence"),
         forced=MappingProxyType(_forced(raw.get("forced"), f"{where}.forced")) if v2 else MappingProxyType({}),
@@ -183,167 +152,196 @@ def _arm(name: str, raw: Any, where: str, v2: bool) -> ArmResult:
 
 def _arms(raw: Any, where: str, v2: bool) -> tuple[ArmResult, ...]:
     if not isinstance(raw, dict):
-        raise _Invalid(f"{where} must be an object of arm name -> arm")
+        raise Invalid(f"{where} must be an object of arm name -> arm")
     arms = tuple(_arm(name, arm, f"{where}.{name}", v2) for name, arm in raw.items())
     by_name = {a.name: a for a in arms}
     for arm in arms:
         for ref, lps in arm.forced.items():
             reference = by_name.get(ref)
             if reference is None or reference.failed:
-                raise _Invalid(f"{where}.{arm.name}.forced scores reference {ref}, which is not in the case")
+                raise Invalid(f"{where}.{arm.name}.forced scores reference {ref}, which is not in the case")
             if len(lps) != len(reference.token_ids):
-                raise _Invalid(f"{where}.{arm.name}.forced.{ref} has {len(lps)} scores for "
-                               f"{len(reference.token_ids)} reference tokens")
+                raise Invalid(f"{where}.{arm.name}.forced.{ref} has {len(lps)} scores for "
+                              f"{len(reference.token_ids)} reference tokens")
     return arms
 
 
 def _fixture(raw: Any, where: str) -> FixtureInfo | None:
     if raw is None:
         return None
-    size = _get(raw, "size", list, where)
+    size = get(raw, "size", list, where)
     if len(size) != 2:
-        raise _Invalid(f"{where}.size must be [width, height]")
-    width, height = _ints(size, f"{where}.size")
-    return FixtureInfo(_get(raw, "name", str, where), _get(raw, "sha256", str, where), (width, height))
+        raise Invalid(f"{where}.size must be [width, height]")
+    width, height = ints(size, f"{where}.size", minimum=1)
+    return FixtureInfo(get(raw, "name", str, where), get(raw, "sha256", str, where), (width, height))
 
 
-def _requests(raw: Any, where: str) -> tuple[RequestResult, ...]:
+def _requests(raw: Any, where: str, scenario: str, fixture: FixtureInfo | None, prompt: str
+              ) -> tuple[RequestResult, ...]:
+    """The requests the file holds, in file order; each must be one of the scenario's, in its order."""
     if not isinstance(raw, list) or not raw:
-        raise _Invalid(f"{where} must be a non-empty list of requests")
-    requests = []
+        raise Invalid(f"{where} must be a non-empty list of requests")
+    specs = SEQUENCE_REQUESTS[scenario]
+    labels = [spec.label for spec in specs]
+    requests, last = [], -1
     for i, request in enumerate(raw):
         rwhere = f"{where}[{i}]"
-        arms = _arms(_get(request, "arms", dict, rwhere), f"{rwhere}.arms", v2=True)
-        # One DeepStack action in both modes; only the first request adds its eager power arm.
-        graph_actions = {a.deepstack for a in arms if not (i == 0 and a.name == SEQUENCE_POWER_ARM)}
-        if len(graph_actions) > 1:
-            raise _Invalid(f"{rwhere}.arms mixes DeepStack actions; a request is one action in both modes")
-        requests.append(RequestResult(
-            label=_get(request, "label", str, rwhere),
-            fixture=_fixture(request.get("fixture"), f"{rwhere}.fixture"),
-            prompt=_get(request, "prompt", str, rwhere),
-            arms=arms,
-        ))
+        label = get(request, "label", str, rwhere)
+        if label not in labels:
+            raise Invalid(f"{rwhere}.label {label!r} is not a request of the {scenario} scenario "
+                          f"({', '.join(map(repr, labels))})")
+        if labels.index(label) <= last:
+            raise Invalid(f"{rwhere}.label {label!r} is repeated or out of order; a {scenario} case holds "
+                          f"{', '.join(map(repr, labels))} in that order")
+        last = labels.index(label)
+        spec = specs[last]
+        arms = _arms(get(request, "arms", dict, rwhere), f"{rwhere}.arms", v2=True)
+        # One DeepStack action in both modes; a power request adds its eager zero-DeepStack arm.
+        wrong = [a.name for a in arms if a.deepstack != spec.deepstack
+                 and not (spec.power and a.name == SEQUENCE_POWER_ARM)]
+        if wrong:
+            raise Invalid(f"{rwhere}.arms has {', '.join(wrong)}, but the request {label!r} runs DeepStack "
+                          f"{spec.deepstack!r} in both modes")
+        result = RequestResult(label, _fixture(request.get("fixture"), f"{rwhere}.fixture"),
+                               get(request, "prompt", str, rwhere), arms, spec.deepstack)
+        if arms:  # an arm-less request (interrupted) is INCOMPLETE whatever it claims
+            _check_request(result, spec, rwhere, fixture, prompt)
+        requests.append(result)
     return tuple(requests)
 
 
-def _positive(value: Any, where: str) -> float:
-    number = _number(value, where)
-    if number <= 0:
-        raise _Invalid(f"{where} must be > 0, got {number}")
-    return number
+def _check_request(request: RequestResult, spec: RequestSpec, where: str, fixture: FixtureInfo | None,
+                   prompt: str) -> None:
+    """The request is what its scenario sends: the case's image, its twin, or no image."""
+    got = request.fixture
+    if spec.image is None:
+        if got is not None:
+            raise Invalid(f"{where}.fixture is {got.name!r}, but {spec.label!r} is a text-only request")
+        return
+    if got is None:
+        raise Invalid(f"{where}.fixture is null, but {spec.label!r} is an image request")
+    if request.prompt != prompt:
+        raise Invalid(f"{where}.prompt differs from the case's prompt, which {spec.label!r} sends")
+    if fixture is None:
+        return
+    same = (got.sha256, got.size) == (fixture.sha256, fixture.size)
+    if spec.image == CASE_IMAGE and not same:
+        raise Invalid(f"{where}.fixture is not the case's image ({fixture.name}, sha256 {fixture.sha256[:12]}…), "
+                      f"which {spec.label!r} sends")
+    if spec.image != CASE_IMAGE and (same or got.size != fixture.size):
+        raise Invalid(f"{where}.fixture must be the twin of the case's image (same size, other pixels)")
 
 
-def _localization(raw: Any, where: str, requests: tuple[RequestResult, ...]) -> Localization | None:
-    """Design §7: a bcg arm against the eager arm of the same DeepStack action, per probe point."""
+def _completed(case: CaseResult) -> CaseResult:
+    """A /2 sequence case with every request of its scenario: one the file lacks has no arms, so
+    the verdict counts it like an arm that was not run (INCOMPLETE)."""
+    if not case.is_sequence:
+        return case
+    held = {r.label: r for r in case.requests}
+    requests = tuple(held.get(spec.label) or RequestResult(
+        spec.label, case.fixture if spec.image == CASE_IMAGE else None,
+        case.prompt if spec.image is not None else "", (), spec.deepstack)
+        for spec in SEQUENCE_REQUESTS[case.scenario])
+    return replace(case, requests=requests)
+
+
+def _localization(raw: Any, where: str, n_requests: int) -> Localization | None:
+    """Design §7: a bcg arm against the eager arm of the same DeepStack action, per probe point;
+    `request` is the request's place in its scenario (0 in a four-arm case is null)."""
     if raw is None:
         return None
-    arm, reference = _get(raw, "arm", str, where), _get(raw, "reference", str, where)
+    arm, reference = get(raw, "arm", str, where), get(raw, "reference", str, where)
     for key, name, mode in (("arm", arm, "bcg"), ("reference", reference, "eager")):
         if name not in ARM_ORDER or arm_mode_and_deepstack(name)[0] != mode:
-            raise _Invalid(f"{where}.{key} must be {'a bcg' if mode == 'bcg' else 'an eager'} arm, got {name!r}")
+            raise Invalid(f"{where}.{key} must be {'a bcg' if mode == 'bcg' else 'an eager'} arm, got {name!r}")
     if arm_mode_and_deepstack(arm)[1] != arm_mode_and_deepstack(reference)[1]:
-        raise _Invalid(f"{where} compares {arm} with {reference}: a localization compares one DeepStack action")
-    request = _get(raw, "request", int, where, optional=True)
-    if (request is None) != (not requests) or (request is not None and not 0 <= request < len(requests)):
-        raise _Invalid(f"{where}.request must be the index of one of the case's {len(requests)} requests "
-                       "(null in a four-arm case)")
-    threshold = _positive(_get(raw, "threshold", (int, float), where), f"{where}.threshold")
+        raise Invalid(f"{where} compares {arm} with {reference}: a localization compares one DeepStack action")
+    request = get(raw, "request", int, where, optional=True)
+    if (request is None) != (not n_requests) or (request is not None and not 0 <= request < n_requests):
+        raise Invalid(f"{where}.request must be the index of one of the case's {n_requests} requests "
+                      "(null in a four-arm case)")
+    threshold = positive(get(raw, "threshold", (int, float), where), f"{where}.threshold")
     points = []
-    for i, point in enumerate(_get(raw, "points", list, where)):
+    for i, point in enumerate(get(raw, "points", list, where)):
         pwhere = f"{where}.points[{i}]"
-        block = _get(point, "deepstack_block", int, pwhere, optional=True)
-        error = _number(_get(point, "rel_error", (int, float), pwhere), f"{pwhere}.rel_error")
+        block = get(point, "deepstack_block", int, pwhere, optional=True)
+        error = number(get(point, "rel_error", (int, float), pwhere), f"{pwhere}.rel_error")
         if error < 0:
-            raise _Invalid(f"{pwhere}.rel_error must be >= 0, got {error}")
-        points.append(LayerError(_int(_get(point, "layer", int, pwhere), f"{pwhere}.layer", 0),
-                                 None if block is None else _int(block, f"{pwhere}.deepstack_block", 0), error))
+            raise Invalid(f"{pwhere}.rel_error must be >= 0, got {error}")
+        points.append(LayerError(non_negative_int(get(point, "layer", int, pwhere), f"{pwhere}.layer"),
+                                 None if block is None else non_negative_int(block, f"{pwhere}.deepstack_block"),
+                                 error))
     if not points:
-        raise _Invalid(f"{where}.points is empty")
-    first = _get(raw, "first_divergent", int, where, optional=True)
+        raise Invalid(f"{where}.points is empty")
+    first = get(raw, "first_divergent", int, where, optional=True)
     expected = next((i for i, p in enumerate(points) if p.rel_error > threshold), None)
     if first is not None and not 0 <= first < len(points):
-        raise _Invalid(f"{where}.first_divergent {first} is not a point index (0..{len(points) - 1})")
+        raise Invalid(f"{where}.first_divergent {first} is not a point index (0..{len(points) - 1})")
     if first != expected:
-        raise _Invalid(f"{where}.first_divergent is {first}, but the first point above the threshold is {expected}")
+        raise Invalid(f"{where}.first_divergent is {first}, but the first point above the threshold is {expected}")
     return Localization(arm, reference, request, threshold, tuple(points), first)
 
 
 def _case(raw: Any, where: str, v2: bool) -> CaseResult:
-    scenario = _get(raw, "scenario", str, where, optional=True) or FOUR_ARM
+    case_id = get(raw, "id", str, where)
+    if not case_id.strip():
+        raise Invalid(f"{where}.id is empty; a case needs an id to be reported and selected")
+    scenario = get(raw, "scenario", str, where, optional=True) or FOUR_ARM
     allowed = SCENARIOS if v2 else (FOUR_ARM, REUSE)
     if scenario not in allowed:
-        raise _Invalid(f"{where}.scenario {scenario!r} is not one of {', '.join(allowed)}")
-    prompt = _get(raw, "prompt", str, where)
-    fixture = _fixture(raw.get("fixture") if v2 else _get(raw, "fixture", dict, where), f"{where}.fixture")
+        raise Invalid(f"{where}.scenario {scenario!r} is not one of {', '.join(allowed)}")
+    prompt = get(raw, "prompt", str, where)
+    fixture = _fixture(raw.get("fixture") if v2 else get(raw, "fixture", dict, where), f"{where}.fixture")
     arms: tuple[ArmResult, ...] = ()
     requests: tuple[RequestResult, ...] = ()
     if v2 and scenario in SEQUENCE_SCENARIOS:
-        requests = _requests(_get(raw, "requests", list, where), f"{where}.requests")
+        requests = _requests(get(raw, "requests", list, where), f"{where}.requests", scenario, fixture, prompt)
     elif scenario == REUSE:
         # A /1 reuse case kept only the text-only follow-up; its image primer was never recorded.
         requests = (RequestResult("follow-up (text only)", None, prompt,
-                                  _arms(_get(raw, "arms", dict, where), f"{where}.arms", v2)),)
+                                  _arms(get(raw, "arms", dict, where), f"{where}.arms", v2)),)
     else:
-        arms = _arms(_get(raw, "arms", dict, where), f"{where}.arms", v2)
+        arms = _arms(get(raw, "arms", dict, where), f"{where}.arms", v2)
     return CaseResult(
-        id=_get(raw, "id", str, where), fixture=fixture, prompt=prompt, arms=arms, requests=requests,
-        scenario=scenario, plot=_get(raw, "plot", str, where, optional=True),
-        localization=_localization(raw.get("localization"), f"{where}.localization", requests),
-        localization_plot=_get(raw, "localization_plot", str, where, optional=True),
+        id=case_id, fixture=fixture, prompt=prompt, arms=arms, requests=requests,
+        scenario=scenario, plot=get(raw, "plot", str, where, optional=True),
+        # A /2 sequence's localization names the request's place in the scenario, whatever the file holds.
+        localization=_localization(raw.get("localization"), f"{where}.localization",
+                                   len(SEQUENCE_REQUESTS[scenario]) if requests and v2 else len(requests)),
+        localization_plot=get(raw, "localization_plot", str, where, optional=True),
     )
-
-
-def _config(raw: Any, v2: bool) -> dict:
-    config = dict(_get(raw, "config", dict, "document"))
-    tol = _number(_get(config, "logprob_tol", (int, float), "config"), "config.logprob_tol")
-    # Files written before v3 held tolerances down to 1e-6: read them as written.
-    floor = V2_MIN_LOGPROB_TOL if v2 else 0.0
-    if tol < floor:
-        raise _Invalid(f"config.logprob_tol must be >= {floor:g}, got {tol}")
-    if config.get("logprob_mean_tol") is not None:
-        mean = _number(config["logprob_mean_tol"], "config.logprob_mean_tol")
-        if mean < floor:
-            raise _Invalid(f"config.logprob_mean_tol must be >= {floor:g}, got {mean}")
-    if v2:
-        margin = _number(_get(config, "tie_margin", (int, float), "config"), "config.tie_margin")
-        if margin < 0:
-            raise _Invalid(f"config.tie_margin must be >= 0, got {margin}")
-        _int(_get(config, "deepstack_layers", int, "config"), "config.deepstack_layers", 0)
-        if config.get("localize_threshold") is not None:
-            _positive(config["localize_threshold"], "config.localize_threshold")
-    else:  # the v1 rules: no ties, DeepStack use inferred from the records
-        config.pop("tie_margin", None)
-        config.pop("deepstack_layers", None)
-    return config
 
 
 def run_from_json(doc: Any, source: str) -> RunResult:
     """Parse and validate a results document; stored comparisons and verdicts are dropped."""
     schema = SCHEMA
     try:
-        schema = _get(doc, "schema", str, "document")
+        schema = get(doc, "schema", str, "document")
         if schema not in (SCHEMA, SCHEMA_V1):
-            raise _Invalid(f"schema is {schema!r}, expected {SCHEMA!r} or {SCHEMA_V1!r}")
+            raise Invalid(f"schema is {schema!r}, expected {SCHEMA!r} or {SCHEMA_V1!r}")
         v2 = schema == SCHEMA
-        cases_raw = _get(doc, "cases", list, "document")
+        environment = get(doc, "environment", dict, "document")
+        config = config_from_json(get(doc, "config", dict, "document"), environment, v2)
+        cases_raw = get(doc, "cases", list, "document")
         if not cases_raw:
-            raise _Invalid("cases is empty")
+            raise Invalid("cases is empty")
         cases = tuple(_case(c, f"cases[{i}]", v2) for i, c in enumerate(cases_raw))
         seen: set[str] = set()
         for case in cases:
             if case.id in seen:
-                raise _Invalid(f"case id {case.id!r} appears twice; case ids must be unique")
+                raise Invalid(f"case id {case.id!r} appears twice; case ids must be unique")
             seen.add(case.id)
-        return RunResult(
-            created=_get(doc, "created", str, "document"),
-            environment=MappingProxyType(_get(doc, "environment", dict, "document")),
-            config=MappingProxyType(_config(doc, v2)),
+        run = RunResult(
+            created=get(doc, "created", str, "document"),
+            environment=MappingProxyType(environment),
+            config=MappingProxyType(config),
             cases=cases,
             schema=schema,
-            interrupted=bool(_get(doc, "interrupted", bool, "document", optional=True)),
+            interrupted=bool(get(doc, "interrupted", bool, "document", optional=True)),
         )
-    except _Invalid as err:
+        check_consistency(run)  # on the requests as the file holds them, so places name file indices
+        return replace(run, cases=tuple(_completed(c) for c in cases) if v2 else cases)
+    except (Invalid, Contradiction) as err:
         shown = schema if schema in (SCHEMA, SCHEMA_V1) else SCHEMA
         raise ResultsFileError(source, f"not valid {shown}: {err}") from None
 
@@ -362,9 +360,13 @@ def load_results(path: str | Path) -> RunResult:
         reason = getattr(err, "strerror", None) or err.__class__.__name__
         raise ResultsFileError(shown, f"cannot be read ({reason})") from None
     try:
-        doc = json.loads(text)
+        doc = parse_unique_keys(text)
     except json.JSONDecodeError as err:
         raise ResultsFileError(shown, f"not JSON ({err.msg} at line {err.lineno})") from None
     except RecursionError:
         raise ResultsFileError(shown, "not a results file (JSON nested too deeply)") from None
+    except ValueError as err:  # an integer literal of thousands of digits (Python's conversion limit)
+        raise ResultsFileError(shown, f"not a results file ({err})") from None
+    except Invalid as err:
+        raise ResultsFileError(shown, f"not valid JSON for a results file: {err}") from None
     return run_from_json(doc, shown)

@@ -114,11 +114,9 @@ def groups(case: CaseResult) -> tuple[Group, ...]:
         return (Group(None, None, case.fixture, {a.name: a for a in case.arms}, FOUR_ARMS, FOUR_ARM_CHECKS),)
     out = []
     for i, request in enumerate(case.requests):
-        # A request's DeepStack action is its graph arm's (the power arm runs eagerly only).
-        graph_arm = next((a for a in request.arms if a.mode == "bcg"), request.arms[0] if request.arms else None)
-        check = sequence_check(graph_arm.deepstack if graph_arm else "normal")
+        check = sequence_check(request.deepstack)
         needed, checks = (check.b, check.a), (check,)
-        if i == 0:
+        if i == 0:  # the sequence's power arm (design §3 v3)
             needed, checks = needed + (SEQUENCE_POWER_ARM,), checks + (POWER_CHECK,)
         out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms}, needed, checks))
     return tuple(out)

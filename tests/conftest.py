@@ -57,3 +57,37 @@ class Cli:
 @pytest.fixture
 def parity_cli(tmp_path: Path) -> Cli:
     return Cli(tmp_path)
+
+
+# Real runs of the tiny preset that the loader must read back as written, and whose edits `parity
+# verdict` must refuse. Each is made on first use, once per test session, and shared read-only.
+REAL_RUNS = {
+    "default": ("--scenario", "all"),
+    "all": ("--scenario", "all", "--fixture", "all"),
+    "bfloat16": ("--scenario", "all", "--dtype", "bfloat16"),
+    "repeat": ("--scenario", "all", "--repeat", "2"),
+    "legacy": ("--scenario", "all", "--runner", "legacy"),
+    "no-clear": ("--scenario", "all", "--runner", "no-clear"),
+}
+REAL_RUN_TOKENS = "8"
+
+
+class RealRuns:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.made: dict[str, tuple[Path, int]] = {}
+
+    def __call__(self, name: str) -> tuple[Path, dict, int]:
+        """(results file, its document, the run's exit code); the document is a fresh copy to edit."""
+        if name not in self.made:
+            out = self.root / name
+            result = CliRunner().invoke(cli, ["run", "--out", str(out), "--no-plot", "--max-new-tokens",
+                                              REAL_RUN_TOKENS, *REAL_RUNS[name]], catch_exceptions=False)
+            self.made[name] = (out / "results.json", result.exit_code)
+        path, code = self.made[name]
+        return path, json.loads(path.read_text()), code
+
+
+@pytest.fixture(scope="session")
+def real_run(tmp_path_factory, tiny) -> RealRuns:
+    return RealRuns(tmp_path_factory.mktemp("real-runs"))

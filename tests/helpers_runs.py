@@ -8,13 +8,17 @@ correct backend records (bcg prefills replayed, the tap fired) unless a test say
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_mode_and_deepstack
 from parity.evidence import Evidence
-from parity.results import ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult, TopLogprobs
-from parity.verdict import judge_run
+from parity.results import (
+    SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
+    TopLogprobs,
+)
+from parity.verdict import checks_for, judge_run
 
 # Two answers that differ from the first token on: what DeepStack on/off gives a working model.
 NORMAL_IDS: tuple[int, ...] = (11, 12, 13, 14, 15)
@@ -89,13 +93,20 @@ def make_sequence(
     case_id: str = "stream/rgb-stripes/describe",
     scenario: str = "stream",
 ) -> CaseResult:
-    """An unjudged sequence case from (label, has an image, arms) per request."""
+    """An unjudged sequence case from (label, has an image, arms) per request; a request the
+    scenario sends with the twin image gets the twin's fixture (same size, other pixels)."""
     info = fixture_info("rgb-stripes")
-    return CaseResult(
-        id=case_id, fixture=info, prompt="Describe the image.", scenario=scenario,
-        requests=tuple(RequestResult(label, info if image else None, "Describe the image.", tuple(arms))
-                       for label, image, arms in requests),
-    )
+    twin = FixtureInfo("rgb-stripes-twin", fixture_info("rgb-stripes-twin").sha256, info.size)
+    specs = {spec.label: spec for spec in SEQUENCE_REQUESTS.get(scenario, ())}
+
+    def request(label: str, image: bool, arms: Sequence[ArmResult]) -> RequestResult:
+        spec = specs.get(label)
+        fixture = (twin if spec is not None and spec.image == TWIN_IMAGE else info) if image else None
+        deepstack = arms[0].deepstack if arms else (spec.deepstack if spec is not None else "normal")
+        return RequestResult(label, fixture, "Describe the image.", tuple(arms), deepstack)
+
+    return CaseResult(id=case_id, fixture=info, prompt="Describe the image.", scenario=scenario,
+                      requests=tuple(request(*r) for r in requests))
 
 
 def make_run(
@@ -145,8 +156,7 @@ def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "
                 power_ids: Sequence[int] | None = None):
     """The five requests of a stream case; eager answers request i with ids (i*10+1, ...). The first
     request's power arm (eager, DeepStack zeroed) answers `power_ids`, by default request 2's answer."""
-    specs = [("image", True, "normal"), ("image, DeepStack zeroed", True, "zero"), ("twin image", True, "normal"),
-             ("text only", False, "normal"), ("image again", True, "normal")]
+    specs = [(r.label, r.image is not None, r.deepstack) for r in SEQUENCE_REQUESTS[STREAM]]
     eager_ids = [tuple(range(i * 10 + 1, i * 10 + 6)) for i in range(len(specs))]
     bcg_ids = eager_ids if bcg_ids is None else bcg_ids
     requests = []
@@ -161,3 +171,24 @@ def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "
                      evidence=make_evidence("eager", tap_calls=1))
     requests[0][2].append(power)
     return make_sequence(requests, case_id)
+
+
+def scored(case: CaseResult) -> CaseResult:
+    """The case as a backend that teacher-forces writes it: each arm scored on every reference it is
+    compared against, with its own logprobs where its tokens agree with the reference's, -2.0 after."""
+    forced: dict[tuple[int | None, str], dict[str, tuple[float, ...]]] = {}
+    for group, check in checks_for(case):
+        a, b = group.arms.get(check.a), group.arms.get(check.b)
+        if a is None or b is None or a.failed or b.failed:
+            continue
+        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                    min(len(a.token_ids), len(b.token_ids)))
+        scores = tuple(a.token_logprobs[i] if i < same else -2.0 for i in range(len(b.token_ids)))
+        forced.setdefault((group.request, a.name), {})[b.name] = scores
+
+    def with_scores(arms: Sequence[ArmResult], request: int | None) -> tuple[ArmResult, ...]:
+        return tuple(replace(arm, forced=MappingProxyType(forced.get((request, arm.name), {}))) for arm in arms)
+
+    if not case.is_sequence:
+        return replace(case, arms=with_scores(case.arms, None))
+    return replace(case, requests=tuple(replace(r, arms=with_scores(r.arms, i)) for i, r in enumerate(case.requests)))

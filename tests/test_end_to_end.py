@@ -127,11 +127,13 @@ def test_report_formats_and_no_bare_nan(parity_cli):
 
 @pytest.mark.parametrize("edit, code", [
     (lambda arms: arms["bcg_normal"].update(evidence=dict(arms["bcg_normal"]["evidence"], prefill_replayed=False,
-                                                          replayed_calls=0, buckets=[])), 3),
+                                                          replayed_calls=0, buckets=[]),
+                                            deepstack_record=dict(arms["bcg_normal"]["deepstack_record"], replay=False)), 3),
     (lambda arms: arms["bcg_zero_deepstack"].update(evidence=None), 2),
     (lambda arms: arms.update(bcg_normal=arms["eager_normal"], bcg_zero_deepstack=arms["eager_zero_deepstack"]), 2),
+    # eager answers relabelled bcg: not scored as the run scores every bcg arm (its own tokens, its references)
     (lambda arms: arms.update(bcg_normal=dict(arms["eager_normal"], mode="bcg"),
-                              bcg_zero_deepstack=dict(arms["eager_zero_deepstack"], mode="bcg")), 3),
+                              bcg_zero_deepstack=dict(arms["eager_zero_deepstack"], mode="bcg")), 2),
     (lambda arms: arms["bcg_normal"].update(mode="eager"), 2),
     (lambda arms: arms["eager_normal"]["token_logprobs"].__setitem__(3, float("nan")), 2),
     (lambda arms: arms["bcg_normal"]["evidence"].update(tap_calls=0), 4),

@@ -10,7 +10,7 @@ from parity.evidence import DeepStackRecord
 from parity.results import SCHEMA, run_to_json, write_results
 from parity.results_loader import load_results
 from parity.verdict import judge_run
-from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, stream_case
+from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, scored, stream_case
 
 
 def _record(replay):
@@ -20,10 +20,10 @@ def _record(replay):
 def test_round_trip_keeps_every_field(tmp_path: Path):
     from dataclasses import replace
 
-    arms = list(fixed_arms())
+    arms = list(scored(make_case(fixed_arms())).arms)
     arms[2] = replace(arms[2], deepstack_record=_record(True), top_logprobs=(((1, -0.1), (2, -2.0)),) * 5,
-                      forced={"eager_normal": (-0.1,) * 5, "bcg_zero_deepstack": (-2.0,) * 5}, forced_seconds=0.5)
-    run = make_run([make_case(arms), stream_case()])
+                      forced_seconds=0.5)
+    run = make_run([make_case(arms), scored(stream_case())])
     write_results(run, tmp_path / "r.json")
     loaded = judge_run(load_results(tmp_path / "r.json"))
     assert run_to_json(loaded) == run_to_json(run)
@@ -148,3 +148,13 @@ def test_a_v1_reuse_case_never_passes(tmp_path: Path):
     run = judge_run(load_results(path))
     assert run.cases[0].requests[0].label.startswith("follow-up") and run.verdict.code == "INCOMPLETE"
     assert "eager_zero_deepstack" in run.verdict.reason
+
+
+def test_json_that_python_cannot_hold_is_refused(tmp_path: Path):
+    doc = json.dumps(_doc()).replace('"max_new_tokens": 20', '"max_new_tokens": 1' + "0" * 5000, 1)
+    (tmp_path / "huge.json").write_text(doc)
+    with pytest.raises(ResultsFileError, match="not a results file"):
+        load_results(tmp_path / "huge.json")
+    (tmp_path / "twice.json").write_text('{"schema": "parity.results/2", "cases": [{"id": "a", "id": "b"}]}')
+    with pytest.raises(ResultsFileError, match=r"cases\[0\] has the key 'id' twice"):
+        load_results(tmp_path / "twice.json")

@@ -194,7 +194,7 @@ def test_stream_names_the_first_request_that_differs_and_its_position():
     stale = eager_like[:2] + [eager_like[0]] + eager_like[3:]  # the twin answers as the first image
     v = make_run([stream_case(stale)]).verdict
     assert v.code == "FAIL_STALE_STATE" and exit_code(v) == 1
-    assert "request 3 of 5 (twin image)" in v.reason and "bcg_normal vs eager_normal" in v.reason
+    assert "request 3 of 5 (twin image" in v.reason and "bcg_normal vs eager_normal" in v.reason
 
 
 def test_stream_text_only_request_needs_no_tap_call_but_image_requests_do():

@@ -120,7 +120,7 @@ def build_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 2),
         head_dim=head_dim,
-        max_position_embeddings=4096,
+        max_position_embeddings=preset.max_positions,
         rope_theta=10000.0,
         rope_scaling={"rope_type": "default", "mrope_section": mrope, "mrope_interleaved": True},
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope,

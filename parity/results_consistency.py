@@ -1,0 +1,291 @@
+"""What a results file must keep with itself (design §4, "v3 consistency").
+
+A file edited by hand or by a script can be well typed and still describe no execution that ever
+happened: an arm given another arm's tokens while its teacher-forced scores say otherwise, a replay
+in a bucket smaller than its prompt, DeepStack that changes the answer of a model without
+DeepStack. Each rule below reads the parsed run (requests as the file holds them, so a place names
+the file's own indices) and raises `Contradiction` naming the field; `parity verdict` then exits 2
+instead of re-judging a file that contradicts itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from parity.arms import EAGER_NORMAL, EAGER_ZERO
+from parity.buckets import AUTO, prefill_bucket_ladder, smallest_fitting
+from parity.metrics import Tolerances, compare
+from parity.results import (
+    CASE_IMAGE, SCHEMA, SEQUENCE_REQUESTS, ArmResult, CaseResult, FixtureInfo, RunResult,
+)
+from parity.verdict import FOUR_ARM_CHECKS, sequence_check
+
+# Teacher forcing an arm on tokens it generated itself repeats the same computation in another batch
+# shape (one cached pass over all tokens instead of one decode step per token; on a server a prefill
+# instead of decode steps), so the scores agree up to kernel noise. Measured over every scenario and
+# fixture of the tiny presets on the CPU: 2.9e-6 in float32, 0.031 in bfloat16. The floors sit far
+# above that and above GPU noise (SGLang's own tests accept up to 1.0 between prefill and decode
+# logprobs in bf16), and well below what copying another arm's tokens leaves (3.04 for the
+# upstream drop). Any dtype other than float32, or none, gets the reduced-precision floor.
+FORCED_NOISE_FLOOR = {"float32": 0.01}
+REDUCED_PRECISION_FORCED_FLOOR = 1.0
+
+
+class Contradiction(Exception):
+    """The file contradicts itself; the message names the field."""
+
+
+@dataclass(frozen=True)
+class _Request:
+    """The arms that answered one request: a four-arm case, or one request of a sequence."""
+
+    where: str  # JSON path of the object holding the arms
+    case: CaseResult
+    fixture: FixtureInfo | None
+    arms: tuple[ArmResult, ...]
+
+    def at(self, arm: ArmResult) -> str:
+        return f"{self.where}.{arm.name}"
+
+    def arm(self, name: str) -> ArmResult | None:
+        return next((a for a in self.arms if a.name == name and not a.failed), None)
+
+
+def _requests(run: RunResult) -> Iterator[_Request]:
+    for ci, case in enumerate(run.cases):
+        if case.is_sequence and run.schema == SCHEMA:
+            for ri, request in enumerate(case.requests):
+                yield _Request(f"cases[{ci}].requests[{ri}].arms", case, request.fixture, request.arms)
+        else:  # four-arm, or a /1 reuse case whose arms are its text-only follow-up's
+            fixture = case.requests[0].fixture if case.requests else case.fixture
+            yield _Request(f"cases[{ci}].arms", case, fixture, case.all_arms())
+
+
+def _ran(request: _Request) -> Iterator[ArmResult]:
+    return (arm for arm in request.arms if not arm.failed)
+
+
+def _same_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# --- the rules, one function each ------------------------------------------------------------------
+
+def forced_matches_own_scores(run: RunResult) -> None:
+    """Where an arm's tokens equal reference r's (up to step i), `forced[r][i]` is the arm's own score."""
+    dtype = str(run.config.get("dtype"))
+    floor = FORCED_NOISE_FLOOR.get(dtype, REDUCED_PRECISION_FORCED_FLOOR)
+    for request in _requests(run):
+        for arm in _ran(request):
+            for name, scores in arm.forced.items():
+                reference = request.arm(name)
+                for i in range(_same_prefix(arm.token_ids, reference.token_ids)):
+                    delta = abs(scores[i] - arm.token_logprobs[i])
+                    if delta > floor:
+                        raise Contradiction(
+                            f"{request.at(arm)}.forced.{name}[{i}] is {scores[i]:.6g}, but the arm's own "
+                            f"token_logprobs[{i}] is {arm.token_logprobs[i]:.6g} for the same token after the same "
+                            f"tokens (|Δ| {delta:.3g} > {floor:g}, the {dtype} noise floor): teacher forcing of "
+                            "identical tokens gives the same scores")
+
+
+def forced_scores_every_reference(run: RunResult) -> None:
+    """A run that scores arms teacher-forced scores each on all its references that ran (and on its own
+    tokens, where it does that): one arm without its scores is an edit that hides its tf delta."""
+    ran = [(request, arm) for request in _requests(run) for arm in _ran(request)]
+    scores_self = any(arm.name in arm.forced for _, arm in ran)
+    scores_references = any(set(arm.forced) - {arm.name} for _, arm in ran)
+    for request, arm in ran:
+        wanted = [arm.name] if scores_self else []
+        if scores_references:
+            wanted += [ref for ref in _references(request, arm) if request.arm(ref) is not None]
+        missing = [name for name in wanted if name not in arm.forced]
+        if missing:
+            raise Contradiction(f"{request.at(arm)}.forced lacks {missing[0]}, which the run scores for every arm "
+                                "that ran: a missing teacher-forced score is an edit")
+
+
+def _references(request: _Request, arm: ArmResult) -> list[str]:
+    """The arms `arm` is compared against (the second arm of each of its checks)."""
+    if request.case.is_sequence:
+        check = sequence_check(arm.deepstack)
+        return [check.b] if arm.name == check.a else []
+    return [check.b for check in FOUR_ARM_CHECKS if check.a == arm.name]
+
+
+def replays_fit_their_buckets(run: RunResult) -> None:
+    """A replay's bucket holds the whole prompt and is one the run captured."""
+    captured = run.config.get("captured_buckets")
+    for request in _requests(run):
+        for arm in _ran(request):
+            evidence = arm.evidence
+            for bucket in evidence.buckets if evidence else ():
+                where = f"{request.at(arm)}.evidence.buckets has {bucket}"
+                if captured is not None and bucket not in captured:
+                    raise Contradiction(f"{where}, which is not among the run's captured buckets "
+                                        f"(config.captured_buckets {captured})")
+                if evidence.max_bucket is not None and bucket > evidence.max_bucket:
+                    raise Contradiction(f"{where}, larger than its evidence.max_bucket {evidence.max_bucket}")
+                tokens = evidence.prompt_tokens
+                # Only when every prefill replayed is prompt_tokens the prompt of those replays (a server
+                # names the longest prefill that ran eagerly); a prompt longer than every bucket is
+                # prefilled in chunks, each in its own bucket.
+                whole = evidence.prefill_replayed and tokens is not None and (
+                    evidence.max_bucket is None or tokens <= evidence.max_bucket)
+                if whole and bucket < tokens:
+                    raise Contradiction(f"{where}, smaller than its {tokens}-token prompt "
+                                        f"(evidence.prompt_tokens): a replayed prompt fits its bucket")
+
+
+def evidence_matches_record(run: RunResult) -> None:
+    """The tap's record of the prompt's LM entry and the evidence tell the same replay."""
+    for request in _requests(run):
+        for arm in _ran(request):
+            record, evidence = arm.deepstack_record, arm.evidence
+            if record is None or evidence is None or record.replay is None:
+                continue
+            if record.replay and evidence.replayed_calls == 0:
+                raise Contradiction(f"{request.at(arm)}.evidence.replayed_calls is 0, but its "
+                                    "deepstack_record.replay is true")
+            if not record.replay and evidence.prefill_replayed:
+                raise Contradiction(f"{request.at(arm)}.evidence.prefill_replayed is true, but its "
+                                    "deepstack_record.replay is false")
+
+
+def enough_lm_entries(run: RunResult) -> None:
+    """A generation of n tokens is one prefill and n - 1 decode steps at least."""
+    for request in _requests(run):
+        for arm in _ran(request):
+            needed = max(1, len(arm.token_ids))
+            if arm.evidence is not None and arm.evidence.lm_calls < needed:
+                raise Contradiction(f"{request.at(arm)}.evidence.lm_calls is {arm.evidence.lm_calls}, fewer than the "
+                                    f"prefill and {needed - 1} decode steps of its {len(arm.token_ids)} tokens")
+
+
+def answers_fit_max_new_tokens(run: RunResult) -> None:
+    limit = run.config.get("max_new_tokens")
+    if limit is None:
+        return
+    for request in _requests(run):
+        for arm in _ran(request):
+            for where, ids in ((f"{request.at(arm)}.token_ids", arm.token_ids),
+                               *((f"{request.at(arm)}.repeats[{i}].token_ids", r.token_ids)
+                                 for i, r in enumerate(arm.repeats))):
+                if len(ids) > limit:
+                    raise Contradiction(f"{where} has {len(ids)} tokens, more than config.max_new_tokens {limit}")
+
+
+def one_fingerprint_per_request(run: RunResult) -> None:
+    """Every arm of a request is handed the same DeepStack rows before its tap acts on them. (A /1
+    file keeps its own rule: a record without rows beside one with rows is rule 1b's ERROR.)"""
+    if run.schema != SCHEMA:
+        return
+    for request in _requests(run):
+        recorded = [arm for arm in _ran(request) if arm.deepstack_record is not None]
+        for arm in recorded:
+            record = arm.deepstack_record
+            if record.action != arm.deepstack:
+                raise Contradiction(f"{request.at(arm)}.deepstack_record.action is {record.action!r}, but the arm "
+                                    f"runs DeepStack {arm.deepstack!r}")
+            first = recorded[0].deepstack_record
+            seen = (record.sha256, record.shape, record.dtype, record.nonzero_rows)
+            if seen != (first.sha256, first.shape, first.dtype, first.nonzero_rows):
+                raise Contradiction(f"{request.at(arm)}.deepstack_record differs from {recorded[0].name}'s "
+                                    f"(sha256 {record.sha256[:12]}… vs {first.sha256[:12]}…): the arms of one request "
+                                    "see the same DeepStack rows before zeroing")
+
+
+def power_needs_deepstack(run: RunResult) -> None:
+    """DeepStack can change an answer only where there is an image and a model that consumes it."""
+    layers = run.deepstack_layers  # None in /1: inferred from the records, nothing to contradict
+    for request in _requests(run):
+        for arm in _ran(request):
+            rows = arm.deepstack_record.nonzero_rows if arm.deepstack_record else 0
+            if rows and request.fixture is None:
+                raise Contradiction(f"{request.at(arm)}.deepstack_record has {rows} non-zero DeepStack rows, but "
+                                    "the request has no image")
+            if rows and layers == 0:
+                raise Contradiction(f"{request.at(arm)}.deepstack_record has {rows} non-zero DeepStack rows, but "
+                                    "config.deepstack_layers is 0")
+    tolerances = Tolerances(run.logprob_tol, run.tie_margin)
+    for ci, case in enumerate(run.cases):
+        pair = _power_pair(case)
+        if pair is None or compare(*pair, tolerances).match:
+            continue
+        shown = f"cases[{ci}]: {EAGER_ZERO} and {EAGER_NORMAL} answer differently (DeepStack power)"
+        if case.fixture is None:
+            raise Contradiction(f"{shown}, but the case has no image")
+        if layers == 0:
+            raise Contradiction(f"{shown}, but config.deepstack_layers is 0")
+
+
+def _power_pair(case: CaseResult) -> tuple[ArmResult, ArmResult] | None:
+    """(zeroed, normal) eager answers to the same image request, where the case has both."""
+    if not case.is_sequence:
+        zero, normal = case.arm(EAGER_ZERO), case.arm(EAGER_NORMAL)
+    else:
+        specs = {spec.label: spec for spec in SEQUENCE_REQUESTS.get(case.scenario, ())}
+        by_action: dict[str, ArmResult] = {}
+        for request in case.requests:
+            spec = specs.get(request.label)
+            if spec is not None and spec.image == CASE_IMAGE:
+                for arm in request.arms:
+                    if arm.mode == "eager":
+                        by_action.setdefault(arm.deepstack, arm)
+        zero, normal = by_action.get("zero"), by_action.get("normal")
+    if zero is None or normal is None or zero.failed or normal.failed:
+        return None
+    return zero, normal
+
+
+def captured_buckets_fit_the_prompts(run: RunResult) -> None:
+    """With `--buckets auto` a run captures buckets of SGLang's ladder up to its longest prompt's."""
+    captured, policy = run.config.get("captured_buckets"), run.config.get("buckets")
+    if not captured or policy is None:
+        return
+    if policy != AUTO:
+        stray = [b for b in captured if b not in policy]
+        if stray:
+            raise Contradiction(f"config.captured_buckets has {stray[0]}, which config.buckets {policy} does not list")
+        return
+    ladder = prefill_bucket_ladder(max(captured))
+    stray = [b for b in captured if b not in ladder]
+    if stray:
+        raise Contradiction(f"config.captured_buckets has {stray[0]}, which is not on the bucket ladder of "
+                            "--buckets auto")
+    longest = _longest_prompt(run)
+    needed = None if longest is None else smallest_fitting(ladder, longest)
+    if needed is not None and max(captured) > needed:
+        raise Contradiction(f"config.captured_buckets has {max(captured)}, but the run's longest prompt "
+                            f"({longest} tokens) replays in bucket {needed}: --buckets auto captures no larger one")
+
+
+def _longest_prompt(run: RunResult) -> int | None:
+    """The longest prompt of the run, when every request of it says how long its prompt was."""
+    if run.interrupted:
+        return None  # requests that never ran still had their buckets captured
+    lengths = []
+    for request in _requests(run):
+        known = [a.evidence.prompt_tokens for a in _ran(request)
+                 if a.evidence is not None and a.evidence.prompt_tokens is not None]
+        if not known:
+            return None
+        lengths.append(max(known))
+    return max(lengths, default=None)
+
+
+RULES: tuple[Callable[[RunResult], None], ...] = (
+    forced_matches_own_scores, forced_scores_every_reference, replays_fit_their_buckets, evidence_matches_record, enough_lm_entries,
+    answers_fit_max_new_tokens, one_fingerprint_per_request, power_needs_deepstack,
+    captured_buckets_fit_the_prompts,
+)
+
+
+def check_consistency(run: RunResult) -> None:
+    """Raise `Contradiction` for the first rule the run breaks."""
+    for rule in RULES:
+        rule(run)

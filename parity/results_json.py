@@ -1,0 +1,118 @@
+"""Typed readers for the values of a results document, each naming the JSON path of a bad value.
+
+Counts, ids and sizes are bounded: a real run never gets near `MAX_COUNT`, and a number beyond it
+is an edit or corruption that would make later arithmetic (a graph capture, a loop) hang.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# Token ids, sizes, counts, buckets: a vocabulary, an image side, a context and the LM entries of a
+# run all stay far below ten million.
+MAX_COUNT = 10**7
+# A log-probability is <= 0. An engine that computes logit - logsumexp in separate kernels can land a
+# few float32 ulps above 0 for a near-certain token (an ulp is ~2e-6 at logits of ~30); anything
+# above this is no rounding but an impossible score.
+MAX_LOGPROB = 1e-5
+
+
+class Invalid(Exception):
+    """A problem in the document, reported with the JSON path where it was found."""
+
+
+def get(obj: Any, key: str, kind: type | tuple[type, ...], where: str, optional: bool = False) -> Any:
+    if not isinstance(obj, dict):
+        raise Invalid(f"{where} must be an object")
+    if key not in obj:
+        if optional:
+            return None
+        raise Invalid(f"{where} lacks {key!r}")
+    value = obj[key]
+    if optional and value is None:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    # bool is an int in Python; a JSON true where a number belongs is still an error.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise Invalid(f"{where}.{key} must be {'/'.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
+    return value
+
+
+def number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise Invalid(f"{where} must be a number")
+    if not math.isfinite(value):
+        raise Invalid(f"{where} is {value}: numbers in a results file must be finite")
+    return float(value)
+
+
+def positive(value: Any, where: str) -> float:
+    result = number(value, where)
+    if result <= 0:
+        raise Invalid(f"{where} must be > 0, got {result}")
+    return result
+
+
+def integer(value: Any, where: str, minimum: int, maximum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Invalid(f"{where} must be an integer, got {type(value).__name__}")
+    if value < minimum:
+        raise Invalid(f"{where} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise Invalid(f"{where} is {value}, above {maximum}: no run gets near it")
+    return value
+
+
+def non_negative_int(value: Any, where: str, minimum: int = 0) -> int:
+    return integer(value, where, minimum, MAX_COUNT)
+
+
+def ints(values: Any, where: str, minimum: int = 0) -> tuple[int, ...]:
+    if not isinstance(values, list):
+        raise Invalid(f"{where} must be a list of integers")
+    return tuple(non_negative_int(v, f"{where}[{i}]", minimum) for i, v in enumerate(values))
+
+
+def logprobs(values: Any, where: str) -> tuple[float, ...]:
+    if not isinstance(values, list):
+        raise Invalid(f"{where} must be a list of numbers")
+    out = tuple(number(v, f"{where}[{i}]") for i, v in enumerate(values))
+    for i, lp in enumerate(out):
+        if lp > MAX_LOGPROB:
+            raise Invalid(f"{where}[{i}] is {lp}: a log-probability cannot be positive")
+    return out
+
+
+def parse_unique_keys(text: str) -> Any:
+    """The JSON document; a key given twice in one object is an error naming where (json keeps the
+    last silently, so an edit could hide an arm behind its own name)."""
+    twice: dict[int, str] = {}
+
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        obj: dict = {}
+        for key, value in items:
+            if key in obj:
+                twice.setdefault(id(obj), key)
+            obj[key] = value
+        return obj
+
+    doc = json.loads(text, object_pairs_hook=pairs)
+    if twice:
+        where, key = _find_object(doc, twice, "document")
+        raise Invalid(f"{where} has the key {key!r} twice")
+    return doc
+
+
+def _find_object(node: Any, twice: dict[int, str], where: str) -> tuple[str, str]:
+    stack = [(node, where)]
+    while stack:  # iterative: the document may be nested as deeply as json allows
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            if id(node) in twice:
+                return where, twice[id(node)]
+            stack.extend((v, f"{where}.{k}" if where != "document" else k) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
+    return where, next(iter(twice.values()))
