@@ -27,7 +27,8 @@ INTERRUPTED_EXIT = 130  # 128 + SIGINT; SIGTERM exits 143 (parity.interrupts)
 # Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
 MAX_SEED = 2**63 - 1
 # The server backends' options, and the backends each one applies to.
-SERVER_OPTIONS = {"sglang_args": ("sglang",), "vllm_args": ("vllm",), "graph_mode": ("vllm",),
+SERVER_OPTIONS = {"sglang_args": ("sglang",), "sglang_fix": ("sglang",), "vllm_args": ("vllm",),
+                  "graph_mode": ("vllm",),
                   **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")}}
 
 
@@ -178,12 +179,17 @@ def cli() -> None:
               help="Run folder (default reports/<timestamp>-<model>/).")
 @click.option("--junit", "junit_path", callback=_not_empty(), help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
+@click.option("--shard", "shard_spec", metavar="K/N",
+              help="Run only shard K of N: a partition of the cases that is the same on every machine; "
+                   "join the shards' results with `parity merge`.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
 @click.option("--vllm-arg", "vllm_args", multiple=True,
               help="Extra `vllm serve` flag for both servers (repeatable, vllm backend); flags parity sets are refused.")
 @click.option("--graph-mode", type=click.Choice(["full_and_piecewise", "full", "piecewise", "breakable"]),
               default="full_and_piecewise", show_default=True,
               help="vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE).")
+@click.option("--sglang-fix", type=click.Choice(["deepstack-slot"]), default=None,
+              help="Run parity's DeepStack replay slot fix inside the SGLang servers (SGLang 0.5.23 only).")
 @click.option("--concurrent", is_flag=True,
               help="Keep both servers (sglang, vllm) up: started at once when --gpus gives each its own GPUs, else one "
                    "after the other on the shared GPU.")
@@ -203,6 +209,7 @@ def run(**options) -> None:
     from parity.run_command import (
         OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run, plan_note,
     )
+    from parity.sharding import Shard, check_not_empty
 
     o = options
     scenario = o["scenario"]
@@ -216,7 +223,10 @@ def run(**options) -> None:
         scenarios=SCENARIOS if scenario == "all" else (scenario,),
         max_new_tokens=o["max_new_tokens"], logprob_tol=o["logprob_tol"], tie_margin=o["tie_margin"],
         repeat=o["repeat"], localize_threshold=o["localize_threshold"],
+        shard=Shard.parse(o["shard_spec"]) if o["shard_spec"] is not None else None,
     )
+    if spec.shard is not None:
+        check_not_empty(spec.shard, len(spec.scenarios) * len(spec.cases))
     output = OutputOptions(
         run_dir=check_writable("--out", Path(o["out_dir"]) if o["out_dir"] else default_run_dir(o["model"]), True),
         junit=check_writable("--junit", Path(o["junit_path"]), False) if o["junit_path"] else None,
@@ -227,7 +237,7 @@ def run(**options) -> None:
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
         sglang_args=tuple(o["sglang_args"]), vllm_args=tuple(o["vllm_args"]), graph_mode=o["graph_mode"],
         concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
-        ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"],
+        ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"], sglang_fix=o["sglang_fix"],
     )
     _warn_ignored(click.get_current_context(), backend.name)
     note = plan_note(spec, o["model"])
@@ -277,16 +287,28 @@ def verdict(results_file: str, as_json: bool) -> None:
 
 
 @cli.command()
-@click.argument("results_file")
+@click.argument("results_files", nargs=-1, required=True)
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
-def report(results_file: str, fmt: str) -> None:
-    """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table."""
+def report(results_files: tuple[str, ...], fmt: str) -> None:
+    """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table.
+
+    Several files: one matrix report over their experiments (the shards of each are merged)."""
     from parity.reporting.report import render_json, render_markdown
     from parity.reporting.terminal import print_table
     from parity.results_loader import load_results
     from parity.verdict import judge_run
 
-    run_result = judge_run(load_results(results_file))
+    if len(results_files) > 1:
+        from parity.merge import load_files, merge_matrix
+        from parity.reporting.matrix import matrix_json, print_matrix, render_matrix
+
+        runs = merge_matrix(load_files(results_files))
+        if fmt == "table":
+            print_matrix(runs, _console())
+        else:
+            click.echo(render_matrix(runs) if fmt == "markdown" else matrix_json(runs))
+        return
+    run_result = judge_run(load_results(results_files[0]))
     if fmt == "table":
         print_table(run_result, _console())
     else:
@@ -327,6 +349,33 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
             click.echo("\n".join(localization_lines(case)))
     for path in result.written:
         click.echo(visible(f"wrote {path}"), err=as_json)
+
+
+@cli.command()
+@click.argument("results_files", nargs=-1, required=True)
+@click.option("--out", "out_dir", required=True, help="Folder for the merged results.json, report.md and plots.")
+@click.option("--junit", "junit_path", help="Also write a JUnit XML file here (one testsuite per experiment).")
+@click.option("--no-plot", is_flag=True, help="Skip the plots.")
+@click.option("--allow-missing", callback=_int_list, default="", metavar="K[,K]",
+              help="Shards missing on purpose: merge without them; the verdict is then at best INCOMPLETE.")
+@click.option("--matrix", is_flag=True,
+              help="Files of several experiments (models, engines, graph modes, GPUs): merge each one's shards "
+                   "into its own folder and write one matrix report.")
+def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, no_plot: bool,
+          allow_missing: tuple[int, ...], matrix: bool) -> None:
+    """Join the shards of a sharded run (`parity run --shard K/N`) into one judged run; exit with its verdict's code.
+
+    Refuses (exit 2) files of different experiments, a shard given twice and a missing shard."""
+    from parity.merge import MergeOutput, run_merge
+    from parity.run_command import check_writable
+
+    output = MergeOutput(check_writable("--out", Path(out_dir), True),
+                         check_writable("--junit", Path(junit_path), False) if junit_path else None, not no_plot)
+    merged, written = run_merge(results_files, output, allow_missing, matrix,
+                                warn=lambda message: click.echo(f"warning: {message}", err=True))
+    click.echo(f"{merged.code}: {merged.reason}")
+    click.echo(f"report: {written}")
+    sys.exit(exit_code(merged))
 
 
 @cli.command()

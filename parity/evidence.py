@@ -73,6 +73,42 @@ class LeakWitness:
 
 
 @dataclass(frozen=True)
+class RankEvidence:
+    """One model process's share of an arm's evidence: with tensor parallelism every rank runs the
+    request, and each one's tap must have fired and its prefill replayed (design §8)."""
+
+    rank: str  # how the server named the process: "TP1 (pid 4242)"
+    lm_calls: int
+    replayed_calls: int
+    prefill_replayed: bool | None
+    buckets: tuple[int, ...]
+    tap_calls: int
+    sha256: str | None = None  # fingerprint of the first DeepStack rows its tap saw; None: none
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "lm_calls": self.lm_calls, "replayed_calls": self.replayed_calls,
+                "prefill_replayed": self.prefill_replayed, "buckets": list(self.buckets),
+                "tap_calls": self.tap_calls, "sha256": self.sha256}
+
+
+def combine_ranks(ranks: tuple[RankEvidence, ...], prompt_tokens: int | None = None,
+                  max_bucket: int | None = None, leak: LeakWitness | None = None) -> "Evidence":
+    """One arm's evidence from its ranks', each field read the way its rule needs every rank: the
+    prefill replayed only where every rank's did, the tap fired only where every rank's did (the
+    fewest tap calls), a replay anywhere counts (an eager arm that replayed on one rank replayed),
+    and every bucket any rank replayed in is checked against the policy. A leak witness is the
+    arm's, not a rank's: it is carried as given."""
+    shown = [r.prefill_replayed for r in ranks]
+    replayed = False if False in shown else (None if None in shown else True)
+    return Evidence(
+        lm_calls=max(r.lm_calls for r in ranks), replayed_calls=max(r.replayed_calls for r in ranks),
+        prefill_replayed=replayed, buckets=tuple(sorted({b for r in ranks for b in r.buckets})),
+        tap_calls=min(r.tap_calls for r in ranks), prompt_tokens=prompt_tokens, max_bucket=max_bucket,
+        leak=leak, ranks=tuple(ranks),
+    )
+
+
+@dataclass(frozen=True)
 class Evidence:
     """How an arm's requests were executed, counted by the backend as they ran (design §4)."""
 
@@ -85,6 +121,7 @@ class Evidence:
     prompt_tokens: int | None = None  # of the request, for the verdict's reason
     max_bucket: int | None = None  # the largest bucket the path under test could replay in
     leak: LeakWitness | None = None  # stale DeepStack rows read (engines that can tell); None: none seen
+    ranks: tuple[RankEvidence, ...] = ()  # each rank's share, when more than one ran the arm
 
     def merged(self, other: "Evidence") -> "Evidence":
         """One arm's evidence over several runs of it (`--repeat`): every prefill must have replayed."""
@@ -124,6 +161,15 @@ class Evidence:
             return "bucket sizes must be > 0"
         if self.leak is not None and (self.leak.rows <= 0 or self.leak.steps <= 0 or self.leak.steps > self.lm_calls):
             return "a leak witness needs rows > 0 and 1..lm_calls steps"
+        return self._rank_inconsistency()
+
+    def _rank_inconsistency(self) -> str | None:
+        if not self.ranks:
+            return None
+        if len({r.sha256 for r in self.ranks if r.sha256}) > 1:
+            return "its ranks' DeepStack fingerprints differ (a run gives such an arm an error, not evidence)"
+        if combine_ranks(self.ranks, self.prompt_tokens, self.max_bucket, self.leak) != self:
+            return "the arm's counts are not those of its ranks (every rank must show the tap and the replay)"
         return None
 
     def to_json(self) -> dict:
@@ -131,4 +177,5 @@ class Evidence:
             "lm_calls": self.lm_calls, "replayed_calls": self.replayed_calls,
             "prefill_replayed": self.prefill_replayed, "buckets": list(self.buckets),
             "tap_calls": self.tap_calls, "prompt_tokens": self.prompt_tokens, "max_bucket": self.max_bucket,
-        } | ({} if self.leak is None else {"leak": self.leak.to_json()})
+        } | ({} if self.leak is None else {"leak": self.leak.to_json()}) | (
+            {"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {})

@@ -27,6 +27,7 @@ from parity.fixtures import Fixture, Prompt
 from parity.interrupts import deferred_stops, signal_of
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN, Tolerances, auto_tolerances
+from parity.sharding import Shard, partition, shard_config
 from parity.results import (
     CASE_IMAGE, FOUR_ARM, SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat,
     RequestResult, RequestSpec, RunResult,
@@ -61,6 +62,7 @@ class RunSpec:
     tie_margin: float = DEFAULT_TIE_MARGIN
     repeat: int = 1
     localize_threshold: float | None = None  # None: auto, from the dtype's measured noise
+    shard: Shard | None = None  # run only this shard's cases (design §8); None: all of them
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -208,6 +210,9 @@ def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
                    warn: Callable[[str], object] | None) -> RunResult:
     planned, collected, stop = _run_plan(spec, backend, progress)
     config = dict(backend.config())
+    if spec.shard is not None:
+        config["shard"] = shard_config(spec.shard, _assignment(spec, planned))
+        planned = _in_shard(spec, planned)
     localizes = isinstance(backend, CanLocalize)
     if localizes:
         config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
@@ -224,13 +229,15 @@ def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
 
 
 def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
-    """(planned cases, the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or None)."""
+    """(every planned case, the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or
+    None); with a shard, only the shard's cases are run."""
     planned = plan_cases(spec, backend)
     collected = _Collected()
     try:
+        # Every shard captures for, and checks, the whole plan: its runner is the unsharded run's.
         lengths = _check_lengths(spec, backend, planned)
-        total = sum(len(_arms_for(case, mode, req)) for mode in spec.modes for case in planned
-                    for req in case.requests)
+        selected = _in_shard(spec, planned)
+        total = sum(_generations(spec, case) for case in selected)
         counter = iter(range(1, total + 1))
 
         def announce(case_id: str, label: str) -> None:
@@ -239,7 +246,7 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
 
         backend.prepare(spec.modes, lengths)
         for mode in spec.modes:
-            _run_mode(spec, backend, planned, mode, collected, announce)
+            _run_mode(spec, backend, selected, mode, collected, announce)
     except KeyboardInterrupt as stop:
         return planned, collected, stop
     return planned, collected, None
@@ -257,6 +264,27 @@ def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCas
                     f"exceeds the model's context of {limit} positions; use a shorter prompt or fewer new tokens")
             lengths.append(length)
     return lengths
+
+
+def _generations(spec: RunSpec, case: PlannedCase) -> int:
+    """What a case costs: its generations over every request and mode (sharding's expected cost)."""
+    return sum(len(_arms_for(case, mode, req)) for mode in spec.modes for req in case.requests)
+
+
+def _assignment(spec: RunSpec, planned: Sequence[PlannedCase]) -> dict[str, int]:
+    """Case id -> shard, in plan order; cases are assigned in case-list order (sharding.py)."""
+    per_scenario = len(spec.cases)  # plan_cases is scenario-major over spec.cases
+    costs = [_generations(spec, case) for case in planned]
+    order = sorted(range(len(planned)), key=lambda i: (i % per_scenario, -costs[i], i // per_scenario))
+    shards = partition([(planned[i].id, costs[i]) for i in order], spec.shard.count)
+    return {case.id: shards[case.id] for case in planned}
+
+
+def _in_shard(spec: RunSpec, planned: Sequence[PlannedCase]) -> tuple[PlannedCase, ...]:
+    if spec.shard is None:
+        return tuple(planned)
+    assigned = _assignment(spec, planned)
+    return tuple(case for case in planned if assigned[case.id] == spec.shard.index)
 
 
 def _arms_for(case: PlannedCase, mode: str, req: PlannedRequest) -> list[str]:

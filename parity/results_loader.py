@@ -18,7 +18,8 @@ from typing import Any
 
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
-from parity.evidence import DeepStackRecord, Evidence, LeakWitness
+from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
+from parity.sharding import case_problem, read_shard
 from parity.verdict import SEQUENCE_POWER_ARM
 from parity.results import (
     CASE_IMAGE, FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, ArmResult,
@@ -84,6 +85,8 @@ def _evidence(raw: Any, where: str) -> Evidence:
         buckets=ints(get(raw, "buckets", list, where), f"{where}.buckets", minimum=1),
         tap_calls=count("tap_calls"), prompt_tokens=count("prompt_tokens", True, 1),
         max_bucket=count("max_bucket", True, 1), leak=_leak(raw.get("leak"), f"{where}.leak"),
+        ranks=tuple(_rank(r, f"{where}.ranks[{i}]")
+                    for i, r in enumerate(get(raw, "ranks", list, where, optional=True) or [])),
     )
     problem = evidence.inconsistency()
     if problem:
@@ -98,6 +101,16 @@ def _leak(raw: Any, where: str) -> LeakWitness | None:
     return LeakWitness(rows=non_negative_int(get(raw, "rows", int, where), f"{where}.rows", 1),
                        steps=non_negative_int(get(raw, "steps", int, where), f"{where}.steps", 1),
                        source_sha256=get(raw, "source_sha256", str, where, optional=True))
+def _rank(raw: Any, where: str) -> RankEvidence:
+    return RankEvidence(
+        rank=get(raw, "rank", str, where),
+        lm_calls=non_negative_int(get(raw, "lm_calls", int, where), f"{where}.lm_calls"),
+        replayed_calls=non_negative_int(get(raw, "replayed_calls", int, where), f"{where}.replayed_calls"),
+        prefill_replayed=get(raw, "prefill_replayed", bool, where, optional=True),
+        buckets=ints(get(raw, "buckets", list, where), f"{where}.buckets", minimum=1),
+        tap_calls=non_negative_int(get(raw, "tap_calls", int, where), f"{where}.tap_calls"),
+        sha256=get(raw, "sha256", str, where, optional=True),
+    )
 
 
 def _forced(raw: Any, where: str) -> dict[str, tuple[float, ...]]:
@@ -312,6 +325,17 @@ def _case(raw: Any, where: str, v2: bool) -> CaseResult:
     )
 
 
+def _check_shard(config: Any, case_ids: list[str]) -> None:
+    """A shard's or a merge's file holds exactly the planned cases of the shards it covers (design §8)."""
+    try:
+        record = read_shard(config)
+    except ValueError as err:
+        raise Invalid(f"config.shard: {err}") from None
+    problem = None if record is None else case_problem(record, case_ids)
+    if problem:
+        raise Invalid(f"config.shard: the file {problem}")
+
+
 def run_from_json(doc: Any, source: str) -> RunResult:
     """Parse and validate a results document; stored comparisons and verdicts are dropped."""
     schema = SCHEMA
@@ -331,6 +355,7 @@ def run_from_json(doc: Any, source: str) -> RunResult:
             if case.id in seen:
                 raise Invalid(f"case id {case.id!r} appears twice; case ids must be unique")
             seen.add(case.id)
+        _check_shard(config, [c.id for c in cases])
         run = RunResult(
             created=get(doc, "created", str, "document"),
             environment=MappingProxyType(environment),

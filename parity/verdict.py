@@ -11,10 +11,11 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
-from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.buckets import smallest_fitting
 from parity.evidence import Evidence
+from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
+from parity.sharding import unmerged_note
 
 PASS = "PASS"
 ERROR = "ERROR"
@@ -204,8 +205,7 @@ def _not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, 
     largest = "unknown" if evidence is None or evidence.max_bucket is None else evidence.max_bucket
     how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
     if rules.backend == "sglang":
-        hint = (f"raise --cuda-graph-max-bs-prefill to at least {tokens} and do not disable the prefill CUDA graph "
-                "(--sglang-arg)")
+        hint = _sglang_not_replayed_hint(evidence)
     elif rules.backend == "vllm":
         hint = (f"use --buckets auto or a capture size of at least {tokens}, keep --max-num-batched-tokens above it, "
                 "and check that the attention backend allows the --graph-mode for prefills (vLLM's dispatcher "
@@ -214,6 +214,19 @@ def _not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, 
         hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
     return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
             f"so the graph path was not tested; {hint}")
+
+
+def _sglang_not_replayed_hint(evidence: Evidence | None) -> str:
+    tokens = None if evidence is None else evidence.prompt_tokens
+    largest = None if evidence is None else evidence.max_bucket
+    if tokens is not None and largest is not None and tokens <= largest:
+        # A bucket fits, so the server itself did not replay: SGLang turned its prefill graph off
+        # (an auto-disable such as torch_native attention) or declined this batch.
+        return ("a captured bucket fits the prompt, so the server did not replay it: look for SGLang's "
+                "\"Disable prefill CUDA graph because ...\" lines in the bcg server's log (sglang-bcg.log) and "
+                "for a flag that turns the prefill graph off (--sglang-arg)")
+    return (f"raise --cuda-graph-max-bs-prefill to at least {tokens if tokens is not None else '?'} and do not "
+            "disable the prefill CUDA graph (--sglang-arg)")
 
 
 # --- judging -------------------------------------------------------------------------------------
@@ -379,6 +392,9 @@ def judge_run(run: RunResult) -> RunResult:
     verdict = overall_verdict(cases)
     if run.interrupted and verdict.code == PASS:  # what never ran cannot pass
         verdict = Verdict(INCOMPLETE, f"interrupted before the run finished ({verdict.reason})")
+    unmerged = unmerged_note(run.config)  # a merge told to go without a shard: at best INCOMPLETE
+    if unmerged and verdict.code in (PASS, INCONCLUSIVE_NO_POWER):
+        verdict = Verdict(INCOMPLETE, f"{unmerged} ({verdict.reason})")
     return replace(run, cases=cases, verdict=verdict)
 
 

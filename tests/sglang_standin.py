@@ -37,6 +37,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
@@ -45,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
 
 from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
-from parity.sglang import plugin  # noqa: E402
+from parity.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
 
 VERSION = "0.5.23+standin"
 DEEPSTACK_WIDTH = 12  # hidden 4 x 3 DeepStack levels
@@ -78,12 +79,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--standin-deepstack-replay", action="store_true", help="the upstream fix")
     parser.add_argument("--standin-no-plugin", action="store_true",
                         help="the hook is never called (parity not installed, or apply_hooks failed)")
+    parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size",
+                        help="ranks: each runs the hook on its own copy of the LM inputs, as its own process")
+    parser.add_argument("--standin-silent-rank", type=int, default=None, help="this rank's hook never runs")
+    parser.add_argument("--standin-disagreeing-rank", type=int, default=None,
+                        help="this rank is handed other DeepStack rows than the others")
     parser.add_argument("--standin-no-deepstack-key", action="store_true",
                         help="the hook is called, but image prefills never carry input_deepstack_embeds")
     parser.add_argument("--standin-no-replay", action="store_true",
                         help="a breakable server whose prefills all run eager")
     parser.add_argument("--standin-replay-image-fault", action="store_true",
                         help="replaying an image prefill kills the process (the fault 0.5.23's comment names)")
+    parser.add_argument("--standin-kernel-call", default=None,
+                        help="call this sgl_kernel op through parity's CPU kernel stand-in (a path that needs it)")
+    parser.add_argument("--standin-kernel-call-on", choices=("startup", "request"), default="startup")
     args, _ = parser.parse_known_args(argv)  # every other SGLang flag is accepted and ignored
     return args
 
@@ -134,6 +143,10 @@ class Model:
         self.graph = args.cuda_graph_backend_prefill != "disabled" and not args.standin_no_replay
         self.buckets = args.cuda_graph_bs_prefill or prefill_bucket_ladder(args.cuda_graph_max_bs_prefill)
         self.hook = None if args.standin_no_plugin else plugin.activate()
+        # What parity's plugin does first with PARITY_SGLANG_FIX: outside SGLang 0.5.23 it records a
+        # refusal (the stand-in has no prefill runner to put a slot in).
+        folder = os.environ.get(plugin.ENV_VAR)
+        deepstack_slot.activate(os.environ, Path(folder) if folder else None)
 
         class LanguageModel:
             def forward(self) -> None:
@@ -180,8 +193,37 @@ class Model:
             return
         batch = SimpleNamespace(forward_mode=ForwardMode(extend), extend_seq_lens_cpu=[raw] if extend else None)
         input_ids = SimpleNamespace(shape=(rows,))
-        # Positional, like general_mm_embed_routine's call; AFTER hooks get the result first.
-        self.hook(None, input_ids, batch, self.language_model, lm_kwargs, None, None, None, {}, None)
+        for hook, kwargs in rank_calls(self.hook, self.args, lm_kwargs):
+            # Positional, like general_mm_embed_routine's call; AFTER hooks get the result first.
+            hook(None, input_ids, batch, self.language_model, kwargs, None, None, None, {}, None)
+
+
+@dataclass(frozen=True)
+class RankChannel(plugin.TapChannel):
+    """The channel as one tensor-parallel rank's model process writes it: SGLang titles each rank's
+    process `sglang::scheduler_TP<rank>`, which is how parity tells their records apart."""
+
+    rank: int = 0
+
+    def append(self, entry: plugin.TapEntry) -> None:
+        super().append(replace(entry, role=f"sglang::scheduler_TP{self.rank}"))
+
+
+def rank_calls(hook: plugin.TapHook, args: argparse.Namespace, lm_kwargs: dict) -> list[tuple[Any, dict]]:
+    """(hook, LM inputs) per rank that runs the hook. Rank 0's inputs are the ones the "LM" uses;
+    every other rank gets its own copy, taken before any rank's tap ran, as a separate process has
+    its own tensors."""
+    if args.tp_size == 1:
+        return [(hook, lm_kwargs)]
+    calls = []
+    for rank in range(args.tp_size):
+        kwargs = lm_kwargs if rank == 0 else dict(lm_kwargs)
+        if rank and plugin.DEEPSTACK_KEY in kwargs:
+            rows = kwargs[plugin.DEEPSTACK_KEY].clone()
+            kwargs[plugin.DEEPSTACK_KEY] = rows * 2 if rank == args.standin_disagreeing_rank else rows
+        if rank != args.standin_silent_rank:  # a silent rank: parity's plugin never loaded in its process
+            calls.append((plugin.TapHook(RankChannel(hook.channel.folder, rank)), kwargs))
+    return calls
 
 
 def step_logprobs(context: list[int], image: str | None, deepstack: float) -> list[float]:
@@ -273,9 +315,13 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 os._exit(3)  # abrupt, like a CUDA fault: the scheduler child is orphaned
             state.served += 1
             try:
+                if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "request":
+                    kernel_standin.stub(state.args.standin_kernel_call)()
                 self._send(200, answer(state.model, body))
             except Rejected as err:
                 self._send(400, {"error": {"message": str(err)}})
+            except kernel_standin.StandinCalled as err:  # SGLang answers a failed forward with an error
+                self._send(500, {"error": {"message": str(err)}})
 
     return Handler
 
@@ -287,6 +333,12 @@ def start_up(state: State, started: float) -> None:
     time.sleep(max(0.0, state.args.standin_startup_delay - (time.monotonic() - started)))
     if state.args.standin_never_ready:
         return
+    if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "startup":
+        try:
+            kernel_standin.stub(state.args.standin_kernel_call)()
+        except kernel_standin.StandinCalled as err:
+            print(f"standin: scheduler died: {err}", flush=True)
+            os._exit(1)
     # SGLang's VLM warm-up is an image request (§1.4); it runs through the hook before /ready.
     image = "warmup-image" if state.args.standin_warmup == "image" else None
     placeholder = f"<|vision_start|>{IMAGE_PLACEHOLDER}<|vision_end|>" if image else ""

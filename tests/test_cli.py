@@ -179,13 +179,15 @@ def test_sglang_backend_unavailable_is_a_usage_error(parity_cli):
         pytest.skip("SGLang is installed here")
     result, _, _ = parity_cli.run("--backend", "sglang", "--model", "Qwen/Qwen3-VL-8B-Instruct")
     assert "SGLang is not installed" in _one_line_error(result)
+    result, _, _ = parity_cli.run("--backend", "sglang", "--device", "cpu")  # the preset, served from a folder
+    assert "SGLang is not installed" in _one_line_error(result)
     result, _, _ = parity_cli.run("--backend", "sglang", "--model", "Qwen/Qwen3-VL-8B-Instruct", "--mem-fraction", "1.5")
     assert "memory fraction" in _one_line_error(result)
 
 
-def test_embedded_preset_on_sglang_is_a_usage_error(parity_cli):
-    result, _, _ = parity_cli.run("--backend", "sglang")
-    assert "embedded preset" in _one_line_error(result)
+def test_a_seed_for_a_checkpoint_on_sglang_is_a_usage_error(parity_cli):
+    result, _, _ = parity_cli.run("--backend", "sglang", "--model", "Qwen/Qwen3-VL-8B-Instruct", "--seed", "3")
+    assert "--seed builds an embedded preset" in _one_line_error(result)
 
 
 def test_unwritable_junit_path_fails_before_the_run(parity_cli, tmp_path):

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parity.arms import MODES
-from parity.sglang import plugin, servers
+from parity.sglang import cpu_patches, deepstack_slot, plugin, servers
 
 SGLANG_VERSION = "0.5.23"
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
@@ -227,6 +227,30 @@ def check_list_member(src: Source, module: str, name: str, value: str) -> list[s
     return [f"{module}.{name} is not defined"]
 
 
+def check_callable(src: Source, target: str, params: tuple[str, ...]) -> list[str]:
+    """`module.function` or `module.Class.method` exists and its first parameters are `params`."""
+    parts = target.split(".")
+    for split in (len(parts) - 1, len(parts) - 2):  # module.function, then module.Class.method
+        tree = src.tree(_module_path(".".join(parts[:split])))
+        if tree is None:
+            continue
+        owner = tree if split == len(parts) - 1 else _class(tree, parts[split])
+        found = next((f for f in (owner.body if owner else []) if isinstance(f, ast.FunctionDef)
+                      and f.name == parts[-1]), None)
+        if found is None:
+            return [f"{target} is not defined"]
+        names = tuple(a.arg for a in found.args.args)[:len(params)]
+        return [] if names == params else [f"{target} takes {names}, the hook expects {params}"]
+    return [f"no module of {target} is in the wheel"]
+
+
+def check_text(src: Source, module: str, *needles: str) -> list[str]:
+    text = src.text(_module_path(module))
+    if text is None:
+        return [f"module {module} is not in the wheel"]
+    return [f"{module} no longer contains {n!r}" for n in needles if n not in text]
+
+
 def check_routes(src: Source, routes: tuple[str, ...]) -> list[str]:
     text = src.text("sglang/srt/entrypoints/http_server.py") or ""
     return [f"the HTTP server has no route {route}" for route in routes if f'"{route}"' not in text]
@@ -304,3 +328,47 @@ def test_misspelled_group_flag_and_value_are_caught(src: Source) -> None:
     assert check_flags(src, ("--cuda-graph-backend-prefill", "breakabel"))
     assert check_routes(src, ("/readyz",))
     assert check_list_member(src, "sglang.srt.arg_groups.choices", "DETERMINISTIC_ATTENTION_BACKEND_CHOICES", "fa33")
+
+
+# --- SGLang on a CPU: what the in-process changes and the fix plugin rely on ---------------------------------
+
+FIX_PARAMS = {  # what each of the fix's hooks reads from the call it wraps
+    "capture": ("self",),
+    "run_forward": ("self", "forward_batch", "num_tokens"),
+    "layer_kwargs": ("layer_model", "forward_batch", "pp_proxy_tensors"),
+    "fill": ("self", "args", "layer_kwargs", "static_num_tokens"),
+}
+
+
+def test_the_fix_plugin_hooks_exist_with_their_parameters(src: Source) -> None:
+    for key, target in deepstack_slot.TARGETS.items():
+        assert check_callable(src, target, FIX_PARAMS[key]) == [], key
+    # Capture binds through the kwargs builder, replay refreshes where the input_embeds slot is filled.
+    assert check_text(src, deepstack_slot.RUNNER_MODULE, "_build_layer_model_forward_kwargs(",
+                      "self._fill_input_embeds_slot(args, layer_kwargs, static_num_tokens)",
+                      "num_deepstack_embeddings", "def _uses_eager_prefill_tail") == []
+
+
+def test_what_the_cpu_changes_replace_is_still_there(src: Source) -> None:
+    assert check_text(src, cpu_patches.ATTENTION_HOOK, f'"{cpu_patches.ATTENTION_COMPATIBILITY_SOURCE}"',
+                      'attention_backend == "torch_native"', "declare_resolution", "resolving_view") == []
+    assert check_callable(src, f"{cpu_patches.DEVICE_UTILS}.{cpu_patches.STREAM_FUNCTION}", ()) == []
+    breakable = "sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph"
+    assert check_text(src, breakable, "else torch.cuda.CUDAGraph", "graph.capture_begin(", "graph.capture_end()") == []
+    assert check_text(src, "sglang.srt.model_executor.runner_utils.pool", "device_module.graph_pool_handle()") == []
+
+
+def test_cpu_server_flags_exist(src: Source) -> None:
+    settings = servers.SglangSettings(model="/ckpt", max_new_tokens=20, run_dir=Path("."), device="cpu",
+                                      graph_backend="emulated")
+    for mode in MODES:
+        assert check_flags(src, servers.server_flags(settings, mode, 0.7)) == []
+    assert "SGLANG_USE_CPU_ENGINE" in (src.text("sglang/srt/utils/common.py") or "")
+
+
+def test_misspelled_fix_targets_and_cpu_names_are_caught(src: Source) -> None:
+    assert check_callable(src, f"{deepstack_slot.RUNNER_CLASS}._fill_input_embed_slot", ()) == [
+        f"{deepstack_slot.RUNNER_CLASS}._fill_input_embed_slot is not defined"]
+    assert check_callable(src, deepstack_slot.TARGETS["run_forward"], ("self", "num_tokens"))
+    assert check_callable(src, "sglang.srt.no_such_module.f", ()) == ["no module of sglang.srt.no_such_module.f is in the wheel"]
+    assert check_text(src, cpu_patches.ATTENTION_HOOK, '"_handle_attention_backend_compat"')

@@ -103,9 +103,10 @@ def test_sequential_sessions_launch_one_server_at_a_time(tmp_path: Path, process
 # --- failures are verdicts ---------------------------------------------------------------------------------
 
 def test_readiness_timeout_is_an_arm_failure(tmp_path: Path, processor) -> None:
-    backend = make_backend(tmp_path, processor, "--standin-never-ready", ready_timeout=0.5)
+    # Long enough for a loaded machine to start the stand-in and log its pid before the timeout.
+    backend = make_backend(tmp_path, processor, "--standin-never-ready", ready_timeout=4)
     backend.prepare(("eager",))
-    with pytest.raises(ArmFailure, match="not ready after 0.5 s") as caught:
+    with pytest.raises(ArmFailure, match="not ready after 4 s") as caught:
         with backend.session("eager"):
             pass
     assert "standin: pid" in caught.value.log_tail

@@ -44,11 +44,14 @@ def _installed() -> str | None:
 
 
 _FOUND = _installed()
-pytestmark = pytest.mark.skipif(
-    _FOUND != SGLANG_VERSION,
-    reason=(f"SGLang {SGLANG_VERSION} is not installed here (found: {_FOUND or 'none'}); "
-            "scripts/setup_sglang_env.sh sets up an environment that has it"),
-)
+pytestmark = [
+    pytest.mark.real_sglang,
+    pytest.mark.skipif(
+        _FOUND != SGLANG_VERSION,
+        reason=(f"SGLang {SGLANG_VERSION} is not installed here (found: {_FOUND or 'none'}); "
+                "scripts/setup_sglang_env.sh sets up an environment that has it"),
+    ),
+]
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -77,9 +77,13 @@ def test_row4_an_eager_arm_that_replayed_is_not_a_reference():
     assert v.code == "INCONCLUSIVE_NOT_REPLAYED" and "eager_zero_deepstack is an eager arm" in v.reason
 
 
-def test_row4_hint_names_the_sglang_flag():
-    arms = with_arm(fixed_arms(), BCG_NORMAL, evidence=make_evidence("bcg", replayed=False))
-    assert "--cuda-graph-max-bs-prefill" in verdict_of(arms, backend="sglang").reason
+def test_row4_hint_names_the_sglang_flag_only_when_no_bucket_fits():
+    arms = with_arm(fixed_arms(), BCG_NORMAL, evidence=make_evidence("bcg", replayed=False, max_bucket=16))
+    assert "raise --cuda-graph-max-bs-prefill to at least 39" in verdict_of(arms, backend="sglang").reason
+    # A bucket fits the prompt: raising the cap cannot help; the server itself did not replay.
+    arms = with_arm(fixed_arms(), BCG_NORMAL, evidence=make_evidence("bcg", replayed=False, max_bucket=4096))
+    reason = verdict_of(arms, backend="sglang").reason
+    assert "--cuda-graph-max-bs-prefill" not in reason and "Disable prefill CUDA graph because" in reason
 
 
 def test_row5_no_power():

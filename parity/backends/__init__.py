@@ -39,6 +39,7 @@ class BackendOptions:
     gpus: tuple[int, ...] = ()
     ready_timeout: float = 1800.0
     mem_fraction: float = 0.70
+    sglang_fix: str | None = None  # parity's DeepStack slot fix inside the servers
 
 
 def apply_thread_policy(requested: int | None, embedded: bool) -> None:
@@ -81,15 +82,26 @@ def _served_checkpoint(options: BackendOptions) -> None:
 
 
 def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
+    from parity.presets import PRESETS
+    from parity.serving.flags import flag_values
     from parity.sglang.backend import create_sglang_backend
 
-    _served_checkpoint(options)
+    # SGLang serves the embedded presets too, on the CPU from a cached checkpoint folder.
+    device = "cpu" if options.device == "cpu" else "cuda"
+    embedded = options.model in PRESETS
+    if options.seed is not None and not embedded:
+        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
     sglang_args = options.sglang_args
-    if options.dtype != "auto":
-        sglang_args = (*sglang_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
-    return create_sglang_backend(model=options.model, max_new_tokens=max_new_tokens, run_dir=run_dir,
+    # The servers, not parity, load the weights. Explicit on a CPU and for presets: under `auto`
+    # SGLang runs a float32 checkpoint in float16 (sglang-cpu.md).
+    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
+    if dtype is not None and flag_values(sglang_args, "--dtype") is None:
+        sglang_args = (*sglang_args, "--dtype", dtype)
+    return create_sglang_backend(model=options.model, seed=options.seed, max_new_tokens=max_new_tokens, run_dir=run_dir,
                                  sglang_args=sglang_args, concurrent=options.concurrent, gpus=options.gpus,
-                                 ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction)
+                                 ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction,
+                                 device=device, graph_backend=options.graph_backend, fix=options.sglang_fix,
+                                 threads=options.threads)
 
 
 def _vllm(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:

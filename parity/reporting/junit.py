@@ -21,6 +21,7 @@ import re
 import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Sequence
 
 from parity.results import CaseResult, RunResult, Verdict, write_atomically
 from parity.metrics import tuple_text
@@ -38,22 +39,27 @@ def xml_safe(text: str) -> str:
     return _XML_INVALID.sub("", text)
 
 
-def junit_xml(run: RunResult) -> str:
-    """The run as a JUnit XML document (verdicts recomputed from the arms, as every report is)."""
-    judged = judge_run(run)
+def junit_xml(run: RunResult | Sequence[RunResult]) -> str:
+    """The run as a JUnit XML document (verdicts recomputed from the arms, as every report is);
+    several runs (the experiments of a matrix report) are one `<testsuite>` each."""
+    runs = [run] if isinstance(run, RunResult) else list(run)
     root = ET.Element("testsuites", name=SUITE_PREFIX)
-    suite = ET.SubElement(root, "testsuite", _suite_attributes(judged))
-    _add_properties(suite, judged)
-    for case in judged.cases:
-        _add_testcase(suite, case, _classname(judged), judged.logprob_tol)
+    suites = []
+    for judged in map(judge_run, runs):
+        suite = ET.SubElement(root, "testsuite", _suite_attributes(judged))
+        _add_properties(suite, judged)
+        for case in judged.cases:
+            _add_testcase(suite, case, _classname(judged), judged.logprob_tol)
+        suites.append(suite)
     # The root repeats the totals: some consumers (GitLab) read only the outermost element.
-    for key in ("tests", "failures", "errors", "skipped", "time"):
-        root.set(key, suite.get(key))
+    for key in ("tests", "failures", "errors", "skipped"):
+        root.set(key, str(sum(int(s.get(key)) for s in suites)))
+    root.set("time", _seconds(sum(float(s.get("time")) for s in suites)))
     ET.indent(root)
     return ET.tostring(root, encoding="unicode", xml_declaration=True) + "\n"
 
 
-def write_junit(run: RunResult, path: str | Path) -> Path:
+def write_junit(run: RunResult | Sequence[RunResult], path: str | Path) -> Path:
     """Write the document whole or not at all: a CI reporter must never read half a file."""
     path = Path(path)
     write_atomically(path, junit_xml(run))

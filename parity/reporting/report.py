@@ -11,6 +11,7 @@ from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.text import encodable, md_code, md_text, visible
+from parity.sharding import describe as describe_shard
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
 from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
 
@@ -60,8 +61,12 @@ def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
     tokens = "?" if evidence.prompt_tokens is None else evidence.prompt_tokens
     leak = evidence.leak
     stale = "" if leak is None else f" · LEAK WITNESS: {leak.rows} stale DeepStack row(s) read in {leak.steps} step(s)"
+    # Tensor parallelism: each rank's own share, so a reader sees which rank fell short.
+    shown = {True: "yes", False: "no", None: "unknown"}
+    ranks = "".join(f" · {r.rank}: replayed {shown[r.prefill_replayed]}, tap calls {r.tap_calls}"
+                    for r in evidence.ranks)
     return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{stale}")
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}")
 
 
 def arm_evidence_text(arm: ArmResult) -> str:
@@ -71,6 +76,9 @@ def arm_evidence_text(arm: ArmResult) -> str:
 def run_notes(run: RunResult) -> list[str]:
     """What a reader must know to read the verdict right, beyond the verdict itself."""
     notes = []
+    shard = describe_shard(run.config, len(run.cases))
+    if shard:
+        notes.append(shard)
     if run.config.get("runner") == "no-clear" and not any(case.is_sequence for case in run.cases):
         notes.append("--runner no-clear leaves stale DeepStack rows for the next request of the same bucket; the "
                      "four-arm scenario serves no such request, so it cannot reach that bug: run --scenario stream "

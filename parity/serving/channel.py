@@ -50,6 +50,7 @@ class TapEntry:
     raw_tokens: int | None  # the real tokens of the batch
     replay: bool | None  # the entry ran by graph replay; None: the engine's decision was not seen
     record: DeepStackRecord | None  # the tap's fingerprint; None: no DeepStack rows in this entry
+    dtype: str | None = None  # of the embeddings handed to the LM: the dtype the model really runs in
     # Engines that say more (vLLM): the engine's own name for how the entry ran ("FULL",
     # "PIECEWISE", "BREAKABLE", "NONE"), the engine's ids of the batch's requests, and the leak
     # witness: real rows of this entry that read DeepStack an earlier entry left in a persistent
@@ -64,7 +65,7 @@ class TapEntry:
     def to_json(self) -> dict:
         return {"tag": self.tag, "pid": self.pid, "role": self.role, "extend": self.extend, "tokens": self.tokens,
                 "raw_tokens": self.raw_tokens, "replay": self.replay,
-                "record": None if self.record is None else self.record.to_json(),
+                "record": None if self.record is None else self.record.to_json(), "dtype": self.dtype,
                 "mode": self.mode, "requests": list(self.requests), "stale_rows": self.stale_rows,
                 "stale_source": self.stale_source, "uncleared": self.uncleared}
 
@@ -76,7 +77,7 @@ class TapEntry:
         return cls(tag=str(raw["tag"]), pid=int(raw["pid"]), role=str(raw.get("role", "")), extend=raw.get("extend"),
                    tokens=raw.get("tokens"), raw_tokens=raw.get("raw_tokens"),
                    replay=None if replay is None else bool(replay),
-                   record=None if record is None else DeepStackRecord.from_json(record),
+                   record=None if record is None else DeepStackRecord.from_json(record), dtype=raw.get("dtype"),
                    mode=raw.get("mode"), requests=tuple(str(r) for r in raw.get("requests", ())),
                    stale_rows=int(raw.get("stale_rows", 0)), stale_source=raw.get("stale_source"),
                    uncleared=int(raw.get("uncleared", 0)))

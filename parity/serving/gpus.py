@@ -44,6 +44,20 @@ def gpu_memory(gpus: Sequence[int] | None, count: int) -> tuple[float, float] | 
     return min(found) if found and len(found) == len(chosen) else None
 
 
+def gpu_count() -> int | None:
+    """How many GPUs nvidia-smi lists (its indexes are what --gpus names); None: it cannot tell."""
+    listing = nvidia_smi("-L")
+    return sum(line.startswith("GPU ") for line in listing.splitlines()) if listing else None
+
+
+def visible_gpu_count() -> int | None:
+    """How many GPUs a server started without --gpus can use: CUDA_VISIBLE_DEVICES, else nvidia-smi's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([v for v in visible.split(",") if v.strip()])
+    return gpu_count()
+
+
 def nvidia_smi(*args: str) -> str:
     """nvidia-smi's output, or "" where it is missing or fails (then there is no GPU to name)."""
     if shutil.which("nvidia-smi") is None:

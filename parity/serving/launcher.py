@@ -177,6 +177,10 @@ def start_server(spec: ServerSpec) -> ServerProcess:
     return server
 
 
+class ExitedDuringStartup(ArmFailure):
+    """The server process ended by itself before /ready answered (not stopped by parity for a timeout)."""
+
+
 def wait_ready(servers: Sequence[ServerProcess], timeout: float, poll: float = POLL_S) -> dict[str, ArmFailure]:
     """Poll every server's ready path until all are ready; failed ones are stopped and returned by name.
 
@@ -190,7 +194,8 @@ def wait_ready(servers: Sequence[ServerProcess], timeout: float, poll: float = P
             if server.is_ready():
                 pending.remove(server)
             elif server.exit_code() is not None:
-                failures[server.name] = server.failure(f"exited during start-up with code {server.exit_code()}")
+                failure = server.failure(f"exited during start-up with code {server.exit_code()}")
+                failures[server.name] = ExitedDuringStartup(str(failure), log_tail=failure.log_tail)
                 pending.remove(server)
                 server.stop()
         if pending and time.monotonic() >= deadline:

@@ -9,9 +9,11 @@ recorded for that tag in the process that ran the model, never what the flags im
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
+import os
+import shlex
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,23 +22,42 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
 from parity.backends.base import Generation, Request
-from parity.errors import ArmFailure, BackendUnavailableError, UsageError
+from parity.buckets import prefill_bucket_ladder, smallest_fitting
+from parity.errors import ArmFailure, UsageError
+from parity.presets import PRESETS
 from parity.serving import launcher
-from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
-from parity.serving.gpus import cuda_present, gpu_memory, gpu_name
-from parity.serving.pool import Server, ServerPool, parsed, post_tagged
+from parity.serving.evidence import (
+    EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record,
+)
+from parity.serving.gpus import gpu_count, gpu_memory, gpu_name, visible_gpu_count
 from parity.serving.prompts import ChatPrompts, CheckpointFacts, ImageFiles
-from parity.sglang import client, plugin
+from parity.sglang import client, deepstack_slot, plugin, server_checks
 from parity.sglang.servers import (
-    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, fraction_for_share,
-    mode_flags, plan_launch, server_env, server_flags, split_user_args,
+    DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, buckets_given,
+    check_gpu_count, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 
 TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
 PROBE_PROMPT = "Say OK."
+# A launch command other than `python -m sglang.launch_server` (a wrapper, another interpreter, a
+# stand-in): shlex-split and used as given, without checking SGLang or a GPU here.
+LAUNCH_COMMAND_ENV = "PARITY_SGLANG_LAUNCH"
 # What a bcg server that dies while starting most likely hit (sglang-0.5.23.md §8).
 BCG_START_HINT = ("SGLang's warm-up sends an image request through the prefill graph, so a crash here is most "
                   "likely the multimodal BCG replay fault, not the DeepStack drop (see docs/sglang-runbook.md)")
+
+
+@dataclass(frozen=True)
+class Server:
+    """A ready server of one mode and the channel of its tap."""
+
+    process: launcher.ServerProcess
+    channel: plugin.TapChannel
+    standin_calls: Path | None = None  # CPU: where the kernel stand-in logs calls
+
+    def standin_failure(self) -> ArmFailure | None:
+        problem = server_checks.standin_problem(self.standin_calls)
+        return None if problem is None else self.process.failure(problem)
 
 
 # --- the session -------------------------------------------------------------------------------------
@@ -62,7 +83,7 @@ class SglangSession:
         text = prompts.text(request)
         doc, generated = self.post_tagged(tap, lambda tag: client.generate_body(
             text, image, self.backend.settings.max_new_tokens, rid=tag))
-        answer = parsed(self.process, client.parse_completion, doc)
+        answer = self._parsed(client.parse_completion, doc)
         requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
         self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
         forced, start = [], time.perf_counter()
@@ -71,7 +92,7 @@ class SglangSession:
         for tokens in (*force, answer.generation.token_ids):
             doc, scored = self.post_tagged(tap, lambda tag: client.score_body(
                 prompt, tokens, len(answer.prompt_ids), image, rid=tag))
-            forced.append(parsed(self.process, lambda d: client.parse_scores(d, tokens), doc))
+            forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(answer.prompt_ids) + len(tokens), image is not None, scored))
             self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
         forced_seconds = time.perf_counter() - start
@@ -81,14 +102,48 @@ class SglangSession:
 
     def post_tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
         """POST one request under its own tag; its answer and the LM entries the hook recorded for it."""
-        _, doc, entries = post_tagged(self.server, tap, "/generate", body_for)
-        return doc, tuple(entries)
+        tag = uuid.uuid4().hex
+        self.server.channel.arm(tap, tag)
+        try:
+            doc = self._post(body_for(tag))
+        finally:
+            self.server.channel.disarm()
+        return doc, tuple(self.server.channel.entries(tag))
 
     def _check_fired(self, request: TaggedRequest, what: str) -> None:
         try:
-            check_fired(request, self.backend.facts.deepstack_layers, what)
-        except TapSilence as silence:
+            check_fired(request, self.backend.facts.deepstack_layers, what, self.backend.server_facts.tp_size)
+        except EvidenceFault as silence:
             raise self.process.failure(str(silence)) from None
+
+    def _parsed(self, parse, doc):
+        try:
+            return parse(doc)
+        except client.ServerRejected as err:
+            raise self.process.failure(str(err)) from None
+
+    def _post(self, body: Mapping[str, Any]) -> dict:
+        try:
+            doc = client.post_json(f"{self.process.base_url}/generate", body)
+        except client.ServerRejected as err:
+            raise self.server.standin_failure() or self.process.failure(str(err)) from None
+        except client.ServerUnreachable as err:
+            if _exited_within(self.process, 5.0):
+                raise self.server.standin_failure() or self.process.failure(
+                    f"died mid-run with code {self.process.exit_code()}") from None
+            raise self.process.failure(f"connection lost: {err}") from None
+        failure = self.server.standin_failure()
+        if failure is not None:
+            raise failure
+        return doc
+
+
+def _exited_within(server: launcher.ServerProcess, seconds: float) -> bool:
+    # A dropped connection and the process exit race; give the exit a moment to show.
+    deadline = time.monotonic() + seconds
+    while server.exit_code() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.exit_code() is not None
 
 
 # --- the backend -------------------------------------------------------------------------------------
@@ -104,15 +159,18 @@ class SglangBackend:
         self.images = ImageFiles(settings.run_dir / "images")
         self.plan = plan_launch(settings)  # refuses impossible GPU combinations before any start
         self._modes: tuple[str, ...] = MODES
-        self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
-                               settings.stop_grace, explain_exit=_explain_exit)
+        self._servers: dict[str, Server] = {}
+        self._failures: dict[str, ArmFailure] = {}
+        self._launches: dict[str, int] = {}
         self._commands: dict[str, list[str]] = {}
         self._tap_processes: dict[str, list[str]] = {}
+        self._served_dtype: dict[str, str | None] = {}
+        self._fix_records: dict[str, list[dict]] = {}
         self._version: str | None = None
 
     @property
     def launch_count(self) -> int:
-        return self.pool.launch_count
+        return sum(self._launches.values())
 
     @property
     def max_positions(self) -> int | None:
@@ -131,29 +189,77 @@ class SglangBackend:
         for mode in modes:
             mode_flags(mode)  # fail on inconsistent arm files before any launch
         self._modes = tuple(modes)
+        if self.settings.on_cpu and not buckets_given(self.settings.sglang_args) and prompt_lengths:
+            self._cap_buckets(max(prompt_lengths))
         self.plan = plan_launch(self.settings, self._modes)
         if self.settings.concurrent and len(modes) > 1:
             for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
-                self.pool.launch(tuple(m for m in stage if m in modes))
+                self._launch(tuple(m for m in stage if m in modes))
 
     @contextmanager
     def session(self, mode: str) -> Iterator[SglangSession]:
-        with self.pool.serving(mode) as server:
+        if mode not in self._servers and mode not in self._failures:
+            self._launch((mode,))
+        if mode in self._failures:
+            raise self._failures[mode]
+        server = self._servers[mode]
+        try:
             yield SglangSession(server, self)
+        finally:
+            # Free the GPU as soon as the mode is done; a later session(mode) launches anew.
+            self._servers.pop(mode, None)
+            server.process.stop(self.settings.stop_grace)
+
+    def _cap_buckets(self, longest_prompt: int) -> None:
+        """On a CPU, capture SGLang's ladder only up to the bucket the run's longest prefill needs
+        (a prompt plus teacher-forced tokens): the emulation keeps every captured tensor alive."""
+        longest = longest_prompt + self.settings.max_new_tokens
+        cap = smallest_fitting(prefill_bucket_ladder(max(longest, 1) * 2), longest)
+        args = (*self.settings.sglang_args, "--cuda-graph-max-bs-prefill", str(cap))
+        self.settings = replace(self.settings, sglang_args=args)
+        self.server_facts = self.settings.facts
 
     # --- launching -----------------------------------------------------------------------------
 
-    def _start(self, mode: str, count: int) -> Server:
-        placement = self.plan.placements[mode]
+    def _launch(self, modes: Sequence[str]) -> None:
+        started = []
+        for mode in modes:
+            try:
+                started.append(self._start(mode, self.plan.placements[mode]))
+            except ArmFailure as failure:
+                self._failures[mode] = failure
+        failures = launcher.wait_ready([s.process for s in started], self.settings.ready_timeout,
+                                       self.settings.ready_poll)
+        for server in started:
+            mode = server.process.name
+            failure = failures.get(mode)
+            failure = server.standin_failure() or failure  # a stand-in call names the op, not "exited"
+            if isinstance(failure, launcher.ExitedDuringStartup) and mode == "bcg":
+                failure = ArmFailure(f"{failure}; {BCG_START_HINT}", log_tail=failure.log_tail)
+            failure = failure or self._probe(server) or self._check_fix(server)
+            if failure is not None:
+                self._servers.pop(mode, None)
+                server.process.stop(self.settings.stop_grace)
+                self._failures[mode] = failure
+            elif self._version is None:
+                self._version = _server_version(server.process)
+
+    def _start(self, mode: str, placement: Placement) -> Server:
         fraction = self._fraction(mode, placement)
+        count = self._launches.get(mode, 0) + 1
+        self._launches[mode] = count
         stem = f"sglang-{mode}" if count == 1 else f"sglang-{mode}-{count}"
         channel = plugin.TapChannel(self.settings.run_dir / f"{stem}.tap")
         channel.create()
+        calls = self.settings.run_dir / f"{stem}.standin-calls.jsonl" if self.settings.on_cpu else None
         command = (*self.settings.launch_command, *server_flags(self.settings, mode, fraction))
         spec = launcher.ServerSpec(name=mode, command=command, log_path=self.settings.run_dir / f"{stem}.log",
-                                   env=MappingProxyType(server_env(channel, placement)))
+                                   env=MappingProxyType(server_env(channel, placement, self.settings, calls)))
         self._commands[mode] = list(command[len(self.settings.launch_command):])
-        return Server(launcher.start_server(spec), channel)
+        server = Server(launcher.start_server(spec), channel, calls)
+        # Registered before waiting: a Ctrl-C during start-up still finds it in close().
+        self._servers[mode] = server
+        return server
 
     def _fraction(self, mode: str, placement: Placement) -> float:
         """The placement's fraction; for a server sharing GPUs with one already running, the fraction
@@ -185,14 +291,20 @@ class SglangBackend:
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in "
                 "SGLANG_PLUGINS if you set it, and look for 'Failed to apply hooks' in the log")
         self._tap_processes[server.process.name] = processes(entries)
-        if self._version is None:
-            self._version = _server_version(server.process)
-        return None
+        served = server_checks.served_dtype(entries)
+        self._served_dtype[server.process.name] = served
+        problem = server_checks.dtype_problem(served, self.server_facts.dtype)
+        return None if problem is None else server.process.failure(problem)
+
+    def _check_fix(self, server: Server) -> ArmFailure | None:
+        problem, records = server_checks.fix_problem(server.channel.folder, self.settings.fix, server.process.name)
+        self._fix_records[server.process.name] = records
+        return None if problem is None else server.process.failure(problem)
 
     # --- reporting -----------------------------------------------------------------------------
 
     def environment(self) -> Mapping[str, Any]:
-        gpu = gpu_name(self.settings.gpus)
+        gpu = None if self.settings.on_cpu else gpu_name(self.settings.gpus)
         return {"sglang": self._version or _installed_sglang(), "device": "cuda" if gpu else "cpu", "gpu": gpu}
 
     def config(self) -> Mapping[str, Any]:
@@ -209,18 +321,17 @@ class SglangBackend:
             "sglang_launches": self.launch_count,
             "sglang_prefill_buckets": {"max": self.server_facts.max_bucket, "count": len(self.server_facts.prefill_buckets)},
             "sglang_tap_processes": dict(self._tap_processes),
+            "sglang_device": self.settings.device,
+            "sglang_graph_backend": self.settings.graph_backend,
+            "sglang_server_dtype": dict(self._served_dtype),
+            "sglang_fix": self.settings.fix,
+            "sglang_fix_slots": dict(self._fix_records),
             "top_logprobs_num": client.TOP_LOGPROBS,
         }
 
     def close(self) -> None:
-        self.pool.close()
-
-
-def _explain_exit(mode: str, failure: ArmFailure) -> ArmFailure:
-    """A bcg server that exited while starting: say what it most likely hit."""
-    if mode != "bcg":
-        return failure
-    return ArmFailure(f"{failure}; {BCG_START_HINT}", log_tail=failure.log_tail)
+        for mode in list(self._servers):
+            self._servers.pop(mode).process.stop(self.settings.stop_grace)
 
 
 def _server_version(server: launcher.ServerProcess) -> str | None:
@@ -240,22 +351,6 @@ def _installed_sglang() -> str | None:
 
 # --- construction ------------------------------------------------------------------------------------
 
-def check_requirements() -> None:
-    """Raise BackendUnavailableError (exit 2) when this machine cannot run SGLang servers."""
-    if importlib.util.find_spec("sglang") is None:
-        raise BackendUnavailableError("SGLang is not installed in this Python environment; install it with "
-                                      "pip install 'parity[sglang]' (SGLang 0.5.23)")
-    if not cuda_present():
-        raise BackendUnavailableError("the sglang backend needs a CUDA GPU and none is visible "
-                                      "(torch.cuda.is_available() is False and nvidia-smi lists no GPU)")
-    names = {ep.name for ep in importlib.metadata.entry_points(group=plugin.ENTRY_POINT_GROUP)}
-    if plugin.ENTRY_POINT_NAME not in names:
-        raise BackendUnavailableError(
-            f"parity's SGLang plugin is not registered (no {plugin.ENTRY_POINT_NAME!r} entry point in "
-            f"{plugin.ENTRY_POINT_GROUP}); install parity itself, e.g. pip install -e '.[sglang]', "
-            "not only put it on PYTHONPATH")
-
-
 def create_sglang_backend(
     *,
     model: str,
@@ -272,29 +367,53 @@ def create_sglang_backend(
     stop_grace: float = launcher.STOP_GRACE_S,
     ready_poll: float = launcher.POLL_S,
     gpu_memory_reader=None,
+    device: str = "cuda",
+    graph_backend: str | None = None,
+    fix: str | None = None,
+    threads: int | None = None,
+    seed: int | None = None,
 ) -> SglangBackend:
-    """The backend the CLI builds. `launch_command` replaces `python -m sglang.launch_server`
-    (tests start a stand-in) and then skips the SGLang/GPU checks; `processor` and `model_config`
-    skip loading the checkpoint's (tests inject the tiny ones); `gpu_memory_reader` replaces
-    nvidia-smi."""
+    """The backend the CLI builds. `launch_command` (or PARITY_SGLANG_LAUNCH) replaces
+    `python -m sglang.launch_server` and then skips the SGLang/GPU checks (tests start a stand-in);
+    `processor` and `model_config` skip loading the checkpoint's (tests inject the tiny ones);
+    `gpu_memory_reader` replaces nvidia-smi. `device` "cpu" serves on SGLang's CPU engine, whose
+    prefill graph replays through parity's emulation (`graph_backend` "emulated", the default
+    there); `fix` runs parity's DeepStack slot fix in the servers. An embedded preset as `model`
+    (built from `seed`) is served from its checkpoint folder in parity's cache."""
     if not 0.0 < mem_fraction < 1.0:
         raise UsageError(f"the memory fraction must be between 0 and 1, got {mem_fraction}")
     if ready_timeout <= 0:
         raise UsageError(f"the ready timeout must be positive, got {ready_timeout}")
+    graph_backend = server_checks.graph_backend(device, graph_backend)
+    if device == "cpu" and (concurrent or gpus):
+        raise UsageError("--concurrent and --gpus place servers on GPUs; with --device cpu the servers run one "
+                         "after the other")
+    if fix is not None and fix not in deepstack_slot.VARIANTS:
+        raise UsageError(f"unknown SGLang fix {fix!r}; known: {deepstack_slot.FIX}")
+    if launch_command is None and os.environ.get(LAUNCH_COMMAND_ENV, "").strip():
+        launch_command = shlex.split(os.environ[LAUNCH_COMMAND_ENV])
     settings = SglangSettings(
         model=model, max_new_tokens=max_new_tokens, run_dir=Path(run_dir),
         sglang_args=split_user_args(sglang_args), concurrent=concurrent, gpus=tuple(gpus),
         mem_fraction=mem_fraction, ready_timeout=ready_timeout,
         launch_command=tuple(launch_command) if launch_command is not None else (sys.executable, *LAUNCH_MODULE),
         stop_grace=stop_grace, ready_poll=ready_poll, gpu_memory=gpu_memory_reader,
+        device=device, graph_backend=graph_backend, fix=fix, threads=threads,
     )
     plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
     if launch_command is None:
-        check_requirements()
+        server_checks.check_requirements(device)
+        server_checks.check_fix_version(fix)
+        if device != "cpu":  # a CPU server needs no GPU
+            check_gpu_count(settings.facts, settings.gpus, gpu_count(), visible_gpu_count())
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
+    if model in PRESETS:  # the servers load a folder: the preset, saved once into parity's cache
+        from parity.models.preset_checkpoint import saved_preset
+
+        settings = replace(settings, model=str(saved_preset(model, seed)))
     if processor is None or model_config is None:
         from parity.models.checkpoint import CheckpointSource, load_config_and_processor
 
-        model_config, processor = load_config_and_processor(CheckpointSource.of(model))
+        model_config, processor = load_config_and_processor(CheckpointSource.of(settings.model))
     prompts, facts = ChatPrompts(processor), CheckpointFacts.of(model_config)
     return SglangBackend(settings, prompts, facts)

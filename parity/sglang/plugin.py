@@ -1,7 +1,8 @@
 """parity's tap inside an SGLang server: a general plugin and the channel that steers it.
 
 SGLang loads `register()` through the `sglang.srt.plugins` entry point in every server process
-(sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder, so
+(sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder (or
+`PARITY_SGLANG_FIX` asks for parity's DeepStack slot fix, deepstack_slot.py), so
 installing parity next to a production server changes nothing. When set, it adds an AFTER hook
 on `prepare_mm_inputs`, the last eager point before the language model in both execution modes
 (§3.4), called once per LM entry (prefill, or an eagerly run decode step) in the process that
@@ -82,6 +83,12 @@ def _rows(input_ids: Any) -> int | None:
     return int(shape[0]) if shape else None
 
 
+def _dtype(embeddings: Any) -> str | None:
+    # prepare_mm_inputs returns the embeddings the LM gets (None on later pipeline ranks).
+    dtype = getattr(embeddings, "dtype", None)
+    return None if dtype is None else str(dtype)
+
+
 def _is_replay(language_model: Any) -> bool:
     # BCG shadows the LM's class forward with an instance attribute for the replay; `forward` is
     # absent from the instance dict until the first replay, hence the getattr form.
@@ -115,7 +122,7 @@ class TapHook:
         if tokens is None and tensor is not None:
             tokens = int(tensor.shape[0])
         entry = TapEntry(control.tag, os.getpid(), process_role(), _is_extend(forward_batch), tokens, raw, replay,
-                         None if record is None else replace(record, replay=replay))
+                         None if record is None else replace(record, replay=replay), _dtype(result))
         self.channel.append(entry)
         return None
 
@@ -146,10 +153,20 @@ def activate(environ: Mapping[str, str] = os.environ) -> TapHook | None:
 
 
 def register() -> None:
-    """SGLang general-plugin entry point: inert unless PARITY_SGLANG_TAP is set."""
+    """SGLang general-plugin entry point: inert unless PARITY_SGLANG_TAP or PARITY_SGLANG_FIX is set.
+
+    The tap, and the DeepStack replay slot fix when parity asks for it (parity/sglang/deepstack_slot.py).
+    """
+    from parity.sglang import deepstack_slot
+
     hook = activate()
-    if hook is None:
+    folder = os.environ.get(ENV_VAR)
+    fix = deepstack_slot.activate(os.environ, Path(folder) if folder else None)
+    if hook is None and fix is None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
+    if hook is not None:
+        HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
+    if fix is not None:
+        fix.register()

@@ -21,7 +21,7 @@ from parity.serving import launcher
 from parity.serving.flags import flag_values, int_flag
 from parity.serving.flags import split_user_args as split_args
 from parity.serving.placement import LaunchPlan, Placement, plan_placement
-from parity.sglang import plugin
+from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
 # Same kernels, same seed, no prefix reuse (a cached image prefix would skip DeepStack), §7.
@@ -31,12 +31,25 @@ DETERMINISM_FLAGS = (
     "--random-seed", "0",
     "--disable-radix-cache",
 )
+# On a CPU (sglang-cpu.md): SGLang's CPU engine with torch_native attention, which refuses the
+# deterministic flag (its eager path is deterministic on a CPU without it); a bounded KV pool
+# (--mem-fraction-static applies to RAM there: the defaults reserve 14 GB).
+CPU_FLAGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--random-seed", "0",
+    "--disable-radix-cache",
+)
+CPU_MAX_TOTAL_TOKENS = 4096
+DEVICES = ("cuda", "cpu")
+GRAPH_BACKENDS = ("cuda", "emulated")
+BUCKET_FLAGS = ("--cuda-graph-bs-prefill", "--cuda-graph-max-bs-prefill")
 MEM_FRACTION_FLAG = "--mem-fraction-static"
 MODEL_FLAG = "--model-path"
 # User flags that would make the servers differ in more than the mode, or fight the launcher.
 RESERVED_FLAGS = (
     "--cuda-graph-backend-prefill", "--disable-prefill-cuda-graph", "--disable-cuda-graph",
-    "--cuda-graph-config", "--model-path", "--host", "--port", "--mem-fraction-static",
+    "--cuda-graph-config", "--model-path", "--host", "--port", "--mem-fraction-static", "--device",
 )
 DEFAULT_MEM_FRACTION = 0.70
 # Above this a server keeps too little for activations and graph capture to start reliably.
@@ -64,6 +77,7 @@ class ServerFacts:
     gpus_per_server: int  # tp x pp x dp
     context_length: int | None
     dtype: str | None
+    tp_size: int = 1  # ranks that run every request, each with its own tap (design §8)
 
     @property
     def max_bucket(self) -> int | None:
@@ -86,9 +100,11 @@ class ServerFacts:
                 raise UsageError("--sglang-arg --cuda-graph-bs-prefill needs positive token counts")
         else:
             buckets = prefill_bucket_ladder(_max_prefill_bs(args))
-        sizes = [_int_flag(args, "--tp-size", "--tensor-parallel-size"),
+        # `--tp` and `--dp` are argparse's abbreviations of --tp-size and --dp-size (SGLang 0.5.23 has no
+        # other flag they could stand for; `--pp` is ambiguous there, and SGLang refuses it).
+        sizes = [_int_flag(args, "--tp-size", "--tensor-parallel-size", "--tp"),
                  _int_flag(args, "--pp-size", "--pipeline-parallel-size"),
-                 _int_flag(args, "--dp-size", "--data-parallel-size")]
+                 _int_flag(args, "--dp-size", "--data-parallel-size", "--dp")]
         gpus = 1
         for size in sizes:
             gpus *= size if size is not None else 1
@@ -97,6 +113,7 @@ class ServerFacts:
             prefill_buckets=buckets,
             max_replay_tokens=_int_flag(args, "--cuda-graph-max-seq-len-prefill"),
             gpus_per_server=gpus,
+            tp_size=sizes[0] or 1,
             context_length=_int_flag(args, "--context-length"),
             dtype=dtype[0] if dtype else None,
         )
@@ -133,10 +150,28 @@ class SglangSettings:
     stop_grace: float = launcher.STOP_GRACE_S
     ready_poll: float = launcher.POLL_S
     gpu_memory: GpuMemory | None = None  # (free, total) of a server's GPUs; tests substitute it
+    device: str = "cuda"  # "cpu": SGLang's CPU engine with parity's kernel stand-in (sglang-cpu.md)
+    graph_backend: str = "cuda"  # "emulated": the prefill graph replays through parity's emulation (CPU)
+    fix: str | None = None  # parity's DeepStack slot fix in the servers (deepstack_slot.py VARIANTS)
+    threads: int | None = None  # CPU threads of each server process (CPU only)
 
     @property
     def facts(self) -> ServerFacts:
         return ServerFacts.parse(self.sglang_args)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
+
+    @property
+    def cpu_threads(self) -> int:
+        # One thread per process unless asked: the presets are tiny, SGLang runs several processes,
+        # and a CPU machine running out of threads kills launches (OpenBLAS pthread_create).
+        return self.threads or 1
+
+
+def buckets_given(args: Sequence[str]) -> bool:
+    return flag_values(args, *BUCKET_FLAGS) is not None
 
 
 def mode_flags(mode: str) -> tuple[str, ...]:
@@ -151,6 +186,11 @@ def mode_flags(mode: str) -> tuple[str, ...]:
 
 def server_flags(settings: SglangSettings, mode: str, mem_fraction: float) -> tuple[str, ...]:
     # User flags last: they may add anything not reserved, in both servers alike.
+    if settings.on_cpu:
+        bounded = () if flag_values(settings.sglang_args, "--max-total-tokens") is not None else (
+            "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
+        return (MODEL_FLAG, settings.model, *CPU_FLAGS, *bounded, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
+                *mode_flags(mode), *settings.sglang_args)
     return (MODEL_FLAG, settings.model, *DETERMINISM_FLAGS, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
             *mode_flags(mode), *settings.sglang_args)
 
@@ -163,6 +203,20 @@ def plan_launch(settings: SglangSettings, modes: Sequence[str] = MODES) -> Launc
                           modes, "SGLang", "--sglang-arg")
 
 
+def check_gpu_count(facts: ServerFacts, gpus: Sequence[int], present: int | None, visible: int | None) -> None:
+    """Before any launch: each server needs tp x pp x dp GPUs (`plan_launch` checks --gpus gives
+    them), and the machine must have them; `present` counts nvidia-smi's GPUs (what --gpus indexes),
+    `visible` those a server without --gpus can use. None: the machine cannot tell; not checked."""
+    need = facts.gpus_per_server
+    if gpus and present is not None and max(gpus) >= present:
+        raise UsageError(f"--gpus {','.join(map(str, gpus))}: this machine has {present} GPU(s) "
+                         f"(indexes 0 to {present - 1})")
+    if not gpus and visible is not None and visible < need:
+        raise UsageError(f"each SGLang server needs {need} GPUs (tensor x pipeline x data parallel sizes in "
+                         f"--sglang-arg) but {visible} {'is' if visible == 1 else 'are'} visible "
+                         "(CUDA_VISIBLE_DEVICES, else nvidia-smi)")
+
+
 def fraction_for_share(share: float, memory: tuple[float, float] | None) -> float:
     """The --mem-fraction-static that gives a server `share` of its GPU's total memory, given
     (free, total) when it starts. Unknown memory: assume the earlier server took exactly its
@@ -173,8 +227,13 @@ def fraction_for_share(share: float, memory: tuple[float, float] | None) -> floa
     return share * total / free if free > 0 else float("inf")
 
 
-def server_env(channel: plugin.TapChannel, placement: Placement) -> dict[str, str]:
+def server_env(channel: plugin.TapChannel, placement: Placement, settings: SglangSettings | None = None,
+               standin_calls: Path | None = None) -> dict[str, str]:
     env = {plugin.ENV_VAR: str(channel.folder.resolve())}
+    if settings is not None and settings.fix:
+        env[deepstack_slot.ENV_FIX] = settings.fix
+    if settings is not None and settings.on_cpu:
+        env.update(cpu_env(settings, standin_calls or channel.folder / "standin-calls.jsonl"))
     whitelist = os.environ.get("SGLANG_PLUGINS", "")
     if whitelist.strip():  # unset means "load all"; a set whitelist must name parity too
         names = [n.strip() for n in whitelist.split(",") if n.strip()]
@@ -182,3 +241,18 @@ def server_env(channel: plugin.TapChannel, placement: Placement) -> dict[str, st
     if placement.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in placement.gpus)
     return env
+
+
+def cpu_env(settings: SglangSettings, standin_calls: Path) -> dict[str, str]:
+    """A CPU server's environment: SGLang's CPU engine, parity's stand-in folder first on its own
+    PYTHONPATH (never parity's), the graph emulation when asked, and capped threads."""
+    existing = os.environ.get("PYTHONPATH", "")
+    threads = str(settings.cpu_threads)
+    return {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(kernel_standin.STANDIN_DIR), existing) if p),
+        cpu_patches.ENV_CPU: "1",
+        cpu_patches.ENV_GRAPH: settings.graph_backend,
+        kernel_standin.ENV_CALLS: str(standin_calls.resolve()),
+        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
+    }

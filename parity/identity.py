@@ -1,0 +1,73 @@
+"""What makes results files one experiment: the same model, engine, dtype, tolerances, runner,
+graph mode, scenarios, plan and environment (design §8).
+
+Shards of one experiment agree on all of it; anything else is another experiment (another row of
+a matrix report), never something to merge. The identity is the whole config and environment, less
+what legitimately differs between the machines of one CI matrix: which shard a file is, the
+process ids and per-machine memory fraction of its servers, and a GPU run's CPU thread count.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping
+
+from parity.results import RunResult
+
+# Named first when files differ, in this order: what a reader checks first.
+FIRST_FIELDS = (
+    "config.model", "config.backend", "config.dtype", "config.logprob_tol", "config.logprob_mean_tol",
+    "config.tie_margin", "config.runner", "config.graph_backend", "config.graph_mode", "config.sglang_servers",
+    "config.vllm_servers", "config.scenarios", "environment.gpu", "environment.device",
+)
+# Differ between machines of one experiment: where the servers ran, not what was run.
+VOLATILE = frozenset({"config.sglang_tap_processes", "config.vllm_tap_processes"})
+# Only these keys of config.shard say which experiment a file is; the rest says which shard.
+_SHARD_IDENTITY = ("count", "cases")
+# Worked out on each machine from the GPU memory free when a server starts (sharing a GPU).
+_PER_MACHINE_FLAGS = ("--mem-fraction-static", "--gpu-memory-utilization")
+
+
+def identity(run: RunResult) -> dict[str, Any]:
+    """Field path -> value, for every field that must agree between shards of one experiment."""
+    fields: dict[str, Any] = {"schema": run.schema}
+    for key, value in run.config.items():
+        if key == "shard":
+            value = {k: value.get(k) for k in _SHARD_IDENTITY} if isinstance(value, dict) else value
+        elif key in ("sglang_servers", "vllm_servers"):
+            value = _masked(value)
+        fields[f"config.{key}"] = value
+    fields.setdefault("config.shard", None)
+    for key, value in run.environment.items():
+        # CPU threads change a CPU run's numerics, not a GPU run's; runners of one pool differ in cores.
+        if key == "threads" and run.environment.get("device") == "cuda":
+            continue
+        fields[f"environment.{key}"] = value
+    return {k: v for k, v in fields.items() if k not in VOLATILE}
+
+
+def _masked(servers: Any) -> Any:
+    if not isinstance(servers, dict):
+        return servers
+    out = {}
+    for mode, flags in servers.items():
+        if isinstance(flags, list):
+            flags = ["*" if i and flags[i - 1] in _PER_MACHINE_FLAGS else f for i, f in enumerate(flags)]
+        out[mode] = flags
+    return out
+
+
+def _ordered(keys: set[str]) -> Iterator[str]:
+    yield from (k for k in FIRST_FIELDS if k in keys)
+    yield from sorted(k for k in keys if k not in FIRST_FIELDS)
+
+
+def first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
+    """The first field (FIRST_FIELDS first) where two identities differ, or None."""
+    return next((k for k in _ordered(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """A value for a one-line message: its repr, cut when long (a plan of many case ids)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,226 @@
+"""`parity merge`: shards of one experiment back into one judged run, and several experiments into
+one matrix report (design §8).
+
+Nothing stored is trusted: every file is loaded and validated like `parity verdict` does, the
+merged run is re-judged from its arms (`verdict.judge_run`), and a file that does not belong is a
+usage error (exit 2) naming the file and the field: another experiment, a shard given twice, a
+shard missing (unless `--allow-missing` names it, and then the verdict is at best INCOMPLETE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from parity.errors import UsageError
+from parity.identity import first_difference, identity, shown
+from parity.results import RunResult, Verdict, dumps, write_atomically
+from parity.results_loader import load_results
+from parity.sharding import CONFIG_KEY, ShardRecord, merged_config, read_shard
+from parity.verdict import judge_run
+
+Warn = Callable[[str], object]
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """A results file as the merge sees it: where it came from, its run, and the shards it holds."""
+
+    path: str
+    run: RunResult
+    record: ShardRecord
+
+    @classmethod
+    def load(cls, path: str) -> "ShardFile":
+        run = load_results(path)
+        record = read_shard(run.config)  # validated by the loader
+        if record is None:  # an unsharded run is the one shard of a run in one shard
+            record = ShardRecord(1, {c.id: 1 for c in run.cases}, index=1)
+        return cls(path, run, record)
+
+
+def load_files(paths: Sequence[str]) -> list[ShardFile]:
+    if not paths:
+        raise UsageError("give at least one results file")
+    return [ShardFile.load(p) for p in paths]
+
+
+# --- one experiment ------------------------------------------------------------------------------
+
+def check_one_experiment(files: Sequence[ShardFile]) -> None:
+    first = files[0]
+    reference = identity(first.run)
+    for other in files[1:]:
+        field = first_difference(reference, identity(other.run))
+        if field is not None:
+            mine, theirs = identity(other.run).get(field), reference.get(field)
+            raise UsageError(f"{other.path}: {field} is {shown(mine)}, but {first.path} has {shown(theirs)}: "
+                             "not shards of the same experiment (merge --matrix reports several experiments)")
+
+
+def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = ()) -> RunResult:
+    """The judged run of one experiment's shards; refuses another experiment, a duplicate or a
+    missing shard (unless allowed: then the run records it and cannot pass)."""
+    check_one_experiment(files)
+    count, plan = files[0].record.count, files[0].record.cases
+    holder: dict[int, str] = {}
+    for f in files:
+        for shard in f.record.covers:
+            if shard in holder:
+                raise UsageError(f"{f.path}: config.{CONFIG_KEY} shard {shard}/{count} is also in {holder[shard]}: "
+                                 "a duplicate shard; give each shard's results file once")
+            holder[shard] = f.path
+    missing = [k for k in range(1, count + 1) if k not in holder]
+    _check_allowed(allow_missing, holder, count)
+    for shard in missing:
+        if shard not in allow_missing:
+            cases = [c for c, k in plan.items() if k == shard]
+            raise UsageError(f"shard {shard}/{count} is missing: no file given has config.{CONFIG_KEY}.index {shard} "
+                             f"(its {len(cases)} case(s), e.g. {cases[0]!r}); give its results file, or "
+                             f"--allow-missing {shard} to merge without it (the verdict is then at best INCOMPLETE)")
+    by_id = {case.id: case for f in files for case in f.run.cases}
+    first = files[0].run
+    config = dict(first.config)
+    if count > 1 or CONFIG_KEY in config:
+        config[CONFIG_KEY] = merged_config(count, plan, sorted(holder), missing)
+    merged = RunResult(
+        created=max(f.run.created for f in files), environment=first.environment, config=config,
+        cases=tuple(by_id[c] for c in plan if c in by_id), schema=first.schema,
+        interrupted=any(f.run.interrupted for f in files),
+    )
+    return judge_run(merged)
+
+
+def _check_allowed(allowed: Sequence[int], holder: dict[int, str], count: int) -> None:
+    for shard in allowed:
+        if not 1 <= shard <= count:
+            raise UsageError(f"--allow-missing {shard}: the run has shards 1 to {count}")
+        if shard in holder:
+            raise UsageError(f"--allow-missing {shard}: shard {shard}/{count} is in {holder[shard]}; "
+                             "leave it out of --allow-missing")
+
+
+# --- several experiments -------------------------------------------------------------------------
+
+def group_experiments(files: Sequence[ShardFile]) -> list[list[ShardFile]]:
+    """Files grouped by experiment, in the order each experiment is first given."""
+    groups: list[tuple[dict, list[ShardFile]]] = []
+    for f in files:
+        key = identity(f.run)
+        for reference, members in groups:
+            if first_difference(reference, key) is None:
+                members.append(f)
+                break
+        else:
+            groups.append((key, [f]))
+    return [members for _, members in groups]
+
+
+def merge_matrix(files: Sequence[ShardFile]) -> list[RunResult]:
+    """One judged run per experiment among `files`, each from all of its shards; a refusal names
+    the experiment it is about."""
+    from parity.reporting.matrix import label_of
+
+    runs = []
+    for group in group_experiments(files):
+        try:
+            runs.append(merge_runs(group))
+        except UsageError as err:
+            raise UsageError(f"experiment {label_of(group[0].run)}: {err}") from None
+    return runs
+
+
+# --- writing ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class MergeOutput:
+    out_dir: Path
+    junit: Path | None = None
+    plots: bool = True
+
+
+def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> RunResult:
+    """results.json and report.md first (each whole or not at all), the plots last, then both again
+    with the plots linked."""
+    from parity.reporting.report import render_markdown
+
+    # Plots of the shards live in their own folders: drawn anew here, or not linked at all.
+    run = dataclasses.replace(run, cases=tuple(dataclasses.replace(c, plot=None, localization_plot=None)
+                                               for c in run.cases))
+    _write(folder / "results.json", dumps(run) + "\n")
+    _write(folder / "report.md", render_markdown(run))
+    if plots:
+        run = _with_plots(run, folder, warn)
+        _write(folder / "results.json", dumps(run) + "\n")
+        _write(folder / "report.md", render_markdown(run))
+    return run
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        write_atomically(path, text)
+    except OSError as err:
+        raise UsageError(f"--out: cannot write {path} ({err.strerror or err})") from None
+
+
+def _with_plots(run: RunResult, folder: Path, warn: Warn) -> RunResult:
+    from parity.reporting.plots import plot_case, plot_localization
+
+    cases = []
+    for case in run.cases:
+        try:
+            case = dataclasses.replace(case, plot=plot_case(case, folder, run).name)
+            if case.localization is not None:
+                case = dataclasses.replace(case, localization_plot=plot_localization(case, folder).name)
+        except (OSError, ValueError, RuntimeError) as err:  # a plot is a view; results.json is written
+            warn(f"no plot for {case.id} ({err.__class__.__name__}: {err})")
+        cases.append(case)
+    return dataclasses.replace(run, cases=tuple(cases))
+
+
+def experiment_folder(index: int, run: RunResult) -> str:
+    from parity.reporting.matrix import label_of
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", label_of(run)).strip("_")[:80]
+    return f"{index}-{slug}"
+
+
+def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence[int] = (), matrix: bool = False,
+              warn: Warn = print) -> tuple[Verdict, Path]:
+    """Load, merge, judge and write; (the verdict to exit with, the report written).
+
+    One experiment: `out_dir` holds its results.json, report.md and plots. `matrix`: one folder per
+    experiment, and `out_dir/report.md` is the matrix report. Either way the report is appended to
+    the CI step summary and `junit` gets one testsuite per experiment."""
+    from parity.reporting.ci_summary import append_step_summary
+    from parity.reporting.junit import write_junit
+    from parity.reporting.matrix import experiments, matrix_verdict, render_matrix
+    from parity.reporting.report import render_markdown
+
+    if matrix and allow_missing:
+        raise UsageError("--allow-missing names a shard of one experiment; merge that experiment alone "
+                         "(without --matrix) to go without one of its shards")
+    files = load_files(paths)
+    if matrix:
+        runs = [write_run_folder(run, output.out_dir / experiment_folder(i, run), output.plots, warn)
+                for i, run in enumerate(merge_matrix(files), 1)]
+        markdown = render_matrix(runs)
+        write_atomically(output.out_dir / "report.md", markdown)
+        verdict = matrix_verdict(experiments(runs))
+    else:
+        runs = [write_run_folder(merge_runs(files, allow_missing), output.out_dir, output.plots, warn)]
+        markdown = render_markdown(runs[0], images=False)  # a summary cannot show the folder's plots
+        verdict = runs[0].verdict
+    if output.junit is not None:
+        try:
+            write_junit(runs, output.junit)
+        except OSError as err:
+            raise UsageError(f"--junit: cannot write {output.junit} ({err.strerror or err})") from None
+    try:
+        append_step_summary(markdown)
+    except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning
+        warn(f"GITHUB_STEP_SUMMARY not written ({err.strerror or err})")
+    return verdict, output.out_dir / "report.md"

@@ -1,0 +1,136 @@
+"""What parity changes, in-process, in the SGLang 0.5.23 servers it starts on a CPU (sglang-cpu.md).
+
+Installed by parity's stand-in `sitecustomize` (parity/sglang/standin/) in every server process,
+only when parity sets `PARITY_SGLANG_CPU`; no SGLang file is edited. Always:
+
+- `torch.ops.sgl_kernel` answers from the kernel stand-in (parity/sglang/kernel_standin.py).
+
+With `PARITY_SGLANG_GRAPH=emulated`, SGLang's own breakable prefill runner captures and replays
+on the CPU:
+
+1. keep the prefill graph: `handle_attention_backend_compatibility` declares the prefill graph
+   off for `torch_native`; that one declaration is dropped, so the prefill backend the command
+   line asked for stays (decode stays off, as SGLang declares);
+2. `torch.cuda.CUDAGraph` is parity's emulation (parity/sglang/emulated_graph.py), which
+   SGLang's breakable capture looks up for every segment;
+3. `torch.cpu.graph_pool_handle` exists (SGLang asks the device module for a pool handle);
+4. `get_current_device_stream_fast` returns the CPU stream (a bare `torch.get_device_module()` is
+   CUDA on this wheel, with no driver).
+
+A change to a module is applied right after the module executes, so a later `from X import f`
+binds the changed name.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import types
+from typing import Any, Callable, Mapping
+
+ENV_CPU = "PARITY_SGLANG_CPU"
+ENV_GRAPH = "PARITY_SGLANG_GRAPH"
+GRAPH_EMULATED = "emulated"
+
+ATTENTION_HOOK = "sglang.srt.arg_groups.attention_hook"
+ATTENTION_COMPATIBILITY_SOURCE = "_handle_attention_backend_compatibility"
+DEVICE_UTILS = "sglang.srt.utils.common"
+STREAM_FUNCTION = "get_current_device_stream_fast"
+DISABLED = "disabled"
+
+Patch = Callable[[types.ModuleType], None]
+
+
+# --- applying a change right after a module executes -----------------------------------------------
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader: Any, patch: Patch) -> None:
+        self.loader, self.patch = loader, patch
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        self.patch(module)
+
+
+class AfterImport(importlib.abc.MetaPathFinder):
+    """Finds a target module through the other finders, and patches it once it has executed."""
+
+    def __init__(self) -> None:
+        self.patches: dict[str, Patch] = {}
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
+        patch = self.patches.get(fullname)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _PatchingLoader(spec.loader, patch)
+                return spec
+        return None
+
+
+_AFTER_IMPORT = AfterImport()
+
+
+def after_import(name: str, patch: Patch) -> None:
+    """Run `patch(module)` right after module `name` executes (now, if it already has)."""
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+    _AFTER_IMPORT.patches[name] = patch
+    if _AFTER_IMPORT not in sys.meta_path:
+        sys.meta_path.insert(0, _AFTER_IMPORT)
+
+
+# --- the four changes ----------------------------------------------------------------------------------
+
+def keep_prefill_graph(module: types.ModuleType) -> None:
+    """Drop the torch_native declaration that turns a requested prefill graph off (change 1)."""
+    declare = module.declare_resolution
+    resolving_view = module.resolving_view
+
+    def declare_resolution(server_args: Any, source: str, **fields: Any) -> None:
+        config = fields.get("cuda_graph_config")
+        if source == ATTENTION_COMPATIBILITY_SOURCE and config is not None:
+            asked = resolving_view(server_args).cuda_graph_config.prefill.backend
+            if config.prefill.backend == DISABLED and asked != DISABLED:
+                return  # the prefill backend stays what the command line asked for
+        declare(server_args, source, **fields)
+
+    module.declare_resolution = declare_resolution
+
+
+def cpu_stream(module: types.ModuleType) -> None:
+    """`get_current_device_stream_fast` on the CPU stream (change 4)."""
+    import torch
+
+    def get_current_device_stream_fast():
+        return torch.cpu.current_stream()
+
+    setattr(module, STREAM_FUNCTION, get_current_device_stream_fast)
+
+
+def install_emulated_graphs(torch_module: Any) -> None:
+    from parity.sglang.emulated_graph import EmulatedGraph, graph_pool_handle
+
+    torch_module.cuda.CUDAGraph = EmulatedGraph  # change 2
+    torch_module.cpu.graph_pool_handle = graph_pool_handle  # change 3
+    after_import(ATTENTION_HOOK, keep_prefill_graph)
+    after_import(DEVICE_UTILS, cpu_stream)
+
+
+def install(environ: Mapping[str, str]) -> None:
+    import torch
+
+    from parity.sglang.kernel_standin import install_ops
+
+    install_ops(torch)
+    if environ.get(ENV_GRAPH) == GRAPH_EMULATED:
+        install_emulated_graphs(torch)

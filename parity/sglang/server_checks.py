@@ -1,0 +1,108 @@
+"""What parity checks about SGLang before starting servers, and about a running server before
+trusting its answers (beyond the tap).
+
+Before: SGLang installed, a GPU (or `--device cpu`), parity's plugin registered, the graph backend
+possible on the device, the fix's SGLang version; each failure is a usage error (exit 2).
+
+While running, each check reads what the server's own processes wrote, never what its flags imply,
+and returns a one-line problem (the caller turns it into the arm's `ERROR`) or None:
+
+- no `sgl_kernel` stand-in op was called (a CPU server that needed a compiled kernel computed
+  nothing trustworthy; the message names the op);
+- the dtype the model really runs in (the embeddings the tap saw) is the one parity asked for
+  (SGLang silently runs a float32 checkpoint in float16 under `--dtype auto`);
+- parity's DeepStack slot fix, when asked for, is in place in the bcg server's prefill runner.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from pathlib import Path
+from typing import Sequence
+
+from parity.errors import BackendUnavailableError, UsageError
+from parity.sglang import deepstack_slot, plugin
+from parity.serving.gpus import cuda_present
+from parity.sglang.kernel_standin import read_calls
+from parity.sglang.plugin import TapEntry
+from parity.sglang.servers import DEVICES, GRAPH_BACKENDS
+
+
+# --- before any server starts --------------------------------------------------------------------------
+
+def graph_backend(device: str, asked: str | None) -> str:
+    """`auto`/None: real CUDA graphs on a GPU, parity's emulation inside the server on a CPU."""
+    if device not in DEVICES:
+        raise UsageError(f"the sglang backend runs on {' or '.join(DEVICES)}, not {device!r}")
+    resolved = asked if asked not in (None, "auto") else ("emulated" if device == "cpu" else "cuda")
+    if resolved not in GRAPH_BACKENDS:
+        raise UsageError(f"unknown graph backend {resolved!r}; known: {', '.join(GRAPH_BACKENDS)}")
+    if (device, resolved) in {("cpu", "cuda"), ("cuda", "emulated")}:
+        raise UsageError(f"--graph-backend {resolved} with --device {device}: the sglang backend replays real CUDA "
+                         "graphs on a GPU and parity's emulation inside the server on a CPU")
+    return resolved
+
+
+def check_fix_version(fix: str | None) -> None:
+    version = deepstack_slot.installed_sglang()
+    if fix is not None and version != deepstack_slot.WRITTEN_FOR:
+        raise BackendUnavailableError(f"--sglang-fix {fix} was written against SGLang {deepstack_slot.WRITTEN_FOR}'s "
+                                      f"prefill graph runner; this environment has SGLang {version}")
+
+
+def check_requirements(device: str = "cuda") -> None:
+    """Raise BackendUnavailableError (exit 2) when this machine cannot run SGLang servers."""
+    if importlib.util.find_spec("sglang") is None:
+        raise BackendUnavailableError("SGLang is not installed in this Python environment; install it with "
+                                      "pip install 'parity[sglang]' (SGLang 0.5.23)")
+    if device == "cuda" and not cuda_present():
+        raise BackendUnavailableError("the sglang backend needs a CUDA GPU and none is visible "
+                                      "(torch.cuda.is_available() is False and nvidia-smi lists no GPU); "
+                                      "--device cpu serves on the CPU")
+    names = {ep.name for ep in importlib.metadata.entry_points(group=plugin.ENTRY_POINT_GROUP)}
+    if plugin.ENTRY_POINT_NAME not in names:
+        raise BackendUnavailableError(
+            f"parity's SGLang plugin is not registered (no {plugin.ENTRY_POINT_NAME!r} entry point in "
+            f"{plugin.ENTRY_POINT_GROUP}); install parity itself, e.g. pip install -e '.[sglang]', "
+            "not only put it on PYTHONPATH")
+
+
+# --- a running server ----------------------------------------------------------------------------------
+
+def standin_problem(calls_file: Path | None) -> str | None:
+    calls = read_calls(calls_file) if calls_file is not None else []
+    if not calls:
+        return None
+    ops = sorted({c.op for c in calls})
+    return (f"the sgl_kernel stand-in op {', '.join(ops)} was called (pid {calls[0].pid}): SGLang took a path that "
+            f"needs a compiled kernel this CPU run does not have, so its answers cannot be trusted ({calls_file})")
+
+
+def served_dtype(entries: Sequence[TapEntry]) -> str | None:
+    dtypes = sorted({e.dtype for e in entries if e.dtype})
+    return ",".join(dtypes) if dtypes else None
+
+
+def dtype_problem(served: str | None, asked: str | None) -> str | None:
+    if asked in (None, "auto") or served is None or served == f"torch.{asked}":
+        return None
+    return f"the model runs in {served}, not the {asked} parity asked for with --dtype"
+
+
+def fix_problem(channel: Path, fix: str | None, mode: str) -> tuple[str | None, list[dict]]:
+    """(problem, the slot records) for a server asked to run `fix`; only a bcg server builds a slot."""
+    if not fix:
+        return None, []
+    records = deepstack_slot.read_records(channel)
+    refused = [r for r in records if r.refused]
+    if refused:
+        return f"parity's {fix} fix refused to install: {refused[0].note}", [r.to_json() for r in records]
+    if mode != "bcg":
+        return None, [r.to_json() for r in records]
+    slots = [r for r in records if r.slot is not None]
+    if not slots:
+        why = records[0].note if records else "no prefill graph runner reported it (is the prefill graph disabled?)"
+        return (f"parity's {fix} fix was asked for but the bcg server's prefill runner has no DeepStack slot: {why}",
+                [r.to_json() for r in records])
+    return None, [r.to_json() for r in records]
