@@ -26,7 +26,10 @@ from parity.verdict import USAGE_EXIT, exit_code
 INTERRUPTED_EXIT = 130  # 128 + SIGINT; SIGTERM exits 143 (parity.interrupts)
 # Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
 MAX_SEED = 2**63 - 1
-SGLANG_ONLY = ("sglang_args", "concurrent", "gpus", "ready_timeout", "mem_fraction")
+# The server backends' options, and the backends each one applies to.
+SERVER_OPTIONS = {"sglang_args": ("sglang",), "sglang_fix": ("sglang",), "vllm_args": ("vllm",),
+                  "graph_mode": ("vllm",),
+                  **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")}}
 
 
 class ParityCommandError(click.ClickException):
@@ -142,7 +145,7 @@ def cli() -> None:
               help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Build the embedded preset from this seed instead of its own.")
-@click.option("--backend", type=click.Choice(["transformers", "sglang"]), default="transformers", show_default=True)
+@click.option("--backend", type=click.Choice(["transformers", "sglang", "vllm"]), default="transformers", show_default=True)
 @click.option("--arms", "arm_selection", default="all", show_default=True, callback=_arm_selection,
               help="`all` or a comma list of arm names (four-arm scenario only).")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
@@ -164,7 +167,8 @@ def cli() -> None:
               help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
 @click.option("--buckets", default="auto", show_default=True, callback=_int_list,
-              help="Prefill token buckets: auto (SGLang's ladder, covering every prompt) or a comma list.")
+              help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
+                   "(vllm backend: the capture sizes).")
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
               help="reuse: image then text request; stream: five requests back to back; all: the three.")
 @click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
@@ -179,17 +183,22 @@ def cli() -> None:
               help="Run only shard K of N: a partition of the cases that is the same on every machine; "
                    "join the shards' results with `parity merge`.")
 @click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
+@click.option("--vllm-arg", "vllm_args", multiple=True,
+              help="Extra `vllm serve` flag for both servers (repeatable, vllm backend); flags parity sets are refused.")
+@click.option("--graph-mode", type=click.Choice(["full_and_piecewise", "full", "piecewise", "breakable"]),
+              default="full_and_piecewise", show_default=True,
+              help="vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE).")
 @click.option("--sglang-fix", type=click.Choice(["deepstack-slot"]), default=None,
               help="Run parity's DeepStack replay slot fix inside the SGLang servers (SGLang 0.5.23 only).")
 @click.option("--concurrent", is_flag=True,
-              help="Keep both SGLang servers up: started at once when --gpus gives each its own GPUs, else one "
+              help="Keep both servers (sglang, vllm) up: started at once when --gpus gives each its own GPUs, else one "
                    "after the other on the shared GPU.")
 @click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
 @click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=_positive,
-              help="Seconds to wait for an SGLang server's /ready.")
+              help="Seconds to wait for a server to be ready (SGLang /ready, vLLM /health).")
 @click.option("--mem-fraction", type=float, default=0.70, show_default=True,
-              help="SGLang --mem-fraction-static per GPU; with --concurrent on a shared GPU each server gets "
-                   "half of it of the GPU's total.")
+              help="SGLang --mem-fraction-static / vLLM --gpu-memory-utilization per GPU; with --concurrent on a "
+                   "shared GPU each server gets half of it of the GPU's total.")
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""
     # Heavy imports (torch, transformers) only when running.
@@ -226,7 +235,8 @@ def run(**options) -> None:
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
-        sglang_args=tuple(o["sglang_args"]), concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
+        sglang_args=tuple(o["sglang_args"]), vllm_args=tuple(o["vllm_args"]), graph_mode=o["graph_mode"],
+        concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
         ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"], sglang_fix=o["sglang_fix"],
     )
     _warn_ignored(click.get_current_context(), backend.name)
@@ -244,14 +254,16 @@ def run(**options) -> None:
 
 
 def _warn_ignored(ctx: click.Context, backend: str) -> None:
-    """SGLang's server options mean nothing to the in-process backend: say so rather than drop them silently."""
-    if backend == "sglang":
-        return
-    given = [param.opts[0] for param in ctx.command.params if param.name in SGLANG_ONLY
-             and ctx.get_parameter_source(param.name) not in (None, ParameterSource.DEFAULT)]
-    if given:
-        click.echo(f"warning: {', '.join(given)} only apply to --backend sglang; ignored with --backend {backend}",
-                   err=True)
+    """A server backend's options mean nothing to another backend: say so rather than drop them silently."""
+    ignored: dict[tuple[str, ...], list[str]] = {}
+    for param in ctx.command.params:
+        backends = SERVER_OPTIONS.get(param.name or "")
+        if backends and backend not in backends and \
+                ctx.get_parameter_source(param.name) not in (None, ParameterSource.DEFAULT):
+            ignored.setdefault(backends, []).append(param.opts[0])
+    for backends, given in ignored.items():
+        click.echo(f"warning: {', '.join(given)} only apply to --backend {' or '.join(backends)}; ignored with "
+                   f"--backend {backend}", err=True)
 
 
 @cli.command()

@@ -50,6 +50,29 @@ class DeepStackRecord:
 
 
 @dataclass(frozen=True)
+class LeakWitness:
+    """DeepStack rows an arm's requests read that an earlier request left in the engine's buffer.
+
+    Seen in the model process: rows of an LM entry's real tokens that this entry did not write
+    but that held DeepStack features when it ran (vLLM never clears its persistent DeepStack
+    buffer after a step it replays whole). A correct engine never shows one.
+    """
+
+    rows: int  # the most such rows one LM entry read
+    steps: int  # how many LM entries read such rows
+    source_sha256: str | None = None  # the image (fixture sha256) whose request left them; None: unknown
+
+    def merged(self, other: "LeakWitness | None") -> "LeakWitness":
+        if other is None:
+            return self
+        return LeakWitness(max(self.rows, other.rows), self.steps + other.steps,
+                           self.source_sha256 or other.source_sha256)
+
+    def to_json(self) -> dict:
+        return {"rows": self.rows, "steps": self.steps, "source_sha256": self.source_sha256}
+
+
+@dataclass(frozen=True)
 class RankEvidence:
     """One model process's share of an arm's evidence: with tensor parallelism every rank runs the
     request, and each one's tap must have fired and its prefill replayed (design §8)."""
@@ -69,18 +92,19 @@ class RankEvidence:
 
 
 def combine_ranks(ranks: tuple[RankEvidence, ...], prompt_tokens: int | None = None,
-                  max_bucket: int | None = None) -> "Evidence":
+                  max_bucket: int | None = None, leak: LeakWitness | None = None) -> "Evidence":
     """One arm's evidence from its ranks', each field read the way its rule needs every rank: the
     prefill replayed only where every rank's did, the tap fired only where every rank's did (the
     fewest tap calls), a replay anywhere counts (an eager arm that replayed on one rank replayed),
-    and every bucket any rank replayed in is checked against the policy."""
+    and every bucket any rank replayed in is checked against the policy. A leak witness is the
+    arm's, not a rank's: it is carried as given."""
     shown = [r.prefill_replayed for r in ranks]
     replayed = False if False in shown else (None if None in shown else True)
     return Evidence(
         lm_calls=max(r.lm_calls for r in ranks), replayed_calls=max(r.replayed_calls for r in ranks),
         prefill_replayed=replayed, buckets=tuple(sorted({b for r in ranks for b in r.buckets})),
         tap_calls=min(r.tap_calls for r in ranks), prompt_tokens=prompt_tokens, max_bucket=max_bucket,
-        ranks=tuple(ranks),
+        leak=leak, ranks=tuple(ranks),
     )
 
 
@@ -92,10 +116,11 @@ class Evidence:
     replayed_calls: int  # of those, how many ran by graph replay
     # Whether every prefill that carried a prompt ran by graph replay; None: the backend cannot tell.
     prefill_replayed: bool | None
-    buckets: tuple[int, ...]  # the buckets the replays used
+    buckets: tuple[int, ...]  # the buckets the prefill replays used
     tap_calls: int  # LM entries where the tap saw DeepStack rows
     prompt_tokens: int | None = None  # of the request, for the verdict's reason
     max_bucket: int | None = None  # the largest bucket the path under test could replay in
+    leak: LeakWitness | None = None  # stale DeepStack rows read (engines that can tell); None: none seen
     ranks: tuple[RankEvidence, ...] = ()  # each rank's share, when more than one ran the arm
 
     def merged(self, other: "Evidence") -> "Evidence":
@@ -114,6 +139,7 @@ class Evidence:
             tap_calls=self.tap_calls + other.tap_calls,
             prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else other.prompt_tokens,
             max_bucket=self.max_bucket if self.max_bucket is not None else other.max_bucket,
+            leak=other.leak if self.leak is None else self.leak.merged(other.leak),
         )
 
     def inconsistency(self) -> str | None:
@@ -126,10 +152,15 @@ class Evidence:
             return f"tap_calls {self.tap_calls} > lm_calls {self.lm_calls}"
         if self.prefill_replayed and self.replayed_calls == 0:
             return "prefill_replayed is true but no LM entry was replayed"
-        if (self.replayed_calls > 0) != bool(self.buckets):
-            return "buckets must be listed exactly when some LM entry was replayed"
+        # Buckets are those of replayed prefills; an engine may also replay decode steps (vLLM).
+        if self.buckets and self.replayed_calls == 0:
+            return "buckets are listed but no LM entry was replayed"
+        if self.prefill_replayed and not self.buckets:
+            return "prefill_replayed is true but no bucket is listed"
         if any(b <= 0 for b in self.buckets):
             return "bucket sizes must be > 0"
+        if self.leak is not None and (self.leak.rows <= 0 or self.leak.steps <= 0 or self.leak.steps > self.lm_calls):
+            return "a leak witness needs rows > 0 and 1..lm_calls steps"
         return self._rank_inconsistency()
 
     def _rank_inconsistency(self) -> str | None:
@@ -137,7 +168,7 @@ class Evidence:
             return None
         if len({r.sha256 for r in self.ranks if r.sha256}) > 1:
             return "its ranks' DeepStack fingerprints differ (a run gives such an arm an error, not evidence)"
-        if combine_ranks(self.ranks, self.prompt_tokens, self.max_bucket) != self:
+        if combine_ranks(self.ranks, self.prompt_tokens, self.max_bucket, self.leak) != self:
             return "the arm's counts are not those of its ranks (every rank must show the tap and the replay)"
         return None
 
@@ -146,4 +177,5 @@ class Evidence:
             "lm_calls": self.lm_calls, "replayed_calls": self.replayed_calls,
             "prefill_replayed": self.prefill_replayed, "buckets": list(self.buckets),
             "tap_calls": self.tap_calls, "prompt_tokens": self.prompt_tokens, "max_bucket": self.max_bucket,
-        } | ({"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {})
+        } | ({} if self.leak is None else {"leak": self.leak.to_json()}) | (
+            {"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {})

@@ -344,7 +344,7 @@ def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, re
         name=name, mode=mode, deepstack=deepstack, token_ids=first.token_ids, text=first.text,
         token_logprobs=first.token_logprobs, top_logprobs=first.top_logprobs,
         deepstack_record=first.deepstack_record, evidence=first.evidence,
-        forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced)}
+        forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced) if lps is not None}
                                 | ({} if first.self_forced is None else {name: first.self_forced})),
         seconds=round(seconds - scoring, 4), forced_seconds=round(scoring, 4),
         repeats=tuple(repeats),

@@ -18,7 +18,7 @@ from typing import Any
 
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
-from parity.evidence import DeepStackRecord, Evidence, RankEvidence
+from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
 from parity.sharding import case_problem, read_shard
 from parity.verdict import SEQUENCE_POWER_ARM
 from parity.results import (
@@ -84,7 +84,7 @@ def _evidence(raw: Any, where: str) -> Evidence:
         prefill_replayed=get(raw, "prefill_replayed", bool, where, optional=True),
         buckets=ints(get(raw, "buckets", list, where), f"{where}.buckets", minimum=1),
         tap_calls=count("tap_calls"), prompt_tokens=count("prompt_tokens", True, 1),
-        max_bucket=count("max_bucket", True, 1),
+        max_bucket=count("max_bucket", True, 1), leak=_leak(raw.get("leak"), f"{where}.leak"),
         ranks=tuple(_rank(r, f"{where}.ranks[{i}]")
                     for i, r in enumerate(get(raw, "ranks", list, where, optional=True) or [])),
     )
@@ -94,6 +94,13 @@ def _evidence(raw: Any, where: str) -> Evidence:
     return evidence
 
 
+def _leak(raw: Any, where: str) -> LeakWitness | None:
+    # Optional: only engines with a leak witness (vLLM) write it, and only when it fired.
+    if raw is None:
+        return None
+    return LeakWitness(rows=non_negative_int(get(raw, "rows", int, where), f"{where}.rows", 1),
+                       steps=non_negative_int(get(raw, "steps", int, where), f"{where}.steps", 1),
+                       source_sha256=get(raw, "source_sha256", str, where, optional=True))
 def _rank(raw: Any, where: str) -> RankEvidence:
     return RankEvidence(
         rank=get(raw, "rank", str, where),

@@ -206,6 +206,10 @@ def _not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, 
     how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
     if rules.backend == "sglang":
         hint = _sglang_not_replayed_hint(evidence)
+    elif rules.backend == "vllm":
+        hint = (f"use --buckets auto or a capture size of at least {tokens}, keep --max-num-batched-tokens above it, "
+                "and check that the attention backend allows the --graph-mode for prefills (vLLM's dispatcher "
+                "decided NONE)")
     else:
         hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
     return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
@@ -279,10 +283,36 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
             return Verdict(INCONCLUSIVE_NONDETERMINISTIC,
                            f"{group.where(n)}arm {arm.name} does not reproduce itself "
                            f"(self-delta {worst:.3g} > {REPEAT_TOL:g} or ids differ)")
+    leak = _leak_verdict(all_groups, n)  # an engine that leaked stale DeepStack rows never passes
+    if leak is not None:
+        return leak
     by_key = {(c.a, c.b, c.request): c for c in comparisons}
     if case.is_sequence:
         return _sequence_verdict(all_groups, by_key, n, rules.tolerances)
     return _four_arm_verdict(by_key, tol)
+
+
+def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
+    """FAIL_STALE_STATE when an arm's leak witness fired: the engine handed a request DeepStack
+    rows an earlier request left in its buffer, whatever the answers then were."""
+    for group in all_groups:
+        for name in group.needed:
+            arm = group.arms.get(name)
+            leak = None if arm is None or arm.evidence is None else arm.evidence.leak
+            if leak is None:
+                continue
+            earlier = [g for g in all_groups if g.request is not None and g.request < (group.request or 0)
+                       and g.fixture is not None and g.fixture.sha256 == leak.source_sha256]
+            if earlier:
+                source = f"request {earlier[-1].request + 1} ({earlier[-1].label})"
+            elif group.fixture is not None and group.fixture.sha256 == leak.source_sha256:
+                source = "its own earlier steps"
+            else:
+                source = "an earlier request" + (f" (image {leak.source_sha256[:12]})" if leak.source_sha256 else "")
+            return Verdict(FAIL_STALE_STATE,
+                           f"{group.where(n)}arm {arm.name} received {leak.rows} DeepStack row(s) left in the engine's "
+                           f"buffer by {source}, in {leak.steps} step(s) (leak witness: the rows were never cleared)")
+    return None
 
 
 def _describe(c: Comparison, tol: float) -> str:

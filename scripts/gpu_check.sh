@@ -2,6 +2,8 @@
 # All GPU checks in one call, from the working tree, nothing to install:
 #   PYTHONPATH=. bash scripts/gpu_check.sh        (results under $OUT, or gpu-check-out/)
 # Then a CLI smoke run on the GPU with the default options (expects PASS, exit 0).
+# parity's own runner only: the GPU machine cannot install engines. The SGLang and vLLM checks are
+# commands in docs/sglang-runbook.md and docs/vllm-runbook.md, for a machine that has them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-check-out}"

@@ -36,8 +36,11 @@ def test_sglang_options_on_the_transformers_backend_warn(parity_cli, monkeypatch
     monkeypatch.setattr(parity.run_command, "create_backend", stop)
     result, _, _ = parity_cli.run("--gpus", "0,1", "--concurrent", "--mem-fraction", "0.5")
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert warnings == ["warning: --concurrent, --gpus, --mem-fraction only apply to --backend sglang; ignored with "
-                        "--backend transformers"]
+    assert warnings == ["warning: --concurrent, --gpus, --mem-fraction only apply to --backend sglang or vllm; "
+                        "ignored with --backend transformers"]
+    result, _, _ = parity_cli.run("--backend", "sglang", "--graph-mode", "full", "--vllm-arg", "-tp 2", "--gpus", "0")
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --vllm-arg, --graph-mode only apply to --backend vllm; ignored with --backend sglang"]
     result, _, _ = parity_cli.run()
     assert "warning" not in result.stderr  # nothing given, nothing said
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from parity.sglang import plugin
-from parity.sglang.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
+from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
 from parity.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapChannelError, TapEntry, TapHook
 from parity.tap import fingerprint
 
@@ -196,7 +196,7 @@ def test_batches_that_do_not_say_extend_leave_replay_unknown() -> None:
 def test_silent_tap_is_named() -> None:
     with pytest.raises(TapSilence, match="recorded no LM entry"):
         check_fired(TaggedRequest(30, False, ()), 3, "request")
-    with pytest.raises(TapSilence, match="no input_deepstack_embeds rows"):
+    with pytest.raises(TapSilence, match="no DeepStack rows"):
         check_fired(TaggedRequest(30, True, (entry(tapped=False),)), 3, "request")
     check_fired(TaggedRequest(30, True, (entry(tapped=False),)), 0, "request")  # no DeepStack to see
     check_fired(TaggedRequest(30, False, (entry(tapped=False),)), 3, "request")  # text only

@@ -18,7 +18,7 @@ from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.errors import ResultsFileError
 from parity.results import write_results
 from parity.results_loader import load_results
-from parity.sglang.evidence import RankDisagreement, TaggedRequest, TapSilence, arm_evidence, check_fired, rank_label
+from parity.serving.evidence import RankDisagreement, TaggedRequest, TapSilence, arm_evidence, check_fired, rank_label
 from parity.sglang.plugin import TapEntry
 from parity.sglang.servers import ServerFacts, check_gpu_count
 from parity.tap import fingerprint
@@ -60,7 +60,7 @@ def test_a_silent_rank_is_named():
         check_fired(request(*prefill_and_decode(0)), 3, "request", ranks=2)
     check_fired(request(*prefill_and_decode(0)), 3, "request", ranks=1)  # the negative control: one rank expected
     # A rank that records its decode steps but never saw DeepStack in the image prefill.
-    with pytest.raises(TapSilence, match=r"in rank TP1 \(pid 4000\).*no input_deepstack_embeds rows"):
+    with pytest.raises(TapSilence, match=r"in rank TP1 \(pid 4000\).*no DeepStack rows"):
         check_fired(request(*prefill_and_decode(0), *prefill_and_decode(1, tapped=False)), 3, "request", ranks=2)
 
 

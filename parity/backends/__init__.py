@@ -31,6 +31,10 @@ class BackendOptions:
     buckets: str | tuple[int, ...] = "auto"
     # sglang
     sglang_args: tuple[str, ...] = ()
+    # vllm
+    vllm_args: tuple[str, ...] = ()
+    graph_mode: str = "full_and_piecewise"
+    # the server backends (sglang, vllm)
     concurrent: bool = False
     gpus: tuple[int, ...] = ()
     ready_timeout: float = 1800.0
@@ -66,11 +70,23 @@ def _transformers(options: BackendOptions, max_new_tokens: int, run_dir: Path) -
         raise UsageError(str(err)) from None
 
 
+def _served_checkpoint(options: BackendOptions) -> None:
+    """A server backend serves a checkpoint: refuse what only an embedded preset can be."""
+    from parity.presets import PRESETS
+
+    if options.model in PRESETS:
+        raise UsageError(f"{options.model!r} is an embedded preset, built in parity's process: it runs on the "
+                         f"transformers backend; give --backend {options.name} a Qwen3-VL checkpoint id or path")
+    if options.seed is not None:
+        raise UsageError(f"--seed builds an embedded preset; the {options.name} backend serves checkpoints")
+
+
 def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     from parity.presets import PRESETS
+    from parity.serving.flags import flag_values
     from parity.sglang.backend import create_sglang_backend
-    from parity.sglang.servers import flag_values
 
+    # SGLang serves the embedded presets too, on the CPU from a cached checkpoint folder.
     device = "cpu" if options.device == "cpu" else "cuda"
     embedded = options.model in PRESETS
     if options.seed is not None and not embedded:
@@ -88,8 +104,21 @@ def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Back
                                  threads=options.threads)
 
 
+def _vllm(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
+    from parity.vllm.backend import create_vllm_backend
+
+    _served_checkpoint(options)
+    vllm_args = options.vllm_args
+    if options.dtype != "auto":
+        vllm_args = (*vllm_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
+    return create_vllm_backend(model=options.model, max_new_tokens=max_new_tokens, run_dir=run_dir,
+                               vllm_args=vllm_args, graph_mode_name=options.graph_mode, buckets=options.buckets,
+                               concurrent=options.concurrent, gpus=options.gpus,
+                               ready_timeout=options.ready_timeout, mem_fraction=options.mem_fraction)
+
+
 BACKENDS: dict[str, Callable[[BackendOptions, int, Path], Backend]] = {"transformers": _transformers,
-                                                                      "sglang": _sglang}
+                                                                      "sglang": _sglang, "vllm": _vllm}
 
 
 def create_backend(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:

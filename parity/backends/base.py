@@ -29,8 +29,9 @@ class Generation:
     top_logprobs: TopLogprobs | None
     deepstack_record: DeepStackRecord | None
     evidence: Evidence | None
-    # forced[i][j]: this execution's logprob of force[i][j], teacher-forced after force[i][:j].
-    forced: tuple[tuple[float, ...], ...] = ()
+    # forced[i][j]: this execution's logprob of force[i][j], teacher-forced after force[i][:j];
+    # forced[i] is None where the backend could not score exactly those tokens (no tf_delta then).
+    forced: tuple[tuple[float, ...] | None, ...] = ()
     forced_seconds: float = 0.0
     # This execution's own tokens scored the way `forced` is, where that path differs from the
     # generation's (SGLang scores with a prefill, generates with decode steps): then a teacher-

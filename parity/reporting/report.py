@@ -59,12 +59,14 @@ def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
         replayed = "prefill replayed: " + {True: "yes", False: "NO", None: "unknown"}[evidence.prefill_replayed]
     buckets = ", ".join(map(str, evidence.buckets)) or "—"
     tokens = "?" if evidence.prompt_tokens is None else evidence.prompt_tokens
+    leak = evidence.leak
+    stale = "" if leak is None else f" · LEAK WITNESS: {leak.rows} stale DeepStack row(s) read in {leak.steps} step(s)"
     # Tensor parallelism: each rank's own share, so a reader sees which rank fell short.
     shown = {True: "yes", False: "no", None: "unknown"}
     ranks = "".join(f" · {r.rank}: replayed {shown[r.prefill_replayed]}, tap calls {r.tap_calls}"
                     for r in evidence.ranks)
     return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}")
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}")
 
 
 def arm_evidence_text(arm: ArmResult) -> str:
@@ -225,8 +227,9 @@ def not_localized_note(case: CaseResult, run: RunResult) -> str | None:
     """Why a case whose bcg arm disagrees with eager has no localization (None: it has one, or needs none)."""
     if case.localization is not None or target_of(case) is None:
         return None
-    if run.config.get("backend") == "sglang":
-        return not_available("sglang") + " (docs/sglang-runbook.md)"
+    backend = run.config.get("backend")
+    if backend in ("sglang", "vllm"):  # the engine's graphs, not parity's: nothing to probe per layer
+        return not_available(str(backend)) + f" (docs/{backend}-runbook.md)"
     return f"not localized in this run; `parity localize results.json --case {case.id} --write` adds it"
 
 

@@ -1,12 +1,12 @@
 """The SGLang backend: real servers per execution mode, with parity's tap as an SGLang plugin.
 
 - `servers`: each mode's command line, the facts read from `--sglang-arg`s, GPU placement and start order.
-- `launcher`: server processes (free loopback port, own process group, /ready, group stop).
 - `client`: the native /generate bodies (generation, teacher-forced scoring) and their answers.
-- `plugin`: the `sglang.srt.plugins` entry point, the hook, and the channel it records into.
-- `evidence`: an arm's evidence from the hook's records, per LM entry.
-- `prompts`: the checkpoint's chat template and config, and fixtures as PNG files.
+- `plugin`: the `sglang.srt.plugins` entry point and the hook.
 - `backend`: the Backend protocol over these, and `create_sglang_backend`.
+
+What any engine backend needs (server processes, the tap's channel and records, evidence, GPU
+placement, prompts) lives in `parity.serving`.
 
 Nothing is imported here: SGLang imports `parity.sglang.plugin` in every server process, and
 that must stay cheap and free of the backend's dependencies.

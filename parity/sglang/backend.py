@@ -22,15 +22,16 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
 from parity.backends.base import Generation, Request
+from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.errors import ArmFailure, UsageError
-from parity.sglang import client, deepstack_slot, launcher, plugin, server_checks
-from parity.sglang.evidence import (
+from parity.presets import PRESETS
+from parity.serving import launcher
+from parity.serving.evidence import (
     EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record,
 )
-from parity.sglang.gpus import gpu_count, gpu_memory, gpu_name, visible_gpu_count
-from parity.sglang.prompts import ChatPrompts, CheckpointFacts, ImageFiles
-from parity.buckets import prefill_bucket_ladder, smallest_fitting
-from parity.presets import PRESETS
+from parity.serving.gpus import gpu_count, gpu_memory, gpu_name, visible_gpu_count
+from parity.serving.prompts import ChatPrompts, CheckpointFacts, ImageFiles
+from parity.sglang import client, deepstack_slot, plugin, server_checks
 from parity.sglang.servers import (
     DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, buckets_given,
     check_gpu_count, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,

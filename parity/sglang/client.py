@@ -6,26 +6,15 @@ ids next to their logprobs (§2.4) and scores given tokens (teacher forcing, §2
 
 from __future__ import annotations
 
-import http.client
-import json
-import math
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from parity.backends.base import Generation
+from parity.serving.http import (  # noqa: F401  (the HTTP names, as this module always had them)
+    REQUEST_TIMEOUT_S, ServerRejected, ServerUnreachable, finite, get_json, post_json,
+)
 
 TOP_LOGPROBS = 5
-REQUEST_TIMEOUT_S = 600.0
-
-
-class ServerUnreachable(Exception):
-    """The connection failed or broke: the server is gone or not listening."""
-
-
-class ServerRejected(Exception):
-    """The server answered with an HTTP error or with a body that is not a generation."""
 
 
 def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -> dict[str, Any]:
@@ -65,38 +54,6 @@ def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length
     return body
 
 
-def post_json(url: str, body: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    return _fetch_json(request, url, timeout)
-
-
-def get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    return _fetch_json(url, url, timeout)
-
-
-def _fetch_json(request: urllib.request.Request | str, url: str, timeout: float) -> dict[str, Any]:
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            payload = response.read()
-    except urllib.error.HTTPError as err:
-        detail = err.read().decode(errors="replace")[:500]
-        raise ServerRejected(f"HTTP {err.code} from {url}: {detail}") from None
-    except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as err:
-        raise ServerUnreachable(f"{url}: {getattr(err, 'reason', err)}") from None
-    return _json_object(payload, url)
-
-
-def _json_object(payload: bytes, url: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(payload)
-    except json.JSONDecodeError:
-        raise ServerRejected(f"{url} answered with something that is not JSON: {payload[:200]!r}") from None
-    if not isinstance(doc, dict):
-        raise ServerRejected(f"{url} answered with JSON that is not an object")
-    return doc
-
-
 @dataclass(frozen=True)
 class Answer:
     """A parsed /generate answer: the generation (evidence added by the session) and the prompt ids."""
@@ -122,7 +79,7 @@ def parse_completion(doc: Mapping[str, Any]) -> Answer:
         raise ServerRejected(f"/generate answer lacks or garbles {err}: keys {sorted(doc)}") from None
     if tuple(int(step[1]) for step in chosen) != token_ids:
         raise ServerRejected("/generate answer: output_ids and output_token_logprobs name different tokens")
-    _finite(logprobs, "output")
+    finite(logprobs, "output", "/generate")
     generation = Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None, evidence=None)
     return Answer(generation, prompt_ids)
 
@@ -141,12 +98,4 @@ def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, 
     if ids != tuple(int(t) for t in tokens):
         raise ServerRejected(f"/generate scoring answer scored other tokens than the reference's "
                              f"({len(ids)} scored, {len(tokens)} forced): prompt positions misaligned")
-    return _finite(values, "scored")
-
-
-def _finite(values: tuple[float, ...], what: str) -> tuple[float, ...]:
-    # A results file never holds NaN or infinity: such an answer fails its arm instead.
-    bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise ServerRejected(f"/generate answer: non-finite {what} logprob {values[bad]} at step {bad}")
-    return values
+    return finite(values, "scored", "/generate")

@@ -11,13 +11,9 @@ it was an extend (prompt) batch, its padded and real token counts, whether BCG r
 (`replay_layer_forward` installed on the LM instance) and, where `input_deepstack_embeds` is
 present, hands it to parity's one tap (`parity.tap.apply_tap`) and stores the fingerprint.
 
-The channel is a folder shared by the parity process and the server's model processes:
-
-- `control.json`  {"mode": "record"|"zero", "tag": "<request tag>"}, written atomically by parity
-  right before each request and removed right after it. No file: the tap passes through and
-  records nothing; that is the state during start-up, so the server's own warm-up request is
-  never tapped or recorded.
-- `records.jsonl` one line per LM entry the hook saw while a tag was set.
+The hook is steered through parity's channel (`parity.serving.channel`): a control file set only
+while a tagged request runs, so the server's own warm-up request is never tapped or recorded, and
+one record line per LM entry.
 
 A "plugin loaded" marker would prove nothing (SGLang's launcher process loads plugins too, and
 `apply_hooks` only logs its failures): the proof that the tap works is an entry recorded by the
@@ -29,12 +25,14 @@ SGLang, and an inactive plugin costs one environment lookup.
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from parity.serving.channel import (  # noqa: F401  (the channel's names, as this module always had them)
+    CONTROL_FILE, CONTROL_MODES, RECORDS_FILE, Control, TapChannel, TapChannelError, TapEntry, process_role,
+)
 
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
     from parity.evidence import DeepStackRecord
@@ -54,107 +52,6 @@ RAW_LENGTHS_FIELD = "extend_seq_lens_cpu"  # ForwardBatch: per-request extend le
 FORWARD_MODE_FIELD = "forward_mode"  # ForwardBatch: ForwardMode, with is_extend()
 REPLAY_FORWARD_NAME = "replay_layer_forward"  # what BCG installs as the LM instance's forward
 
-CONTROL_FILE = "control.json"
-RECORDS_FILE = "records.jsonl"
-CONTROL_MODES = ("record", "zero")
-
-
-class TapChannelError(RuntimeError):
-    """The control file exists but cannot be understood; tapping blindly would mislabel an arm."""
-
-
-@dataclass(frozen=True)
-class Control:
-    mode: str  # "record" or "zero"
-    tag: str
-
-
-@dataclass(frozen=True)
-class TapEntry:
-    """One LM entry the hook saw during a tagged request, as stored in records.jsonl."""
-
-    tag: str
-    pid: int
-    role: str  # the process's title: SGLang names its model process "sglang::scheduler..."
-    extend: bool | None  # an extend (prompt) batch; None: the batch did not say
-    tokens: int | None  # rows the LM gets: the bucket under replay, the real tokens otherwise
-    raw_tokens: int | None  # the real tokens of the batch
-    replay: bool  # BCG replay was active for this entry
-    record: DeepStackRecord | None  # the tap's fingerprint; None: no DeepStack rows in this entry
-    dtype: str | None = None  # of the embeddings handed to the LM: the dtype the model really runs in
-
-    def to_json(self) -> dict:
-        return {"tag": self.tag, "pid": self.pid, "role": self.role, "extend": self.extend, "tokens": self.tokens,
-                "raw_tokens": self.raw_tokens, "replay": self.replay,
-                "record": None if self.record is None else self.record.to_json(), "dtype": self.dtype}
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> "TapEntry":
-        from parity.evidence import DeepStackRecord
-
-        record = raw.get("record")
-        return cls(tag=str(raw["tag"]), pid=int(raw["pid"]), role=str(raw.get("role", "")), extend=raw.get("extend"),
-                   tokens=raw.get("tokens"), raw_tokens=raw.get("raw_tokens"), replay=bool(raw.get("replay")),
-                   record=None if record is None else DeepStackRecord.from_json(record), dtype=raw.get("dtype"))
-
-
-@dataclass(frozen=True)
-class TapChannel:
-    """The folder both sides share; parity writes control, the server appends records."""
-
-    folder: Path
-
-    @property
-    def control_path(self) -> Path:
-        return self.folder / CONTROL_FILE
-
-    @property
-    def records_path(self) -> Path:
-        return self.folder / RECORDS_FILE
-
-    # --- parity side ---------------------------------------------------------------------------
-
-    def create(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.disarm()
-
-    def arm(self, mode: str, tag: str) -> None:
-        """Tap the next request in `mode`; its records carry `tag`."""
-        if mode not in CONTROL_MODES:
-            raise ValueError(f"unknown control mode {mode!r}; known: {', '.join(CONTROL_MODES)}")
-        # Write then rename: the scheduler must never read a half-written file.
-        tmp = self.folder / f".{CONTROL_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps({"mode": mode, "tag": tag}))
-        os.replace(tmp, self.control_path)
-
-    def disarm(self) -> None:
-        self.control_path.unlink(missing_ok=True)
-
-    def entries(self, tag: str) -> list[TapEntry]:
-        """The entries of `tag`, in the order the hook saw them."""
-        if not self.records_path.exists():
-            return []
-        lines = self.records_path.read_text().splitlines()
-        return [e for e in (TapEntry.from_json(json.loads(line)) for line in lines if line.strip()) if e.tag == tag]
-
-    # --- server side ---------------------------------------------------------------------------
-
-    def read_control(self) -> Control | None:
-        try:
-            raw = json.loads(self.control_path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError) as err:
-            raise TapChannelError(f"{self.control_path}: unreadable ({err})") from None
-        if not isinstance(raw, dict) or raw.get("mode") not in CONTROL_MODES or not isinstance(raw.get("tag"), str):
-            raise TapChannelError(f"{self.control_path}: expected mode and tag, got {raw!r}")
-        return Control(raw["mode"], raw["tag"])
-
-    def append(self, entry: TapEntry) -> None:
-        # One short O_APPEND write per line: concurrent writers (TP ranks) do not interleave.
-        with open(self.records_path, "a", encoding="utf-8") as out:
-            out.write(json.dumps(entry.to_json()) + "\n")
-
 
 # --- the hook --------------------------------------------------------------------------------------
 
@@ -163,16 +60,6 @@ def _capturing() -> bool:
     import torch
 
     return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def process_role() -> str:
-    """This process's title (SGLang sets "sglang::scheduler..." on the process that runs the model)."""
-    try:
-        import setproctitle  # an SGLang dependency
-
-        return str(setproctitle.getproctitle())
-    except ImportError:
-        return multiprocessing.current_process().name
 
 
 def _argument(args: tuple, kwargs: Mapping[str, Any], position: tuple[int, str]) -> Any:

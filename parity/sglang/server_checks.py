@@ -23,7 +23,7 @@ from typing import Sequence
 
 from parity.errors import BackendUnavailableError, UsageError
 from parity.sglang import deepstack_slot, plugin
-from parity.sglang.gpus import cuda_present
+from parity.serving.gpus import cuda_present
 from parity.sglang.kernel_standin import read_calls
 from parity.sglang.plugin import TapEntry
 from parity.sglang.servers import DEVICES, GRAPH_BACKENDS

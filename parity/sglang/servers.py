@@ -9,16 +9,19 @@ read here once, the way SGLang 0.5.23 resolves them.
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 from parity.arms import MODES, load_arms
 from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
 from parity.errors import UsageError
-from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, launcher, plugin
+from parity.serving import launcher
+from parity.serving.flags import flag_values, int_flag
+from parity.serving.flags import split_user_args as split_args
+from parity.serving.placement import LaunchPlan, Placement, plan_placement
+from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
 # Same kernels, same seed, no prefix reuse (a cached image prefix would skip DeepStack), §7.
@@ -57,42 +60,12 @@ MAX_MEM_FRACTION = 0.95
 
 def split_user_args(values: Sequence[str]) -> tuple[str, ...]:
     """`--sglang-arg "--tp-size 2"` and `--sglang-arg --tp-size --sglang-arg 2` mean the same."""
-    args = tuple(token for value in values for token in shlex.split(value))
-    clashes = sorted({a.split("=", 1)[0] for a in args} & set(RESERVED_FLAGS))
-    if clashes:
-        raise UsageError(f"--sglang-arg may not set {', '.join(clashes)}: parity sets it so the eager and "
-                         "bcg servers differ only in the prefill CUDA-graph backend")
-    return args
-
-
-def flag_values(args: Sequence[str], *names: str) -> list[str] | None:
-    """The values the last occurrence of any of `names` was given: `--f v`, `--f=v` and, for list
-    flags, `--f a b c` (argparse nargs "+": every token up to the next flag). None: not given."""
-    found: list[str] | None = None
-    for i, token in enumerate(args):
-        name, eq, inline = token.partition("=")
-        if name not in names:
-            continue
-        if eq:
-            found = [inline]
-            continue
-        found = []
-        for value in args[i + 1:]:
-            if value.startswith("--"):
-                break
-            found.append(value)
-    return found
+    return split_args(values, "--sglang-arg", RESERVED_FLAGS, "parity sets it so the eager and bcg servers "
+                      "differ only in the prefill CUDA-graph backend")
 
 
 def _int_flag(args: Sequence[str], *names: str) -> int | None:
-    values = flag_values(args, *names)
-    if values is None:
-        return None
-    try:
-        (value,) = values
-        return int(value)
-    except ValueError:
-        raise UsageError(f"--sglang-arg {names[0]} needs one integer, got {' '.join(values) or 'nothing'}") from None
+    return int_flag(args, "--sglang-arg", *names)
 
 
 @dataclass(frozen=True)
@@ -224,52 +197,10 @@ def server_flags(settings: SglangSettings, mode: str, mem_fraction: float) -> tu
 
 # --- placement: which GPUs, how much memory, in which order -------------------------------------------
 
-@dataclass(frozen=True)
-class Placement:
-    """Where one server runs: its GPUs (None: inherit) and its share of GPU memory.
-
-    `share` is set when the server shares its GPUs with one started before it: SGLang 0.5.23
-    applies --mem-fraction-static to the memory free when the server starts (sglang-0.5.23.md §8),
-    so its fraction is worked out then, from the memory the first one left, to give it `share`
-    of the GPU's total.
-    """
-
-    gpus: tuple[int, ...] | None
-    mem_fraction: float
-    share: float | None = None
-
-
-@dataclass(frozen=True)
-class LaunchPlan:
-    """Concurrent servers: each stage starts together once the previous stage is ready."""
-
-    stages: tuple[tuple[str, ...], ...]
-    placements: Mapping[str, Placement]
-
-
 def plan_launch(settings: SglangSettings, modes: Sequence[str] = MODES) -> LaunchPlan:
-    """Sequential: every server gets all given GPUs. Concurrent: a set of GPUs per server, started
-    in parallel, where `--gpus` has enough; else both on the same GPUs, one after the other, each
-    with half the memory fraction. Anything else cannot work and is refused before any start."""
-    per = settings.facts.gpus_per_server
-    gpus = settings.gpus or None
-    if len(set(settings.gpus)) != len(settings.gpus):
-        raise UsageError(f"--gpus lists a GPU twice: {','.join(map(str, settings.gpus))}")
-    if gpus is not None and len(gpus) < per:
-        raise UsageError(f"each SGLang server needs {per} GPUs (tensor x pipeline x data parallel sizes in "
-                         f"--sglang-arg) but --gpus gives {len(gpus)}")
-    if not settings.concurrent or len(modes) < 2:
-        return LaunchPlan(tuple((m,) for m in modes), {m: Placement(gpus, settings.mem_fraction) for m in modes})
-    if gpus is not None and len(gpus) >= per * len(modes):
-        where = {m: Placement(gpus[i * per:(i + 1) * per], settings.mem_fraction) for i, m in enumerate(modes)}
-        return LaunchPlan((tuple(modes),), where)
-    if gpus is not None and len(gpus) != per:
-        raise UsageError(f"--concurrent with --gpus {','.join(map(str, gpus))}: give {per} GPU(s) for both "
-                         f"servers to share, or {per * len(modes)} for one set per server")
-    share = settings.mem_fraction / len(modes)
-    first, *later = modes
-    where = {first: Placement(gpus, share), **{m: Placement(gpus, share, share=share) for m in later}}
-    return LaunchPlan(tuple((m,) for m in modes), where)
+    """The servers' GPUs, memory and start order (`parity.serving.placement.plan_placement`)."""
+    return plan_placement(settings.gpus, settings.facts.gpus_per_server, settings.concurrent, settings.mem_fraction,
+                          modes, "SGLang", "--sglang-arg")
 
 
 def check_gpu_count(facts: ServerFacts, gpus: Sequence[int], present: int | None, visible: int | None) -> None:

@@ -1,6 +1,6 @@
 """The client side of a request: the checkpoint's chat template and config, and the images as files.
 
-parity never loads the weights for the SGLang backend (the servers do); it reads the checkpoint's
+parity never loads the weights for a server backend (the servers do); it reads the checkpoint's
 processor (chat template, image placeholder) and config (dtype, DeepStack blocks, context), through
 the same loader and checks as the transformers backend (`parity.models.checkpoint`).
 """
@@ -31,7 +31,7 @@ class CheckpointFacts:
         indexes = getattr(vision, "deepstack_visual_indexes", None)
         if indexes is None:
             raise UsageError("the checkpoint's config has no vision_config.deepstack_visual_indexes: "
-                             "the sglang backend checks Qwen3-VL checkpoints")
+                             "the server backends check Qwen3-VL checkpoints")
         text = getattr(config, "text_config", config)
         dtype = getattr(text, "dtype", None) or getattr(config, "dtype", None) or "bfloat16"
         return cls(dtype=str(dtype).removeprefix("torch."), deepstack_layers=len(indexes),
@@ -60,6 +60,10 @@ class ChatPrompts:
             what = f"image {request.fixture.name!r}" if request.fixture is not None else "the prompt"
             raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
         return len(encoded["input_ids"][0])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids as the text a chat message carries them in (special tokens kept)."""
+        return self._processor.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=False)
 
     def unexpanded(self, prompt_ids: Sequence[int]) -> tuple[int, ...]:
         """Expanded prompt ids (as the server returns them) with each run of image tokens folded

@@ -1,7 +1,7 @@
 """What nvidia-smi says about the GPUs: their names, their free memory, whether any is present.
 
 Read from the launcher's process, not from torch: parity's own process may have no CUDA torch, and
-SGLang 0.5.23 sizes a server's KV cache from the memory free when it starts.
+engines size a server's KV cache from the memory they find when it starts.
 """
 
 from __future__ import annotations

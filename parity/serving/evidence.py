@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from parity.evidence import DeepStackRecord, Evidence, RankEvidence, combine_ranks
-from parity.sglang.plugin import TapEntry
+from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence, combine_ranks
+from parity.serving.channel import TapEntry
 
 _SCHEDULER_TITLE = re.compile(r"sglang::scheduler_?(\S*)")
 
@@ -93,8 +93,7 @@ def check_fired(request: TaggedRequest, deepstack_layers: int, what: str, ranks:
                              "no prompt batch for it")
         if request.has_image and deepstack_layers > 0 and request.fingerprint(key) is None:
             raise TapSilence(f"the tap never fired on the prefill of the {what}{where(key)}: the hook saw its LM "
-                             "entries but no input_deepstack_embeds rows, so DeepStack was neither recorded nor "
-                             "zeroed")
+                             "entries but no DeepStack rows, so DeepStack was neither recorded nor zeroed")
     prints = {key: request.fingerprint(key) for key in seen}
     if len({p.sha256 for p in prints.values() if p is not None}) > 1:
         shown = ", ".join(f"{rank_label(k)} sha256 {p.sha256[:12]}…" for k, p in prints.items() if p is not None)
@@ -106,30 +105,48 @@ def _rank_evidence(requests: Sequence[TaggedRequest], key: RankKey) -> RankEvide
     entries = [e for r in requests for e in r.of_rank(key)]
     per_request = [r.prefills(key) for r in requests]
     prefills = [e for p in per_request for e in p]
-    if not all(per_request) or any(e.extend is None for e in prefills):
-        replayed: bool | None = None  # a request without its prefill here, or batches that did not say
+    if not all(per_request) or any(e.extend is None or e.replay is None for e in prefills):
+        # A request without its prefill here, or batches that did not say which carried the
+        # prompt, or how it ran.
+        replayed: bool | None = None
     else:
         replayed = all(e.replay for e in prefills)
     first = requests[0].fingerprint(key) if requests else None
     return RankEvidence(
-        rank=rank_label(key), lm_calls=len(entries), replayed_calls=sum(e.replay for e in entries),
-        prefill_replayed=replayed, buckets=tuple(sorted({e.tokens for e in entries if e.replay and e.tokens})),
+        rank=rank_label(key), lm_calls=len(entries), replayed_calls=sum(bool(e.replay) for e in entries),
+        prefill_replayed=replayed,
+        buckets=tuple(sorted({e.tokens for e in prefills if e.replay and e.tokens})),  # decode replays have none
         tap_calls=sum(e.record is not None for e in entries), sha256=None if first is None else first.sha256,
     )
 
 
-def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None) -> Evidence:
+def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
+                 sources: Mapping[str, str | None] | None = None) -> Evidence:
     """The arm's evidence over all its requests (generation first, then teacher-forced scoring) and
-    all its ranks, each rule needing every rank (`evidence.combine_ranks`)."""
+    all its ranks, each rule needing every rank (`evidence.combine_ranks`).
+
+    `sources` maps the tag of a request parity sent to the sha256 of its image, to name the
+    request whose DeepStack rows a leak witness saw."""
     keys = tuple(dict.fromkeys(k for r in requests for k in r.ranks))
     ranks = tuple(_rank_evidence(requests, k) for k in keys) or (
         RankEvidence("none", 0, 0, None, (), 0),)
     # For the verdict's hint: the longest request whose prefill did not replay, else the generation.
     eager = [r.prompt_tokens for r in requests if any(not e.replay for k in r.ranks for e in r.prefills(k))]
     prompt_tokens = max(eager) if eager else (requests[0].prompt_tokens if requests else None)
-    evidence = combine_ranks(ranks, prompt_tokens, max_bucket)
+    # The leak witness as the first rank saw it: every rank runs the same steps.
+    first = [e for r in requests for e in r.of_rank(keys[0])] if keys else []
+    evidence = combine_ranks(ranks, prompt_tokens, max_bucket, leak_witness(first, sources or {}))
     # One rank (no tensor parallelism): the file reads as it always did.
     return evidence if len(ranks) > 1 else replace(evidence, ranks=())
+
+
+def leak_witness(entries: Sequence[TapEntry], sources: Mapping[str, str | None]) -> LeakWitness | None:
+    """What the entries' leak witness saw (stale DeepStack rows read), or None when it never fired."""
+    stale = [e for e in entries if e.stale_rows > 0]
+    if not stale:
+        return None
+    source = next((sources.get(e.stale_source) for e in stale if e.stale_source in sources), None)
+    return LeakWitness(rows=max(e.stale_rows for e in stale), steps=len(stale), source_sha256=source)
 
 
 def request_record(request: TaggedRequest) -> DeepStackRecord | None:

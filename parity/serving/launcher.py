@@ -1,10 +1,10 @@
-"""SGLang server processes: start on a free loopback port, wait for /ready, stop the whole group.
+"""Engine server processes: start on a free loopback port, wait until ready, stop the whole group.
 
 Each server runs in its own session (so its own process group): a Ctrl-C in the terminal reaches
-only parity, which then stops the servers in order, and a stop signals every process SGLang
-spawned (scheduler, detokenizer) even when the launcher process itself already died. A module
-registry of live servers is stopped at interpreter exit and on SIGTERM, so nothing is left
-running on success, failure or interruption.
+only parity, which then stops the servers in order, and a stop signals every process the engine
+spawned (SGLang's scheduler and detokenizer, vLLM's engine core and workers) even when the
+launcher process itself already died. A module registry of live servers is stopped at interpreter
+exit and on SIGTERM, so nothing is left running on success, failure or interruption.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from parity.errors import ArmFailure, BackendUnavailableError
 
 HOST = "127.0.0.1"
 LOG_TAIL_LINES = 40
-STOP_GRACE_S = 20.0  # SGLang tears down its scheduler and frees GPU memory on SIGTERM
+STOP_GRACE_S = 20.0  # engines tear down their model processes and free GPU memory on SIGTERM
 POLL_S = 0.5
 
 
@@ -39,6 +39,7 @@ class ServerSpec:
     command: tuple[str, ...]
     log_path: Path
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    ready_path: str = "/ready"  # answers 200 once the engine serves (SGLang /ready, vLLM /health)
 
 
 def free_port(host: str = HOST) -> int:
@@ -117,7 +118,7 @@ class ServerProcess:
 
     def is_ready(self) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2.0) as response:
+            with urllib.request.urlopen(f"{self.base_url}{self.spec.ready_path}", timeout=2.0) as response:
                 return response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             return False  # not listening yet, 503 while warming up, or gone
@@ -181,7 +182,7 @@ class ExitedDuringStartup(ArmFailure):
 
 
 def wait_ready(servers: Sequence[ServerProcess], timeout: float, poll: float = POLL_S) -> dict[str, ArmFailure]:
-    """Poll every server's /ready until all are ready; failed ones are stopped and returned by name.
+    """Poll every server's ready path until all are ready; failed ones are stopped and returned by name.
 
     One loop for all servers, so concurrent start-ups overlap without threads.
     """

@@ -1,0 +1,135 @@
+"""parity's vLLM plugin: the `vllm.general_plugins` entry point that installs the tap (`tap.py`).
+
+vLLM calls `register()` in every process that loads plugins: the API server, the engine core and
+each worker (vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder,
+so installing parity next to a production server changes nothing. When set, it arranges for three
+vLLM classes to be wrapped when their modules are imported, not before: importing a model module
+may initialise CUDA, and only the process that runs the model imports these at all. A module
+already imported is wrapped at once. Wrapping is idempotent.
+
+A "plugin loaded" marker would prove nothing (the API server loads plugins too, and vLLM only
+logs a plugin that fails to load): the proof that the tap works is a record written by the model
+process for the request itself.
+
+Standard library only at import time: vLLM imports this in every process.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Mapping
+
+from parity.serving.channel import TapChannel
+
+ENV_VAR = "PARITY_VLLM_TAP"
+ENTRY_POINT_GROUP = "vllm.general_plugins"
+ENTRY_POINT_NAME = "parity"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A method of a vLLM class that the tap wraps."""
+
+    module: str
+    cls: str
+    method: str
+    wrapper: str  # the name of the wrapping function in parity.vllm.tap
+
+
+# What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/test_vllm_real.py checks each one.
+TARGETS = (
+    Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "dispatch", "wrap_dispatch"),
+    Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step"),
+    Target("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration",
+           "_set_deepstack_input_embeds", "wrap_setter"),
+)
+
+_TAP = None  # this process's StepTap, once activated
+
+
+def activate(environ: Mapping[str, str] = os.environ):
+    """This process's tap (a `parity.vllm.tap.StepTap`), or None when parity's variable is not set."""
+    global _TAP
+    folder = environ.get(ENV_VAR)
+    if not folder:
+        return None
+    if _TAP is None:
+        from parity.vllm.tap import StepTap
+
+        _TAP = StepTap(TapChannel(Path(folder)))
+    return _TAP
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: inert unless PARITY_VLLM_TAP is set."""
+    tap = activate()
+    if tap is None:
+        return
+    for target in TARGETS:
+        module = sys.modules.get(target.module)
+        if module is not None:
+            wrap(module, target, tap)
+    if not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport(tap))
+
+
+def wrap(module: ModuleType, target: Target, tap) -> None:
+    """Replace `target`'s method in `module` with the tap's wrapper around it (once)."""
+    from parity.vllm import tap as taps
+
+    original = getattr(getattr(module, target.cls, None), "__dict__", {}).get(target.method)
+    if original is None:
+        # Another vLLM than the tap knows: serve on, untapped; parity's probe then fails the run
+        # with "the tap never fired", and this line in the server's log says why.
+        print(f"parity: {target.module}.{target.cls}.{target.method} not found; the tap is not installed there "
+              "(parity's vLLM tap knows vLLM 0.33)", file=sys.stderr, flush=True)
+        return
+    if not getattr(original, taps.WRAPPED_FLAG, False):
+        setattr(getattr(module, target.cls), target.method, getattr(taps, target.wrapper)(original, tap))
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Finds the target modules through the other finders, and wraps them right after they execute."""
+
+    def __init__(self, tap) -> None:
+        self.tap = tap
+        self.targets = {t.module: [u for u in TARGETS if u.module == t.module] for t in TARGETS}
+
+    def find_spec(self, fullname, path, target=None):
+        targets = self.targets.get(fullname)
+        if targets is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None:
+            spec.loader = _WrappingLoader(spec.loader, targets, self.tap)
+        return spec
+
+
+class _WrappingLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader, targets, tap) -> None:
+        self.loader = loader
+        self.targets = targets
+        self.tap = tap
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)  # get_source, get_filename, is_package, ... as the real loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        for target in self.targets:
+            wrap(module, target, self.tap)

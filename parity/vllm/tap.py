@@ -1,0 +1,184 @@
+"""parity's tap inside vLLM's model process: one record per engine step, with the DeepStack it saw.
+
+Three points of vLLM 0.33's Model Runner V2 are wrapped (vllm-0.33.md §5.2); all of them run
+eagerly, before the step's forward, in every graph mode:
+
+- `CudaGraphManager.dispatch` returns the step's execution decision (FULL, PIECEWISE or NONE,
+  and the padded token count) earlier in the same `execute_model`: kept for the step, with
+  PIECEWISE named BREAKABLE when the manager replays breakable graphs.
+- `DefaultModelState.prepare_inputs_embeds` is the step: its batch names the requests and the
+  real and padded token counts. The tap opens a step there and writes its record when the step's
+  inputs are ready, just before the forward reads the DeepStack buffer.
+- `Qwen3VLForConditionalGeneration._set_deepstack_input_embeds(t)` copies the step's DeepStack
+  (`t`: [levels, tokens, hidden]) into the model's persistent per-level buffers. The tap
+  fingerprints `t` in parity's `[tokens, hidden * levels]` layout and, for the zero arm, hands
+  the setter zeros, so the buffer every mode reads holds zeros.
+
+The leak witness: vLLM clears the buffers in Python after the language model, so a step replayed
+whole (FULL, breakable) leaves its rows there. A step that did not write its real rows itself
+(a text-only prefill, a decode step, the text tail of a chunked prompt) reads whatever is left:
+the record counts the real rows that hold DeepStack there, and which tagged request's setter
+wrote them. It also keeps the engine's own counter of uncleared rows at the step's start.
+
+Reads of the control file and tensor work happen only while parity has armed a request; the
+wrappers pass through otherwise. Nothing here imports vllm; torch only inside a tapped step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from parity.evidence import DeepStackRecord
+from parity.serving.channel import Control, TapChannel, TapEntry, process_role
+
+# What the wrappers rely on in vLLM 0.33.0; tests/test_vllm_real.py checks each against the real code.
+BUFFER_ATTR = "deepstack_input_embeds"  # the model's list of per-level [max_tokens, hidden] buffers
+COUNTER_ATTR = "deepstack_input_embeds_num_tokens"  # rows set and not yet cleared
+BREAKABLE_ATTR = "use_breakable_cg"  # CudaGraphManager: PIECEWISE means breakable graphs
+REPLAY_MODES = ("FULL", "PIECEWISE", "BREAKABLE")
+WRITES_ATTR = "_parity_deepstack_writes"  # on the model: [(tag, rows)] of tagged setter calls, oldest first
+WRAPPED_FLAG = "__parity_tap__"
+
+
+def _capturing() -> bool:
+    # Capture runs at start-up with no request armed; never touch the control file inside one.
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+@dataclass
+class _Step:
+    """What one tagged step has seen so far."""
+
+    control: Control
+    mode: str | None  # the dispatch decision; None: not seen for this step
+    written: int = 0  # rows the setter wrote in this step
+    record: DeepStackRecord | None = None
+
+
+@dataclass
+class StepTap:
+    """The per-process tap: the dispatch decision of the current step, and the step in progress."""
+
+    channel: TapChannel
+    capturing: Callable[[], bool] = _capturing
+    _dispatched: str | None = None
+    _step: _Step | None = None
+
+    # --- the three wrapped points --------------------------------------------------------------
+
+    def dispatched(self, manager: Any, descriptor: Any) -> None:
+        """Keep the engine's decision for the step about to be prepared (cheap: no file, no tensor)."""
+        mode = getattr(getattr(descriptor, "cg_mode", None), "name", None)
+        if mode == "PIECEWISE" and getattr(manager, BREAKABLE_ATTR, False):
+            mode = "BREAKABLE"
+        self._dispatched = mode
+
+    def step(self, original: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
+        """Run `prepare_inputs_embeds` as one step; record it when parity armed a request."""
+        mode, self._dispatched = self._dispatched, None  # one decision serves one step
+        control = self.channel.read_control()
+        if control is None or self.capturing():
+            return original(state, *args, **kwargs)
+        batch = args[1] if len(args) > 1 else kwargs["input_batch"]
+        model = getattr(state, "model", None)
+        uncleared = int(getattr(model, COUNTER_ATTR, 0) or 0)
+        step = self._step = _Step(control, mode)
+        try:
+            result = original(state, *args, **kwargs)
+        finally:
+            self._step = None
+        self._write(step, batch, model, uncleared)
+        return result
+
+    def set_deepstack(self, original: Callable, model: Any, embeds: Any) -> Any:
+        """The setter: fingerprint `embeds` ([levels, tokens, hidden]) and zero it for the zero arm."""
+        step = self._step
+        if step is None or self.capturing():
+            return original(model, embeds)
+        from parity.tap import apply_tap
+
+        levels, tokens, hidden = embeds.shape
+        rows = embeds.permute(1, 0, 2).reshape(tokens, levels * hidden)  # [tokens, hidden * levels]
+        handed, record = apply_tap(step.control.mode, rows)
+        if handed is not rows:
+            import torch
+
+            embeds = torch.zeros_like(embeds)
+        step.written, step.record = int(tokens), record
+        writes = [w for w in getattr(model, WRITES_ATTR, []) if w[1] > tokens]  # rows not overwritten now
+        object.__setattr__(model, WRITES_ATTR, [*writes, (step.control.tag, int(tokens))])
+        return original(model, embeds)
+
+    # --- the record ------------------------------------------------------------------------------
+
+    def _write(self, step: _Step, batch: Any, model: Any, uncleared: int) -> None:
+        real = int(batch.num_tokens)
+        padded = int(getattr(batch, "num_tokens_after_padding", real))
+        requests = tuple(str(r) for r in getattr(batch, "req_ids", ()))
+        # The setter writes every real row of a step that carries image rows; a step without it
+        # (text, decode, a text-only chunk) reads its real rows from whatever the buffer holds.
+        stale, source = stale_rows(model, step.written, real)
+        replay = None if step.mode is None else step.mode in REPLAY_MODES
+        entry = TapEntry(
+            tag=step.control.tag, pid=os.getpid(), role=process_role(),
+            extend=real > max(len(requests), 1), tokens=padded, raw_tokens=real, replay=replay,
+            record=None if step.record is None else replace(step.record, replay=replay),
+            mode=step.mode, requests=requests, stale_rows=stale, stale_source=source, uncleared=uncleared,
+        )
+        self.channel.append(entry)
+
+
+def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
+    """(rows in [start, stop) of the model's DeepStack buffers that hold features, the tag of the
+    latest tagged setter call that wrote one of them). Syncs with the device: tapped steps only."""
+    buffers = getattr(model, BUFFER_ATTR, None)
+    if not buffers or stop <= start:
+        return 0, None
+    stop = min(stop, int(buffers[0].shape[0]))
+    held = None
+    for level in buffers:
+        rows = level[start:stop].ne(0).any(dim=1)  # [stop - start]
+        held = rows if held is None else held | rows
+    count = int(held.sum().item()) if held is not None else 0
+    if count == 0:
+        return 0, None
+    first = start + int(held.nonzero()[0].item())
+    writes = getattr(model, WRITES_ATTR, [])
+    source = next((tag for tag, rows in reversed(writes) if rows > first), None)
+    return count, source
+
+
+# --- wrappers ---------------------------------------------------------------------------------------
+
+def wrap_dispatch(original: Callable, tap: StepTap) -> Callable:
+    def dispatch(manager, *args, **kwargs):
+        descriptor = original(manager, *args, **kwargs)
+        tap.dispatched(manager, descriptor)
+        return descriptor
+
+    return _marked(dispatch, original)
+
+
+def wrap_step(original: Callable, tap: StepTap) -> Callable:
+    def prepare_inputs_embeds(state, *args, **kwargs):
+        return tap.step(original, state, args, kwargs)
+
+    return _marked(prepare_inputs_embeds, original)
+
+
+def wrap_setter(original: Callable, tap: StepTap) -> Callable:
+    def _set_deepstack_input_embeds(model, deepstack_input_embeds):
+        return tap.set_deepstack(original, model, deepstack_input_embeds)
+
+    return _marked(_set_deepstack_input_embeds, original)
+
+
+def _marked(wrapper: Callable, original: Callable) -> Callable:
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__doc__ = original.__doc__
+    setattr(wrapper, WRAPPED_FLAG, True)
+    return wrapper

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# An environment with the real vLLM 0.33.0 and parity, on a CPU machine (no GPU needed), for
+# tests/test_vllm_real.py: vLLM's own argument parser and config, plugin loader, Qwen3-VL
+# DeepStack set/get/clear methods and CUDA-graph dispatcher, run against parity with
+# VLLM_TARGET_DEVICE=cpu. It cannot serve a model: the wheel has no CPU kernels.
+#
+#   bash scripts/setup_vllm_env.sh [VENV]        # default VENV: ~/.cache/parity/vllm-venv
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest -q -m real_vllm tests/test_vllm_real.py
+#
+# vllm 0.33.0 pins torch==2.14.0, torchvision==0.29.0 and torchaudio==2.11.0 with CUDA wheels
+# (several GB). This script does NOT install those pins: it installs torch 2.14.1 and torchvision
+# 0.29.1 (found in this machine's local package index), then vllm with --no-deps, then the
+# requirements the wheel's METADATA lists, less torch/torchvision/torchaudio and the GPU-only
+# kernel packages (flashinfer, tilelang, cutlass, nvidia-*, ...), all under a constraint that keeps
+# torch at 2.14.1. `pip check` therefore reports the torch pins and the GPU packages as missing;
+# that is expected. About 7 minutes and 7.3 GB (measured on a 2-core machine). The venv lives outside the repository; remove it
+# with `rm -rf VENV`. It never touches any other environment.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${1:-${HOME}/.cache/parity/vllm-venv}"
+PYTHON="${PYTHON:-python3}"
+VLLM_VERSION="0.33.0"
+TORCH_VERSION="2.14.1"
+TORCHVISION_VERSION="0.29.1"
+
+case "$(mkdir -p "$(dirname "$VENV")" && cd "$(dirname "$VENV")" && pwd)/" in
+  "$REPO"/*) echo "error: put the venv outside the repository ($REPO)" >&2; exit 2 ;;
+esac
+version="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+case "$version" in
+  3.10|3.11|3.12|3.13) ;;
+  *) echo "error: vllm $VLLM_VERSION needs Python 3.10-3.13; $PYTHON is $version (set PYTHON=python3.11)" >&2; exit 2 ;;
+esac
+
+"$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/pip" install --quiet)
+constraints="$VENV/parity-constraints.txt"
+printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$constraints"
+start=$SECONDS
+
+echo "[1/4] torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION (not vllm's pin torch==2.14.0, see above)"
+"${PIP[@]}" --upgrade pip packaging
+"${PIP[@]}" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
+
+echo "[2/4] vllm==$VLLM_VERSION without its dependencies"
+"${PIP[@]}" --no-deps "vllm==$VLLM_VERSION"
+
+echo "[3/4] vllm's CPU-usable requirements, from its wheel METADATA"
+requirements="$VENV/parity-vllm-requirements.txt"
+"$VENV/bin/python" - "$requirements" <<'PY'
+import sys
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+# Pinned torch stack (kept at the local versions) and packages that only build or run CUDA kernels.
+SKIP = {"torch", "torchaudio", "torchvision", "torchcodec", "pynvvideocodec", "flashinfer-python",
+        "apache-tvm-ffi", "tilelang", "nvidia-cudnn-frontend", "nvidia-cutlass-dsl", "quack-kernels",
+        "tokenspeed-mla", "humming-kernels", "fastsafetensors", "instanttensor"}
+keep, skipped = [], []
+for line in requires("vllm") or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue  # an extra, or another platform
+    name = req.name.lower().replace("_", "-")
+    (skipped if name in SKIP or name.startswith("nvidia-") else keep).append(req)
+with open(sys.argv[1], "w") as out:
+    out.writelines(f"{str(r).split(';')[0].strip()}\n" for r in keep)
+print(f"  {len(keep)} requirements; left out: {', '.join(sorted(r.name for r in skipped))}")
+PY
+# --no-warn-conflicts: the missing pins and GPU packages above are left out on purpose.
+"${PIP[@]}" --no-warn-conflicts -c "$constraints" -r "$requirements"
+
+echo "[4/4] parity (editable, with its test extra) from $REPO"
+"${PIP[@]}" --no-warn-conflicts -c "$constraints" -e "$REPO[test]"
+VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
+from importlib.metadata import entry_points, version
+names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
+assert "parity" in names, f"parity's plugin entry point is missing: {names}"
+assert version("torch") == "2.14.1", f"torch changed to {version('torch')}"
+print(f"vllm {version('vllm')}, torch {version('torch')}, parity plugin registered")
+PY
+echo "done in $((SECONDS - start)) s: VLLM_TARGET_DEVICE=cpu $VENV/bin/python -m pytest -q -m real_vllm tests/test_vllm_real.py"
