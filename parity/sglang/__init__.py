@@ -7,6 +7,12 @@
 - `evidence`: an arm's evidence from the hook's records, per LM entry.
 - `prompts`: the checkpoint's chat template and config, and fixtures as PNG files.
 - `backend`: the Backend protocol over these, and `create_sglang_backend`.
+- `server_checks`: what parity checks before a launch and about a running server beyond the tap.
+- `deepstack_slot`: parity's fix, the DeepStack replay slot for SGLang 0.5.23's prefill runner
+  (loaded by `plugin` when asked for).
+- On a CPU: `kernel_standin` (the `sgl_kernel` stand-in), `emulated_graph` (torch.cuda.CUDAGraph
+  on any device), `cpu_patches` (the in-server changes), and `standin/`, the folder put on the
+  servers' PYTHONPATH (its `sitecustomize` installs them).
 
 Nothing is imported here: SGLang imports `parity.sglang.plugin` in every server process, and
 that must stay cheap and free of the backend's dependencies.
