@@ -4,6 +4,12 @@
 - `client`: the native /generate bodies (generation, teacher-forced scoring) and their answers.
 - `plugin`: the `sglang.srt.plugins` entry point and the hook.
 - `backend`: the Backend protocol over these, and `create_sglang_backend`.
+- `server_checks`: what parity checks before a launch and about a running server beyond the tap.
+- `deepstack_slot`: parity's fix, the DeepStack replay slot for SGLang 0.5.23's prefill runner
+  (loaded by `plugin` when asked for).
+- On a CPU: `kernel_standin` (the `sgl_kernel` stand-in), `emulated_graph` (torch.cuda.CUDAGraph
+  on any device), `cpu_patches` (the in-server changes), and `standin/`, the folder put on the
+  servers' PYTHONPATH (its `sitecustomize` installs them).
 
 What any engine backend needs (server processes, the tap's channel and records, evidence, GPU
 placement, prompts) lives in `parity.serving`.
