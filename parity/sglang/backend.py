@@ -26,6 +26,7 @@ from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.errors import ArmFailure, UsageError
 from parity.presets import PRESETS
 from parity.serving import launcher
+from parity.serving.channel import tap_mode
 from parity.serving.evidence import (
     EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record,
 )
@@ -37,7 +38,6 @@ from parity.sglang.servers import (
     check_gpu_count, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 
-TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
 PROBE_PROMPT = "Say OK."
 # A launch command other than `python -m sglang.launch_server` (a wrapper, another interpreter, a
 # stand-in): shlex-split and used as given, without checking SGLang or a GPU here.
@@ -74,12 +74,10 @@ class SglangSession:
         return self.server.process
 
     def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
-        if deepstack not in TAP_MODE_OF:
-            raise UsageError(f"unknown deepstack action {deepstack!r}; known: {', '.join(TAP_MODE_OF)}")
+        tap = tap_mode(deepstack)
         if not self.process.alive():
             raise self.process.exited_failure()
         prompts, image = self.backend.prompts, self.backend.images.path(request.fixture)
-        tap = TAP_MODE_OF[deepstack]
         text = prompts.text(request)
         doc, generated = self.post_tagged(tap, lambda tag: client.generate_body(
             text, image, self.backend.settings.max_new_tokens, rid=tag))

@@ -25,6 +25,7 @@ from parity.arms import MODES
 from parity.backends.base import Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.serving import launcher
+from parity.serving.channel import tap_mode
 from parity.serving.channel import TapChannel, TapEntry
 from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
 from parity.serving.gpus import cuda_present, gpu_name
@@ -37,7 +38,6 @@ from parity.vllm.servers import (
     plan_launch, server_env, server_flags, split_vllm_args,
 )
 
-TAP_MODE_OF = MappingProxyType({"normal": "record", "zero": "zero"})
 PROBE_PROMPT = "Say OK."
 
 
@@ -60,11 +60,10 @@ class VllmSession:
         return self.server.process
 
     def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
-        if deepstack not in TAP_MODE_OF:
-            raise UsageError(f"unknown deepstack action {deepstack!r}; known: {', '.join(TAP_MODE_OF)}")
+        tap = tap_mode(deepstack)
         if not self.process.alive():
             raise self.process.exited_failure()
-        backend, tap = self.backend, TAP_MODE_OF[deepstack]
+        backend = self.backend
         image, sha = backend.image_url(request), request.fixture.sha256 if request.fixture else None
         doc, generated = self.post_tagged(tap, sha, lambda tag: client.generate_body(
             request.prompt, image, backend.settings.max_new_tokens, tag))
