@@ -18,14 +18,16 @@ from rich.markup import escape
 
 from parity import __version__
 from parity.errors import ParityError, UsageError
+from parity.interrupts import exit_code_of, signal_of
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import FOUR_ARM, SCENARIOS
 from parity.results_loader import MIN_LOGPROB_TOL
 from parity.verdict import USAGE_EXIT, exit_code
 
-INTERRUPTED_EXIT = 130  # 128 + SIGINT; SIGTERM exits 143 (parity.interrupts)
 # Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
 MAX_SEED = 2**63 - 1
+# Runs of one arm: past a hundred, a repeat measures nothing more and only multiplies the run.
+MAX_REPEAT = 100
 # The server backends' options, and the backends each one applies to.
 SERVER_OPTIONS = {"sglang_args": ("sglang",), "sglang_fix": ("sglang",), "vllm_args": ("vllm",),
                   "graph_mode": ("vllm",),
@@ -44,9 +46,9 @@ class ParityGroup(click.Group):
             return super().invoke(ctx)
         except ParityError as err:
             raise ParityCommandError(str(err)) from None
-        except KeyboardInterrupt:  # a light command stopped by Ctrl-C: nothing to keep, no traceback
+        except KeyboardInterrupt as stop:  # a light command stopped: nothing to keep, no traceback
             click.echo("interrupted", err=True)
-            ctx.exit(INTERRUPTED_EXIT)
+            ctx.exit(exit_code_of(signal_of(stop)))
 
 
 def _console() -> Console:
@@ -171,8 +173,9 @@ def cli() -> None:
                    "(vllm backend: the capture sizes).")
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
               help="reuse: image then text request; stream: five requests back to back; all: the three.")
-@click.option("--repeat", type=int, default=1, show_default=True, callback=_positive,
-              help="Run every arm N times; an arm that does not reproduce itself is INCONCLUSIVE_NONDETERMINISTIC.")
+@click.option("--repeat", type=click.IntRange(1, MAX_REPEAT), default=1, show_default=True,
+              help="Run every arm N times (at most 100); an arm that does not reproduce itself is "
+                   "INCONCLUSIVE_NONDETERMINISTIC.")
 @click.option("--localize-threshold", default="auto", show_default=True, callback=_auto_or_number(0.0, False),
               help="Localizing a failing case (transformers backend): " + _LOCALIZE_THRESHOLD_HELP)
 @click.option("--out", "out_dir", callback=_not_empty("; leave --out out for reports/<timestamp>-<model>/"),
@@ -205,7 +208,7 @@ def run(**options) -> None:
     from parity.arms import select_arms
     from parity.backends import BackendOptions
     from parity.experiment import RunSpec
-    from parity.interrupts import sigterm_as_interrupt
+    from parity.interrupts import first_stop_only
     from parity.run_command import (
         OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run, plan_note,
     )
@@ -245,7 +248,7 @@ def run(**options) -> None:
         click.echo(note, err=True)
     console = _console()
     try:
-        with sigterm_as_interrupt():
+        with first_stop_only():
             run_result = execute_run(spec, backend, output, console)
     except RunStopped as stopped:
         console.print(f"[red]{escape(stopped.message)}[/]", highlight=False)
@@ -276,12 +279,17 @@ def verdict(results_file: str, as_json: bool) -> None:
     from parity.results_loader import load_results
     from parity.verdict import judge_run
 
+    from parity.sharding import describe as describe_shard
+
     run_result = judge_run(load_results(results_file))
     if as_json:
         click.echo(render_json(run_result))
     else:
         for case in run_result.cases:
             click.echo(visible(f"{case.id}: {case.verdict.code}: {case.verdict.reason}"))
+        shard = describe_shard(run_result.config, sum(not c.absent for c in run_result.cases))
+        if shard:
+            click.echo(f"judged {shard[0].lower()}{shard[1:]}")
         click.echo(visible(f"{run_result.verdict.code}: {run_result.verdict.reason}"))
     sys.exit(exit_code(run_result.verdict))
 
@@ -291,10 +299,13 @@ def verdict(results_file: str, as_json: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
 @click.option("--no-images", is_flag=True,
               help="Markdown: name the plots instead of linking them (a PR comment or CI summary cannot show them).")
-def report(results_files: tuple[str, ...], fmt: str, no_images: bool) -> None:
-    """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table.
+@click.option("--exit-zero", is_flag=True, help="Exit 0 whatever the verdict (rendering only, not a gate).")
+def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero: bool) -> None:
+    """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table; exit with the
+    verdict's code, like `verdict` and `merge` (--exit-zero: always 0).
 
-    Several files: one matrix report over their experiments (the shards of each are merged)."""
+    Several files: one matrix report over their experiments (the shards of each are merged); the exit
+    code is the matrix verdict's."""
     from parity.reporting.report import render_json, render_markdown
     from parity.reporting.terminal import print_table
     from parity.results_loader import load_results
@@ -304,17 +315,23 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool) -> None:
         from parity.merge import load_files, merge_matrix
         from parity.reporting.matrix import matrix_json, print_matrix, render_matrix
 
+        from parity.reporting.matrix import experiments, matrix_verdict
+
         runs = merge_matrix(load_files(results_files))
         if fmt == "table":
             print_matrix(runs, _console())
         else:
             click.echo(render_matrix(runs) if fmt == "markdown" else matrix_json(runs))
-        return
-    run_result = judge_run(load_results(results_files[0]))
-    if fmt == "table":
-        print_table(run_result, _console())
+        verdict = matrix_verdict(experiments(runs))
     else:
-        click.echo(render_markdown(run_result, images=not no_images) if fmt == "markdown" else render_json(run_result))
+        run_result = judge_run(load_results(results_files[0]))
+        if fmt == "table":
+            print_table(run_result, _console())
+        else:
+            click.echo(render_markdown(run_result, images=not no_images) if fmt == "markdown"
+                       else render_json(run_result))
+        verdict = run_result.verdict
+    sys.exit(0 if exit_zero else exit_code(verdict))
 
 
 @cli.command()
@@ -363,8 +380,11 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
 @click.option("--matrix", is_flag=True,
               help="Files of several experiments (models, engines, graph modes, GPUs): merge each one's shards "
                    "into its own folder and write one matrix report.")
+@click.option("--allow-mixed-code", is_flag=True,
+              help="Merge shards written by different parity sources (environment.parity_source); the report "
+                   "says so.")
 def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, no_plot: bool,
-          allow_missing: tuple[int, ...], matrix: bool) -> None:
+          allow_missing: tuple[int, ...], matrix: bool, allow_mixed_code: bool) -> None:
     """Join the shards of a sharded run (`parity run --shard K/N`) into one judged run; exit with its verdict's code.
 
     Refuses (exit 2) files of different experiments, a shard given twice and a missing shard."""
@@ -373,8 +393,12 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 
     output = MergeOutput(check_writable("--out", Path(out_dir), True),
                          check_writable("--junit", Path(junit_path), False) if junit_path else None, not no_plot)
-    merged, written = run_merge(results_files, output, allow_missing, matrix,
-                                warn=lambda message: click.echo(f"warning: {message}", err=True))
+    from parity.interrupts import first_stop_only
+
+    with first_stop_only():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind
+        merged, written = run_merge(results_files, output, allow_missing, matrix,
+                                    warn=lambda message: click.echo(f"warning: {message}", err=True),
+                                    allow_mixed_code=allow_mixed_code)
     click.echo(f"{merged.code}: {merged.reason}")
     click.echo(f"report: {written}")
     sys.exit(exit_code(merged))

@@ -12,7 +12,7 @@ import importlib.metadata
 import platform
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from types import MappingProxyType
 from typing import Callable, Sequence
@@ -21,17 +21,21 @@ from parity import __version__
 from parity.arms import (
     ARM_ORDER, MODES, RUN_ORDER, ArmSpec, arm_mode_and_deepstack, arm_named,
 )
-from parity.backends.base import Backend, Generation, Request, Session
+from parity.backends.base import Answer, Backend, Request, Session
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture, Prompt
+from parity.identity import SOURCE_KEY, source_identity
 from parity.interrupts import deferred_stops, signal_of
 from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import DEFAULT_TIE_MARGIN, Tolerances, auto_tolerances
-from parity.sharding import Shard, partition, shard_config
+from parity.plan import PLAN_KEY, PlanEntry, plan_json, scenario_case_id, text_sha256
+from parity.sharding import Shard, assignment, shard_config
 from parity.results import (
     CASE_IMAGE, FOUR_ARM, SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat,
-    RequestResult, RequestSpec, RunResult,
+    RequestResult, RequestSpec, RunResult, stored,
 )
+from parity.results_consistency import ArmPlace, Contradiction
+from parity.results_requirements import check_all
 from parity.verdict import FOUR_ARM_CHECKS, POWER_CHECK, SEQUENCE_POWER_ARM, judge_run
 
 # Appended to a text-only request until it lands in its image request's bucket.
@@ -115,10 +119,6 @@ class PlannedCase:
     arms: tuple[ArmSpec, ...] = ()  # four-arm only: the selected arms, in run order
 
 
-def scenario_case_id(scenario: str, case: CaseSpec) -> str:
-    return case.id if scenario == FOUR_ARM else f"{scenario}/{case.id}"
-
-
 def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
     planned = []
     for scenario in spec.scenarios:
@@ -132,7 +132,7 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
                 requests = tuple(PlannedRequest(r.label, _sequence_request(r, scenario, backend, image), r.deepstack,
                                                  power=r.power)
                                  for r in SEQUENCE_REQUESTS[scenario])
-            planned.append(PlannedCase(scenario_case_id(scenario, case), scenario, case, requests, arms))
+            planned.append(PlannedCase(scenario_case_id(scenario, case.id), scenario, case, requests, arms))
     ids = [p.id for p in planned]
     if len(set(ids)) != len(ids):
         raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
@@ -201,18 +201,22 @@ def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None 
         with deferred_stops(reraise=False):  # already stopping: a second Ctrl-C must not leave a server up
             backend.close()
         raise
-    with deferred_stops():
+    with deferred_stops(reraise=False) as noted:
         backend.close()
+    if noted:  # a stop while closing: the judged run is whole, and is kept
+        raise RunInterrupted(run, noted[0])
     return run
 
 
 def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
                    warn: Callable[[str], object] | None) -> RunResult:
-    planned, collected, stop = _run_plan(spec, backend, progress)
+    planned, plan, collected, stop = _run_plan(spec, backend, progress)
     config = dict(backend.config())
-    if spec.shard is not None:
-        config["shard"] = shard_config(spec.shard, _assignment(spec, planned))
-        planned = _in_shard(spec, planned)
+    if plan is not None:
+        config[PLAN_KEY] = plan_json(plan)
+    if spec.shard is not None and plan is not None:
+        config["shard"] = shard_config(spec.shard, _assignment(spec, plan))
+        planned = _in_shard(spec, planned, plan)
     localizes = isinstance(backend, CanLocalize)
     if localizes:
         config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
@@ -229,14 +233,17 @@ def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
 
 
 def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
-    """(every planned case, the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or
-    None); with a shard, only the shard's cases are run."""
+    """(every planned case, the plan's entries (None when stopped before the prompts were measured),
+    the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or None); with a shard,
+    only the shard's cases are run."""
     planned = plan_cases(spec, backend)
     collected = _Collected()
+    plan = None
     try:
         # Every shard captures for, and checks, the whole plan: its runner is the unsharded run's.
         lengths = _check_lengths(spec, backend, planned)
-        selected = _in_shard(spec, planned)
+        plan = tuple(_plan_entry(case, lengths[case.id]) for case in planned)
+        selected = _in_shard(spec, planned, plan)
         total = sum(_generations(spec, case) for case in selected)
         counter = iter(range(1, total + 1))
 
@@ -244,16 +251,17 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
             if progress:
                 progress(Progress(next(counter), total, case_id, label))
 
-        backend.prepare(spec.modes, lengths)
+        backend.prepare(spec.modes, [n for case in planned for n in lengths[case.id]])
         for mode in spec.modes:
             _run_mode(spec, backend, selected, mode, collected, announce)
     except KeyboardInterrupt as stop:
-        return planned, collected, stop
-    return planned, collected, None
+        return planned, plan, collected, stop
+    return planned, plan, collected, None
 
 
-def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase]) -> list[int]:
-    lengths = []
+def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase]) -> dict[str, list[int]]:
+    """Case id -> the prompt length of each of its requests; a request past the context is refused."""
+    lengths: dict[str, list[int]] = {}
     for case in planned:
         for req in case.requests:
             length = backend.prompt_length(req.request)
@@ -262,28 +270,30 @@ def _check_lengths(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCas
                 raise UsageError(
                     f"case {case.id}: a prompt of {length} tokens plus --max-new-tokens {spec.max_new_tokens} "
                     f"exceeds the model's context of {limit} positions; use a shorter prompt or fewer new tokens")
-            lengths.append(length)
+            lengths.setdefault(case.id, []).append(length)
     return lengths
 
 
+def _plan_entry(case: PlannedCase, lengths: Sequence[int]) -> PlanEntry:
+    fixture = case.spec.fixture
+    return PlanEntry(case.id, case.scenario, None if fixture is None else fixture.sha256,
+                     text_sha256(case.spec.prompt.text), max(lengths))
+
+
 def _generations(spec: RunSpec, case: PlannedCase) -> int:
-    """What a case costs: its generations over every request and mode (sharding's expected cost)."""
+    """What a case costs: its generations over every request and mode (the progress total)."""
     return sum(len(_arms_for(case, mode, req)) for mode in spec.modes for req in case.requests)
 
 
-def _assignment(spec: RunSpec, planned: Sequence[PlannedCase]) -> dict[str, int]:
-    """Case id -> shard, in plan order; cases are assigned in case-list order (sharding.py)."""
-    per_scenario = len(spec.cases)  # plan_cases is scenario-major over spec.cases
-    costs = [_generations(spec, case) for case in planned]
-    order = sorted(range(len(planned)), key=lambda i: (i % per_scenario, -costs[i], i // per_scenario))
-    shards = partition([(planned[i].id, costs[i]) for i in order], spec.shard.count)
-    return {case.id: shards[case.id] for case in planned}
+def _assignment(spec: RunSpec, plan: Sequence[PlanEntry]) -> dict[str, int]:
+    """Case id -> shard, in plan order: a pure function of the plan (plan.assignment)."""
+    return assignment(plan, [a.name for a in spec.arms], spec.shard.count)
 
 
-def _in_shard(spec: RunSpec, planned: Sequence[PlannedCase]) -> tuple[PlannedCase, ...]:
+def _in_shard(spec: RunSpec, planned: Sequence[PlannedCase], plan: Sequence[PlanEntry]) -> tuple[PlannedCase, ...]:
     if spec.shard is None:
         return tuple(planned)
-    assigned = _assignment(spec, planned)
+    assigned = _assignment(spec, plan)
     return tuple(case for case in planned if assigned[case.id] == spec.shard.index)
 
 
@@ -296,21 +306,48 @@ def _arms_for(case: PlannedCase, mode: str, req: PlannedRequest) -> list[str]:
 
 def _run_mode(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase], mode: str, collected: _Collected,
               announce: Callable[[str, str], object]) -> None:
-    work = [(case, i, req, name) for case in planned for i, req in enumerate(case.requests)
-            for name in _arms_for(case, mode, req)]
     try:
         with backend.session(mode) as session:
-            for case, i, req, name in work:
-                announce(case.id, _progress_label(case, req, name))
-                refs = _references(case, i, name, collected)
-                collected.arms[(case.id, i, name)] = _run_arm(spec, session, req, name, refs)
+            for case in planned:
+                runner = _run_four_arm if case.scenario == FOUR_ARM else _run_sequence
+                runner(spec, session, case, mode, collected, announce)
     except ArmFailure as failure:  # the mode never came up, or died mid-run
-        for case, i, _, name in work:
-            collected.arms.setdefault((case.id, i, name), _failed(name, failure))
+        for case in planned:
+            for i, req in enumerate(case.requests):
+                for name in _arms_for(case, mode, req):
+                    collected.arms.setdefault((case.id, i, name), _failed(name, failure))
 
 
-def _progress_label(case: PlannedCase, req: PlannedRequest, name: str) -> str:
-    return name if case.scenario == FOUR_ARM else f"{name} · {req.label}"
+def _run_four_arm(spec: RunSpec, session: Session, case: PlannedCase, mode: str, collected: _Collected,
+                  announce: Callable[[str, str], object]) -> None:
+    req = case.requests[0]
+    for name in _arms_for(case, mode, req):
+        announce(case.id, name)
+        run = _ArmRun(name, req)
+        collected.arms[(case.id, 0, name)] = run.scored(session, _references(case, 0, name, collected))
+        for _ in range(spec.repeat - 1):
+            collected.arms[(case.id, 0, name)] = run.repeated(session)
+
+
+def _run_sequence(spec: RunSpec, session: Session, case: PlannedCase, mode: str, collected: _Collected,
+                  announce: Callable[[str, str], object]) -> None:
+    """The sequence's requests back to back, as a server would see them; then (eager session) its
+    power arm; then the scoring of every answer. Each repeat is the whole sequence again."""
+    runs = [_ArmRun(arm_named(mode, req.deepstack), req) for req in case.requests]
+    for run in runs:
+        announce(case.id, f"{run.name} · {run.request.label}")
+        run.answer(session)
+    power = [(i, _ArmRun(SEQUENCE_POWER_ARM, req)) for i, req in enumerate(case.requests)
+             if req.power and mode == "eager"]
+    for i, run in power:
+        announce(case.id, f"{run.name} · {run.request.label}")
+        run.answer(session)
+    # Scored in run order: each power arm's reference is its request's own eager answer, scored first.
+    for i, run in [*enumerate(runs), *power]:
+        collected.arms[(case.id, i, run.name)] = run.scored(session, _references(case, i, run.name, collected))
+    for _ in range(spec.repeat - 1):
+        for i, run in [*enumerate(runs), *power]:
+            collected.arms[(case.id, i, run.name)] = run.repeated(session)
 
 
 def _references(case: PlannedCase, request: int, name: str, collected: _Collected) -> list[ArmResult]:
@@ -326,38 +363,76 @@ def _references(case: PlannedCase, request: int, name: str, collected: _Collecte
     return [r for r in refs if r is not None and not r.failed]
 
 
-def _run_arm(spec: RunSpec, session: Session, req: PlannedRequest, name: str, refs: list[ArmResult]) -> ArmResult:
-    mode, deepstack = arm_mode_and_deepstack(name)
-    first, seconds = _timed(session, req.request, deepstack, [r.token_ids for r in refs])
-    if isinstance(first, ArmFailure):
-        return _failed(name, first, seconds)
-    repeats, scoring = [], first.forced_seconds
-    for _ in range(spec.repeat - 1):
-        again, more = _timed(session, req.request, deepstack, [])
-        seconds += more
+class _ArmRun:
+    """One arm of one request: its answer, its scoring, its repeats; a runtime failure at any step
+    is the arm's failure, and every step that finished is in the latest result."""
+
+    def __init__(self, name: str, request: PlannedRequest) -> None:
+        self.name, self.request = name, request
+        self.mode, self.deepstack = arm_mode_and_deepstack(name)
+        self.pending: Answer | ArmFailure | None = None
+        self.result: ArmResult | None = None
+        self.seconds = 0.0
+
+    def answer(self, session: Session) -> None:
+        self.pending = self._timed(lambda: session.answer(self.request.request, self.deepstack))
+
+    def scored(self, session: Session, refs: list[ArmResult]) -> ArmResult:
+        if self.pending is None:
+            self.answer(session)
+        pending, self.pending = self.pending, None
+        if isinstance(pending, ArmFailure):
+            return self._failed(pending)
+        start = time.perf_counter()
+        try:
+            first = session.score(pending, [r.token_ids for r in refs])
+        except ArmFailure as failure:
+            return self._failed(failure)
+        scoring = time.perf_counter() - start
+        # An arm a backend could not score on a reference keeps that reference with null scores: a
+        # missing key is an edit, a null is what the backend said (design §4b).
+        forced = {r.name: lps for r, lps in zip(refs, first.forced)} | {self.name: first.self_forced}
+        self.result = ArmResult(
+            name=self.name, mode=self.mode, deepstack=self.deepstack, token_ids=first.token_ids, text=first.text,
+            token_logprobs=_stored(first.token_logprobs),
+            top_logprobs=None if first.top_logprobs is None else tuple(
+                tuple((token, stored(lp)) for token, lp in step) for step in first.top_logprobs),
+            deepstack_record=first.deepstack_record, evidence=first.evidence,
+            forced=MappingProxyType({name: None if lps is None else _stored(lps) for name, lps in forced.items()}),
+            seconds=round(self.seconds, 4), forced_seconds=round(scoring, 4),
+        )
+        return self.result
+
+    def repeated(self, session: Session) -> ArmResult:
+        """The arm with one more repeat; each repeat keeps its own evidence (design §3 v3)."""
+        if self.result is None or self.result.failed:
+            return self.result
+        again = self._timed(lambda: session.answer(self.request.request, self.deepstack))
         if isinstance(again, ArmFailure):
-            return _failed(name, again, seconds)
-        scoring += again.forced_seconds
-        # Each repeat keeps its own evidence: rule 4 is checked per run (design §3 v3).
-        repeats.append(Repeat(again.token_ids, again.token_logprobs, again.evidence))
-    return ArmResult(
-        name=name, mode=mode, deepstack=deepstack, token_ids=first.token_ids, text=first.text,
-        token_logprobs=first.token_logprobs, top_logprobs=first.top_logprobs,
-        deepstack_record=first.deepstack_record, evidence=first.evidence,
-        forced=MappingProxyType({r.name: lps for r, lps in zip(refs, first.forced) if lps is not None}
-                                | ({} if first.self_forced is None else {name: first.self_forced})),
-        seconds=round(seconds - scoring, 4), forced_seconds=round(scoring, 4),
-        repeats=tuple(repeats),
-    )
+            self.result = self._failed(again)
+        else:
+            generation = again.generation
+            self.result = replace(self.result, seconds=round(self.seconds, 4), repeats=(
+                *self.result.repeats,
+                Repeat(generation.token_ids, _stored(generation.token_logprobs), generation.evidence)))
+        return self.result
+
+    def _timed(self, call):
+        start = time.perf_counter()
+        try:
+            return call()
+        except ArmFailure as failure:
+            return failure
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _failed(self, failure: ArmFailure) -> ArmResult:
+        self.result = _failed(self.name, failure, self.seconds)
+        return self.result
 
 
-def _timed(session: Session, request: Request, deepstack: str, force) -> tuple[Generation | ArmFailure, float]:
-    start = time.perf_counter()
-    try:
-        result: Generation | ArmFailure = session.generate(request, deepstack, force)
-    except ArmFailure as failure:
-        result = failure
-    return result, time.perf_counter() - start
+def _stored(logprobs: Sequence[float]) -> tuple[float, ...]:
+    return tuple(stored(lp) for lp in logprobs)
 
 
 def _failed(name: str, failure: ArmFailure, seconds: float = 0.0) -> ArmResult:
@@ -407,7 +482,50 @@ def _run_result(spec, backend, planned, collected, config, interrupted) -> RunRe
         cases=tuple(_case_result(case, collected) for case in planned),
         interrupted=interrupted,
     )
-    return judge_run(run)
+    return judge_run(_self_checked(run))
+
+
+def _self_checked(run: RunResult) -> RunResult:
+    """The run held to every rule the loader holds its file to (design §4b), so `parity run` and
+    `parity verdict` of its file always agree: an arm whose results break a rule (teacher-forced
+    scores that disagree with its own generation, a replay in the wrong bucket) failed, with the
+    rule's words as its error; a rule no one arm broke fails every arm."""
+    for _ in range(sum(len(c.all_arms()) for c in run.cases) + 1):
+        try:
+            check_all(run)
+            return run
+        except Contradiction as broken:
+            message = f"parity's check of its own results: {broken}"
+            places = [broken.place] if broken.place is not None else _places(run)
+            if not places:
+                return run
+            for place in places:
+                run = _fail_arm(run, place, message)
+    return run
+
+
+def _places(run: RunResult) -> list[ArmPlace]:
+    return [ArmPlace(ci, None if not case.is_sequence else ri, arm.name)
+            for ci, case in enumerate(run.cases)
+            for ri, arms in (enumerate(r.arms for r in case.requests) if case.is_sequence else [(None, case.arms)])
+            for arm in arms if not arm.failed]
+
+
+def _fail_arm(run: RunResult, place: ArmPlace, message: str) -> RunResult:
+    """The run with that arm failed (its answer kept) and no other arm scored against it."""
+    def failed(arms: tuple[ArmResult, ...]) -> tuple[ArmResult, ...]:
+        return tuple(replace(a, error=message, forced=MappingProxyType({})) if a.name == place.arm else
+                     replace(a, forced=MappingProxyType({k: v for k, v in a.forced.items() if k != place.arm}))
+                     for a in arms)
+
+    case = run.cases[place.case]
+    if place.request is None:
+        case = replace(case, arms=failed(case.arms))
+    else:
+        requests = list(case.requests)
+        requests[place.request] = replace(requests[place.request], arms=failed(requests[place.request].arms))
+        case = replace(case, requests=tuple(requests))
+    return replace(run, cases=tuple(case if i == place.case else c for i, c in enumerate(run.cases)))
 
 
 def _environment(backend: Backend) -> dict:
@@ -418,6 +536,7 @@ def _environment(backend: Backend) -> dict:
             return None
 
     return {
-        "parity": __version__, "python": platform.python_version(), "torch": version("torch"),
+        "parity": __version__, SOURCE_KEY: source_identity(), "python": platform.python_version(),
+        "torch": version("torch"),
         "transformers": version("transformers"), "sglang": version("sglang"), **backend.environment(),
     }

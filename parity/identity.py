@@ -10,9 +10,17 @@ Torch-free.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from parity import __version__
 from parity.results import RunResult
+
+# `environment.parity_source`: the code that wrote a file. Shards of different code are not one
+# experiment unless the merge is told so (`--allow-mixed-code`), and then its report says it.
+SOURCE_KEY = "parity_source"
 
 # Named first when files differ, in this order: what a reader checks first.
 FIRST_FIELDS = (
@@ -20,8 +28,9 @@ FIRST_FIELDS = (
     "config.tie_margin", "config.runner", "config.graph_backend", "config.graph_mode", "config.sglang_servers",
     "config.vllm_servers", "config.scenarios", "environment.gpu", "environment.device",
 )
-# Differ between machines of one experiment: where the servers ran, not what was run.
-VOLATILE = frozenset({"config.sglang_tap_processes", "config.vllm_tap_processes"})
+# Differ between machines of one experiment: where the servers ran, not what was run. The source is
+# compared on its own (merge.check_one_experiment), so that the override can name it.
+VOLATILE = frozenset({"config.sglang_tap_processes", "config.vllm_tap_processes", f"environment.{SOURCE_KEY}"})
 # Only these keys of config.shard say which experiment a file is; the rest says which shard.
 _SHARD_IDENTITY = ("count", "cases")
 # Worked out on each machine from the GPU memory free when a server starts (sharing a GPU).
@@ -46,6 +55,18 @@ def identity(run: RunResult) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in VOLATILE}
 
 
+@functools.lru_cache(maxsize=1)
+def source_identity() -> str:
+    """`<version>+<sha256 prefix>` of the installed package's Python files: two installs of one
+    version from different checkouts are told apart, a wheel and an editable install of one checkout
+    are not (their package data lives in different places; a fixture's pixels are in the plan)."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{__version__}+{digest.hexdigest()[:16]}"
+
+
 def _masked(servers: Any) -> Any:
     if not isinstance(servers, dict):
         return servers
@@ -65,6 +86,26 @@ def _ordered(keys: set[str]) -> Iterator[str]:
 def first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
     """The first field (FIRST_FIELDS first) where two identities differ, or None."""
     return next((k for k in _ordered(set(a) | set(b)) if a.get(k) != b.get(k)), None)
+
+
+def difference_path(field: str, a: Any, b: Any) -> tuple[str, Any]:
+    """The deepest place where two values of `field` differ, and `a`'s value there: a plan's first
+    differing case and key (`config.plan[3] (bands/prompt-1).prompt`), not two long prefixes."""
+    path = field
+    while True:
+        if isinstance(a, dict) and isinstance(b, dict):
+            key = next((k for k in [*a, *(k for k in b if k not in a)] if a.get(k) != b.get(k)), None)
+            if key is None:
+                return path, a
+            path, a, b = f"{path}.{key}", a.get(key), b.get(key)
+        elif isinstance(a, list) and isinstance(b, list) and a and b:
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if i is None:
+                return f"{path} (length {len(a)} vs {len(b)})", len(a)
+            label = f" ({a[i]['id']})" if isinstance(a[i], dict) and isinstance(a[i].get("id"), str) else ""
+            path, a, b = f"{path}[{i}]{label}", a[i], b[i]
+        else:
+            return path, a
 
 
 def shown(value: Any, limit: int = 80) -> str:

@@ -40,18 +40,24 @@ def _can_set_handlers() -> bool:
 
 
 @contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises `Terminated`; the previous handler is restored after."""
+def first_stop_only() -> Iterator[list[int]]:
+    """Within the block, the first SIGINT or SIGTERM raises its stop where the program is, and every
+    later one is only noted (the list yielded holds them all, the first first): once a run is
+    stopping, a second Ctrl-C 10 ms later cannot interrupt the writing of what finished, and the exit
+    code stays the first signal's."""
+    noted: list[int] = []
     if not _can_set_handlers():
-        yield
+        yield noted
         return
 
-    def on_sigterm(signum, frame) -> None:
-        _raise_stop(signum)
+    def on_signal(signum, frame) -> None:
+        noted.append(signum)
+        if len(noted) == 1:
+            _raise_stop(signum)
 
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_sigterm)}
+    previous = {s: signal.signal(s, on_signal) for s in _STOP_SIGNALS}
     try:
-        yield
+        yield noted
     finally:
         _restore(previous)
 

@@ -91,11 +91,15 @@ def auto_threshold(dtype: str) -> float:
     return AUTO_THRESHOLD.get(dtype, AUTO_THRESHOLD["bfloat16"])
 
 
+SEQUENCE_FAILURES = (FAIL_STALE_STATE, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES)
+
+
 def target_of(case: CaseResult) -> Target | None:
     """The comparison a case's verdict blames, or None when its bcg arms agree with eager."""
     code = case.verdict.code if case.verdict else None
     if case.is_sequence:
-        return _sequence_target(case) if code == FAIL_STALE_STATE else None
+        # Stale state after earlier requests, or (v3) a first request that dropped DeepStack or diverged.
+        return _sequence_target(case) if code in SEQUENCE_FAILURES else None
     if code not in FOUR_ARM_TARGETS:
         return None
     arm, reference = FOUR_ARM_TARGETS[code]

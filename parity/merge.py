@@ -16,9 +16,12 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from parity.errors import UsageError
-from parity.identity import first_difference, identity, shown
+from parity.interrupts import deferred_stops
+from parity.identity import SOURCE_KEY, difference_path, first_difference, identity, shown
 from parity.results import RunResult, Verdict, dumps, write_atomically
-from parity.results_loader import load_results
+from parity.results_consistency import Contradiction
+from parity.results_loader import MAX_FILE_BYTES, load_results
+from parity.results_requirements import check_all
 from parity.sharding import CONFIG_KEY, ShardRecord, merged_config, read_shard
 from parity.verdict import judge_run
 
@@ -50,28 +53,44 @@ def load_files(paths: Sequence[str]) -> list[ShardFile]:
 
 # --- one experiment ------------------------------------------------------------------------------
 
-def check_one_experiment(files: Sequence[ShardFile]) -> None:
+def check_one_experiment(files: Sequence[ShardFile], allow_mixed_code: bool = False) -> tuple[str, ...]:
+    """Refuse files of another experiment, naming the first field (and the case) where they differ;
+    the sources of the code that wrote them, several only with `allow_mixed_code`."""
     first = files[0]
     reference = identity(first.run)
     for other in files[1:]:
-        field = first_difference(reference, identity(other.run))
+        theirs = identity(other.run)
+        field = first_difference(reference, theirs)
         if field is not None:
-            mine, theirs = identity(other.run).get(field), reference.get(field)
-            raise UsageError(f"{other.path}: {field} is {shown(mine)}, but {first.path} has {shown(theirs)}: "
+            path, mine = difference_path(field, theirs.get(field), reference.get(field))
+            _, before = difference_path(field, reference.get(field), theirs.get(field))
+            raise UsageError(f"{other.path}: {path} is {shown(mine)}, but {first.path} has {shown(before)}: "
                              "not shards of the same experiment (merge --matrix reports several experiments)")
+    sources = tuple(dict.fromkeys(str(f.run.environment.get(SOURCE_KEY)) for f in files))
+    if len(sources) > 1 and not allow_mixed_code:
+        other = next(f for f in files if str(f.run.environment.get(SOURCE_KEY)) != sources[0])
+        raise UsageError(f"{other.path}: environment.{SOURCE_KEY} is {sources[1]!r}, but {first.path} was written by "
+                         f"{sources[0]!r}: shards of different code; re-run them with one parity, or merge with "
+                         "--allow-mixed-code (the report then says so)")
+    return sources
 
 
-def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = ()) -> RunResult:
+def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = (), allow_mixed_code: bool = False
+               ) -> RunResult:
     """The judged run of one experiment's shards; refuses another experiment, a duplicate or a
-    missing shard (unless allowed: then the run records it and cannot pass)."""
-    check_one_experiment(files)
+    missing shard (unless allowed: then the run records it and cannot pass), shards of other code
+    (unless allowed: then the run records it), and shards that disagree on what the same image and
+    prompt gave (another seed, checkpoint or dtype)."""
+    sources = check_one_experiment(files, allow_mixed_code)
     count, plan = files[0].record.count, files[0].record.cases
     holder: dict[int, str] = {}
     for f in files:
         for shard in f.record.covers:
             if shard in holder:
-                raise UsageError(f"{f.path}: config.{CONFIG_KEY} shard {shard}/{count} is also in {holder[shard]}: "
-                                 "a duplicate shard; give each shard's results file once")
+                what = (f"config.{CONFIG_KEY} shard {shard}/{count}" if CONFIG_KEY in f.run.config
+                        else "the whole (unsharded) run")
+                raise UsageError(f"{f.path}: {what} is also in {holder[shard]}: a duplicate; give each shard's "
+                                 "results file once")
             holder[shard] = f.path
     missing = [k for k in range(1, count + 1) if k not in holder]
     _check_allowed(allow_missing, holder, count)
@@ -81,16 +100,25 @@ def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = ()) ->
             raise UsageError(f"shard {shard}/{count} is missing: no file given has config.{CONFIG_KEY}.index {shard} "
                              f"(its {len(cases)} case(s), e.g. {cases[0]!r}); give its results file, or "
                              f"--allow-missing {shard} to merge without it (the verdict is then at best INCOMPLETE)")
-    by_id = {case.id: case for f in files for case in f.run.cases}
+    by_id = {case.id: (case, f.path) for f in files for case in f.run.cases}  # absent ones stay INCOMPLETE
     first = files[0].run
     config = dict(first.config)
     if count > 1 or CONFIG_KEY in config:
         config[CONFIG_KEY] = merged_config(count, plan, sorted(holder), missing)
+    environment = dict(first.environment)
+    if len(sources) > 1:
+        environment[SOURCE_KEY] = list(sources)  # the report names every source (--allow-mixed-code)
     merged = RunResult(
-        created=max(f.run.created for f in files), environment=first.environment, config=config,
-        cases=tuple(by_id[c] for c in plan if c in by_id), schema=first.schema,
+        created=max(f.run.created for f in files), environment=environment, config=config,
+        cases=tuple(by_id[c][0] for c in plan if c in by_id), schema=first.schema,
         interrupted=any(f.run.interrupted for f in files),
     )
+    try:
+        check_all(merged)  # across shards: one fingerprint per image and prompt, among others
+    except Contradiction as err:
+        case = merged.cases[err.place.case] if err.place is not None else None
+        source = f"{by_id[case.id][1]}: " if case is not None else ""
+        raise UsageError(f"{source}the shards disagree: {err}") from None
     return judge_run(merged)
 
 
@@ -119,7 +147,7 @@ def group_experiments(files: Sequence[ShardFile]) -> list[list[ShardFile]]:
     return [members for _, members in groups]
 
 
-def merge_matrix(files: Sequence[ShardFile]) -> list[RunResult]:
+def merge_matrix(files: Sequence[ShardFile], allow_mixed_code: bool = False) -> list[RunResult]:
     """One judged run per experiment among `files`, each from all of its shards; a refusal names
     the experiment it is about."""
     from parity.reporting.matrix import label_of
@@ -127,7 +155,7 @@ def merge_matrix(files: Sequence[ShardFile]) -> list[RunResult]:
     runs = []
     for group in group_experiments(files):
         try:
-            runs.append(merge_runs(group))
+            runs.append(merge_runs(group, allow_mixed_code=allow_mixed_code))
         except UsageError as err:
             raise UsageError(f"experiment {label_of(group[0].run)}: {err}") from None
     return runs
@@ -159,9 +187,25 @@ def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> R
     return run
 
 
+def _check_out_holds_no_input(paths: Sequence[str], out_dir: Path) -> None:
+    """The merge writes into --out; an input there would be overwritten by the merge of itself."""
+    folder = out_dir.resolve()
+    for path in paths:
+        resolved = Path(path).resolve()
+        if resolved == folder or folder in resolved.parents:
+            raise UsageError(f"--out {out_dir}: holds the input {path}, which the merge would overwrite; "
+                             "write the merge to another folder")
+
+
 def _write(path: Path, text: str) -> None:
+    # A character is at most four UTF-8 bytes: encode (a copy of a large file) only near the cap.
+    size = len(text) if len(text) * 4 <= MAX_FILE_BYTES else len(text.encode("utf-8", "backslashreplace"))
+    if size > MAX_FILE_BYTES and path.suffix == ".json":
+        raise UsageError(f"--out: the merged {path.name} would be larger than the {MAX_FILE_BYTES // 2**20} MiB "
+                         "that `parity verdict` reads back; merge fewer shards at a time (or --matrix per experiment)")
     try:
-        write_atomically(path, text)
+        with deferred_stops():  # a stop while writing comes after the file is whole (or gone)
+            write_atomically(path, text)
     except OSError as err:
         raise UsageError(f"--out: cannot write {path} ({err.strerror or err})") from None
 
@@ -189,7 +233,7 @@ def experiment_folder(index: int, run: RunResult) -> str:
 
 
 def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence[int] = (), matrix: bool = False,
-              warn: Warn = print) -> tuple[Verdict, Path]:
+              warn: Warn = print, allow_mixed_code: bool = False) -> tuple[Verdict, Path]:
     """Load, merge, judge and write; (the verdict to exit with, the report written).
 
     One experiment: `out_dir` holds its results.json, report.md and plots. `matrix`: one folder per
@@ -203,15 +247,17 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
     if matrix and allow_missing:
         raise UsageError("--allow-missing names a shard of one experiment; merge that experiment alone "
                          "(without --matrix) to go without one of its shards")
+    _check_out_holds_no_input(paths, output.out_dir)
     files = load_files(paths)
     if matrix:
         runs = [write_run_folder(run, output.out_dir / experiment_folder(i, run), output.plots, warn)
-                for i, run in enumerate(merge_matrix(files), 1)]
+                for i, run in enumerate(merge_matrix(files, allow_mixed_code), 1)]
         markdown = render_matrix(runs)
-        write_atomically(output.out_dir / "report.md", markdown)
+        _write(output.out_dir / "report.md", markdown)
         verdict = matrix_verdict(experiments(runs))
     else:
-        runs = [write_run_folder(merge_runs(files, allow_missing), output.out_dir, output.plots, warn)]
+        runs = [write_run_folder(merge_runs(files, allow_missing, allow_mixed_code), output.out_dir, output.plots,
+                                 warn)]
         markdown = render_markdown(runs[0], images=False)  # a summary cannot show the folder's plots
         verdict = runs[0].verdict
     if output.junit is not None:

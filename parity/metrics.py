@@ -2,6 +2,7 @@
 
 In `compare(a, b)` the second arm is the reference. A near-tie flip (both arms' tokens within
 `tie_margin` of each other, in both arms) is numeric noise, not a semantic change: it matches when
+both tokens score the same in both arms at the flip step itself (their own generations' top-k) and
 the teacher-forced delta over the whole reference sequence stays within the tolerance.
 """
 
@@ -119,12 +120,29 @@ def is_tie(a: ArmResult, b: ArmResult, divergence: int | None, margin: float | N
     return abs(a_own - a_other) <= margin and abs(b_own - b_other) <= margin
 
 
+def flip_deltas(a: ArmResult, b: ArmResult, divergence: int) -> tuple[float, ...] | None:
+    """At a near-tie's step, each of the two tokens scored by both arms, from the generations
+    themselves: |lp_a(x) - lp_b(x)| for x in (x_b, x_a). This is the step's own execution (a
+    first-token tie: the prompt's prefill, in its bucket), so a bug in that path cannot hide behind
+    scores taken on another path (a teacher-forced prefill of prompt + answer in a larger bucket)."""
+    x_a, x_b = a.token_ids[divergence], b.token_ids[divergence]
+    scores = [(_logprob_of(a, divergence, x), _logprob_of(b, divergence, x)) for x in (x_b, x_a)]
+    if any(s is None for pair in scores for s in pair):
+        return None
+    return tuple(abs(x - y) for x, y in scores)
+
+
 def compare(a: ArmResult, b: ArmResult, tolerances: Tolerances, request: int | None = None) -> Comparison:
     divergence = first_divergence(a.token_ids, b.token_ids)
     deltas = position_deltas(a.token_logprobs, b.token_logprobs, divergence)
     token_match = divergence is None
     tie = is_tie(a, b, divergence, tolerances.tie_margin)
     forced = forced_deltas(a, b)
+    # A tie is excused only where the flip step itself agrees, on its own path, and the rest of the
+    # reference sequence agrees teacher-forced (design §2 v4).
+    flips = flip_deltas(a, b, divergence) if tie else None
+    excused = (tie and forced is not None and flips is not None and max(flips) <= tolerances.logprob_tol
+               and tolerances.within(deltas[:-1]) and tolerances.within(forced))
     return Comparison(
         a=a.name,
         b=b.name,
@@ -134,9 +152,11 @@ def compare(a: ArmResult, b: ArmResult, tolerances: Tolerances, request: int | N
         logprob_delta=max(deltas, default=0.0),
         tie=tie,
         tf_delta=None if forced is None else max(forced, default=0.0),
-        match=(token_match and tolerances.within(deltas)) or (tie and forced is not None and tolerances.within(forced)),
+        match=(token_match and tolerances.within(deltas)) or excused,
         request=request,
         logprob_mean=sum(deltas) / len(deltas) if deltas else 0.0,
+        tie_unscored=tie and forced is None,
+        flip_delta=None if flips is None else max(flips),
     )
 
 
@@ -158,6 +178,10 @@ def tuple_text(c: Comparison, tol: float, extras: bool = True) -> str:
     notes = []
     if c.tie:
         notes.append("tie")
+    if c.flip_delta is not None:
+        notes.append(f"flip Δ {format_delta(c.flip_delta, tol)}")
     if c.tf_delta is not None and not c.token_match:
         notes.append(f"tf Δ {format_delta(c.tf_delta, tol)}")
+    if c.tie_unscored:
+        notes.append("tie not scored")
     return text + (f" [{', '.join(notes)}]" if notes else "")

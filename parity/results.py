@@ -52,6 +52,13 @@ SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
 })
 
 TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]
+
+
+def stored(value: float) -> float:
+    """A logprob as a results file keeps it: the nine significant digits that hold every float32
+    exactly (engines compute logprobs in float32), instead of a double's seventeen. A run judges
+    these very values, so a file read back re-judges to the same verdict, at half the size."""
+    return float(f"{value:.9g}")
 _NO_FORCED: Mapping[str, tuple[float, ...]] = MappingProxyType({})
 
 
@@ -101,6 +108,15 @@ class Comparison:
     match: bool
     request: int | None = None  # index into the case's requests (sequence scenarios)
     logprob_mean: float = 0.0  # mean |Δ logprob| over the same steps as logprob_delta
+    # A near-tie without teacher-forced scores: it cannot be excused, nor counted as a difference.
+    tie_unscored: bool = False
+    flip_delta: float | None = None  # a near-tie's largest |Δ| of its two tokens at the flip step
+
+    @property
+    def difference_shown(self) -> bool:
+        """The arms answer differently, shown: a check that expects a difference (power, the graph
+        sees DeepStack) may not rest on a near-tie it could not score."""
+        return not self.match and not self.tie_unscored
 
 
 @dataclass(frozen=True)
@@ -170,6 +186,8 @@ class CaseResult:
     plot: str | None = None
     localization: Localization | None = None
     localization_plot: str | None = None
+    # Planned (config.plan) but not in the file: judged INCOMPLETE, never written back (design §4b).
+    absent: bool = False
 
     @property
     def is_sequence(self) -> bool:
@@ -231,7 +249,7 @@ def arm_to_json(arm: ArmResult) -> dict:
         "top_logprobs": None if arm.top_logprobs is None
         else [[[tid, lp] for tid, lp in step] for step in arm.top_logprobs],
         "deepstack_record": arm.deepstack_record.to_json() if arm.deepstack_record else None,
-        "forced": {ref: list(lps) for ref, lps in arm.forced.items()} or None,
+        "forced": {ref: None if lps is None else list(lps) for ref, lps in arm.forced.items()} or None,
         "evidence": arm.evidence.to_json() if arm.evidence else None,
         "error": arm.error,
         "seconds": arm.seconds,
@@ -247,6 +265,8 @@ def comparison_to_json(c: Comparison) -> dict:
     out = {"a": c.a, "b": c.b, "divergence_char": c.divergence_char, "token_match": c.token_match,
            "first_token_divergence": c.first_token_divergence, "logprob_delta": c.logprob_delta,
            "logprob_mean": c.logprob_mean, "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
+    if c.tie:
+        out.update(flip_delta=c.flip_delta, tie_unscored=c.tie_unscored)
     if c.request is not None:
         out["request"] = c.request
     return out
@@ -299,7 +319,7 @@ def run_to_json(run: RunResult) -> dict:
         "created": run.created,
         "environment": dict(run.environment),
         "config": dict(run.config),
-        "cases": [case_to_json(c) for c in run.cases],
+        "cases": [case_to_json(c) for c in run.cases if not c.absent],
         "verdict": _verdict_json(run.verdict),
     }
     if run.interrupted:
@@ -308,8 +328,14 @@ def run_to_json(run: RunResult) -> dict:
 
 
 def dumps(run: RunResult) -> str:
-    # allow_nan=False: a bare NaN is not JSON, and no reader should have to guess what it meant.
-    return json.dumps(run_to_json(run), indent=2, ensure_ascii=False, allow_nan=False)
+    """The results document: one line per case, each case compact. A sweep of thousands of cases
+    stays a file the loader reads back (design §4b); indenting every logprob pair made it 4x larger.
+    allow_nan=False: a bare NaN is not JSON, and no reader should have to guess what it meant."""
+    doc = run_to_json(run)
+    cases = doc.pop("cases")
+    head = json.dumps(doc, ensure_ascii=False, allow_nan=False)
+    body = ",\n".join(json.dumps(case, ensure_ascii=False, allow_nan=False) for case in cases)
+    return f'{head[:-1]}, "cases": [\n{body}\n]}}'
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -16,10 +16,11 @@ from typing import Callable, Iterator
 from parity.arms import EAGER_NORMAL, EAGER_ZERO
 from parity.buckets import AUTO, prefill_bucket_ladder, smallest_fitting
 from parity.metrics import Tolerances, compare
+from parity.plan import read_plan
 from parity.results import (
     CASE_IMAGE, SCHEMA, SEQUENCE_REQUESTS, ArmResult, CaseResult, FixtureInfo, RunResult,
 )
-from parity.verdict import FOUR_ARM_CHECKS, sequence_check
+from parity.verdict import FOUR_ARM_CHECKS, POWER_CHECK, sequence_check
 
 # Teacher forcing an arm on tokens it generated itself repeats the same computation in another batch
 # shape (one cached pass over all tokens instead of one decode step per token; on a server a prefill
@@ -32,8 +33,22 @@ FORCED_NOISE_FLOOR = {"float32": 0.01}
 REDUCED_PRECISION_FORCED_FLOOR = 1.0
 
 
+@dataclass(frozen=True)
+class ArmPlace:
+    """Where an arm is in a run: its case's index, its request's (None in a four-arm case), its name."""
+
+    case: int
+    request: int | None
+    arm: str
+
+
 class Contradiction(Exception):
-    """The file contradicts itself; the message names the field."""
+    """The file contradicts itself; the message names the field, and `place` the arm it is about
+    (None for what no one arm wrote: `parity run` fails that arm instead of refusing its own run)."""
+
+    def __init__(self, message: str, place: ArmPlace | None = None) -> None:
+        super().__init__(message)
+        self.place = place
 
 
 @dataclass(frozen=True)
@@ -44,9 +59,15 @@ class _Request:
     case: CaseResult
     fixture: FixtureInfo | None
     arms: tuple[ArmResult, ...]
+    case_index: int = 0
+    request_index: int | None = None
+    prompt: str = ""
 
     def at(self, arm: ArmResult) -> str:
         return f"{self.where}.{arm.name}"
+
+    def contradiction(self, arm: ArmResult, message: str) -> Contradiction:
+        return Contradiction(message, ArmPlace(self.case_index, self.request_index, arm.name))
 
     def arm(self, name: str) -> ArmResult | None:
         return next((a for a in self.arms if a.name == name and not a.failed), None)
@@ -56,10 +77,12 @@ def _requests(run: RunResult) -> Iterator[_Request]:
     for ci, case in enumerate(run.cases):
         if case.is_sequence and run.schema == SCHEMA:
             for ri, request in enumerate(case.requests):
-                yield _Request(f"cases[{ci}].requests[{ri}].arms", case, request.fixture, request.arms)
+                yield _Request(f"cases[{ci}].requests[{ri}].arms", case, request.fixture, request.arms, ci, ri,
+                               request.prompt)
         else:  # four-arm, or a /1 reuse case whose arms are its text-only follow-up's
             fixture = case.requests[0].fixture if case.requests else case.fixture
-            yield _Request(f"cases[{ci}].arms", case, fixture, case.all_arms())
+            yield _Request(f"cases[{ci}].arms", case, fixture, case.all_arms(), ci, 0 if case.requests else None,
+                           case.prompt)
 
 
 def _ran(request: _Request) -> Iterator[ArmResult]:
@@ -83,37 +106,38 @@ def forced_matches_own_scores(run: RunResult) -> None:
         for arm in _ran(request):
             for name, scores in arm.forced.items():
                 reference = request.arm(name)
-                for i in range(_same_prefix(arm.token_ids, reference.token_ids)):
+                for i in range(_same_prefix(arm.token_ids, reference.token_ids) if scores is not None else 0):
                     delta = abs(scores[i] - arm.token_logprobs[i])
                     if delta > floor:
-                        raise Contradiction(
-                            f"{request.at(arm)}.forced.{name}[{i}] is {scores[i]:.6g}, but the arm's own "
-                            f"token_logprobs[{i}] is {arm.token_logprobs[i]:.6g} for the same token after the same "
-                            f"tokens (|Δ| {delta:.3g} > {floor:g}, the {dtype} noise floor): teacher forcing of "
-                            "identical tokens gives the same scores")
+                        raise request.contradiction(
+                            arm, f"{request.at(arm)}.forced.{name}[{i}] is {scores[i]:.6g}, but the arm's own "
+                                 f"token_logprobs[{i}] is {arm.token_logprobs[i]:.6g} for the same token after the "
+                                 f"same tokens (|Δ| {delta:.3g} > {floor:g}, the {dtype} noise floor): teacher "
+                                 "forcing of identical tokens gives the same scores")
 
 
 def forced_scores_every_reference(run: RunResult) -> None:
-    """A run that scores arms teacher-forced scores each on all its references that ran (and on its own
-    tokens, where it does that): one arm without its scores is an edit that hides its tf delta."""
-    ran = [(request, arm) for request in _requests(run) for arm in _ran(request)]
-    scores_self = any(arm.name in arm.forced for _, arm in ran)
-    scores_references = any(set(arm.forced) - {arm.name} for _, arm in ran)
-    for request, arm in ran:
-        wanted = [arm.name] if scores_self else []
-        if scores_references:
-            wanted += [ref for ref in _references(request, arm) if request.arm(ref) is not None]
-        missing = [name for name in wanted if name not in arm.forced]
-        if missing:
-            raise Contradiction(f"{request.at(arm)}.forced lacks {missing[0]}, which the run scores for every arm "
-                                "that ran: a missing teacher-forced score is an edit")
+    """Every arm that ran is scored teacher-forced on its own tokens and on each reference that ran
+    (a null where the backend could not score exactly those tokens): a missing key is an edit that
+    hides a tf delta."""
+    if run.schema != SCHEMA:
+        return  # a /1 file has no teacher-forced scores
+    for request in _requests(run):
+        for arm in _ran(request):
+            wanted = [arm.name] + [ref for ref in _references(request, arm) if request.arm(ref) is not None]
+            missing = [name for name in wanted if name not in arm.forced]
+            if missing:
+                raise request.contradiction(arm, f"{request.at(arm)}.forced lacks {missing[0]}, which the run "
+                                                 "scores for every arm that ran: a missing teacher-forced score "
+                                                 "is an edit")
 
 
 def _references(request: _Request, arm: ArmResult) -> list[str]:
     """The arms `arm` is compared against (the second arm of each of its checks)."""
     if request.case.is_sequence:
         check = sequence_check(arm.deepstack)
-        return [check.b] if arm.name == check.a else []
+        power = request.request_index == 0 and arm.name == POWER_CHECK.a
+        return [check.b] if arm.name == check.a else [POWER_CHECK.b] if power else []
     return [check.b for check in FOUR_ARM_CHECKS if check.a == arm.name]
 
 
@@ -126,10 +150,11 @@ def replays_fit_their_buckets(run: RunResult) -> None:
             for bucket in evidence.buckets if evidence else ():
                 where = f"{request.at(arm)}.evidence.buckets has {bucket}"
                 if captured is not None and bucket not in captured:
-                    raise Contradiction(f"{where}, which is not among the run's captured buckets "
-                                        f"(config.captured_buckets {captured})")
+                    raise request.contradiction(arm, f"{where}, which is not among the run's captured buckets "
+                                                     f"(config.captured_buckets {captured})")
                 if evidence.max_bucket is not None and bucket > evidence.max_bucket:
-                    raise Contradiction(f"{where}, larger than its evidence.max_bucket {evidence.max_bucket}")
+                    raise request.contradiction(
+                        arm, f"{where}, larger than its evidence.max_bucket {evidence.max_bucket}")
                 tokens = evidence.prompt_tokens
                 # Only when every prefill replayed is prompt_tokens the prompt of those replays (a server
                 # names the longest prefill that ran eagerly); a prompt longer than every bucket is
@@ -137,8 +162,8 @@ def replays_fit_their_buckets(run: RunResult) -> None:
                 whole = evidence.prefill_replayed and tokens is not None and (
                     evidence.max_bucket is None or tokens <= evidence.max_bucket)
                 if whole and bucket < tokens:
-                    raise Contradiction(f"{where}, smaller than its {tokens}-token prompt "
-                                        f"(evidence.prompt_tokens): a replayed prompt fits its bucket")
+                    raise request.contradiction(arm, f"{where}, smaller than its {tokens}-token prompt "
+                                                     f"(evidence.prompt_tokens): a replayed prompt fits its bucket")
 
 
 def evidence_matches_record(run: RunResult) -> None:
@@ -149,11 +174,11 @@ def evidence_matches_record(run: RunResult) -> None:
             if record is None or evidence is None or record.replay is None:
                 continue
             if record.replay and evidence.replayed_calls == 0:
-                raise Contradiction(f"{request.at(arm)}.evidence.replayed_calls is 0, but its "
-                                    "deepstack_record.replay is true")
+                raise request.contradiction(arm, f"{request.at(arm)}.evidence.replayed_calls is 0, but its "
+                                                 "deepstack_record.replay is true")
             if not record.replay and evidence.prefill_replayed:
-                raise Contradiction(f"{request.at(arm)}.evidence.prefill_replayed is true, but its "
-                                    "deepstack_record.replay is false")
+                raise request.contradiction(arm, f"{request.at(arm)}.evidence.prefill_replayed is true, but its "
+                                                 "deepstack_record.replay is false")
 
 
 def enough_lm_entries(run: RunResult) -> None:
@@ -166,8 +191,9 @@ def enough_lm_entries(run: RunResult) -> None:
         for arm in _ran(request):
             needed = max(1, len(arm.token_ids))
             if arm.evidence is not None and arm.evidence.lm_calls < needed:
-                raise Contradiction(f"{request.at(arm)}.evidence.lm_calls is {arm.evidence.lm_calls}, fewer than the "
-                                    f"prefill and {needed - 1} decode steps of its {len(arm.token_ids)} tokens")
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.evidence.lm_calls is {arm.evidence.lm_calls}, fewer than the "
+                         f"prefill and {needed - 1} decode steps of its {len(arm.token_ids)} tokens")
 
 
 def answers_fit_max_new_tokens(run: RunResult) -> None:
@@ -180,27 +206,39 @@ def answers_fit_max_new_tokens(run: RunResult) -> None:
                                *((f"{request.at(arm)}.repeats[{i}].token_ids", r.token_ids)
                                  for i, r in enumerate(arm.repeats))):
                 if len(ids) > limit:
-                    raise Contradiction(f"{where} has {len(ids)} tokens, more than config.max_new_tokens {limit}")
+                    raise request.contradiction(
+                        arm, f"{where} has {len(ids)} tokens, more than config.max_new_tokens {limit}")
 
 
 def one_fingerprint_per_request(run: RunResult) -> None:
-    """Every arm of a request is handed the same DeepStack rows before its tap acts on them. (A /1
-    file keeps its own rule: a record without rows beside one with rows is rule 1b's ERROR.)"""
-    if run.schema != SCHEMA:
-        return
+    """Every arm of a request is handed the same DeepStack rows before its tap acts on them, and
+    every request of one image and prompt the same rows as every other (the vision tower is
+    deterministic: another fingerprint is another seed, checkpoint or dtype)."""
+    by_input: dict[tuple[str, str], tuple[str, ArmResult]] = {}
     for request in _requests(run):
         recorded = [arm for arm in _ran(request) if arm.deepstack_record is not None]
         for arm in recorded:
             record = arm.deepstack_record
             if record.action != arm.deepstack:
-                raise Contradiction(f"{request.at(arm)}.deepstack_record.action is {record.action!r}, but the arm "
-                                    f"runs DeepStack {arm.deepstack!r}")
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record.action is {record.action!r}, but the arm "
+                         f"runs DeepStack {arm.deepstack!r}")
             first = recorded[0].deepstack_record
             seen = (record.sha256, record.shape, record.dtype, record.nonzero_rows)
             if seen != (first.sha256, first.shape, first.dtype, first.nonzero_rows):
-                raise Contradiction(f"{request.at(arm)}.deepstack_record differs from {recorded[0].name}'s "
-                                    f"(sha256 {record.sha256[:12]}… vs {first.sha256[:12]}…): the arms of one request "
-                                    "see the same DeepStack rows before zeroing")
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record differs from {recorded[0].name}'s "
+                         f"(sha256 {record.sha256[:12]}… vs {first.sha256[:12]}…): the arms of one request "
+                         "see the same DeepStack rows before zeroing")
+            if request.fixture is None or not record.nonzero_rows:
+                continue
+            where, other = by_input.setdefault((request.fixture.sha256, request.prompt), (request.at(arm), arm))
+            if other.deepstack_record.sha256 != record.sha256:
+                theirs = other.deepstack_record.sha256
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record (sha256 {record.sha256[:12]}…) differs from {where}'s "
+                         f"({theirs[:12]}…) for the same image and prompt: DeepStack computed by another seed, "
+                         "checkpoint or dtype")
 
 
 def power_needs_deepstack(run: RunResult) -> None:
@@ -210,21 +248,24 @@ def power_needs_deepstack(run: RunResult) -> None:
         for arm in _ran(request):
             rows = arm.deepstack_record.nonzero_rows if arm.deepstack_record else 0
             if rows and request.fixture is None:
-                raise Contradiction(f"{request.at(arm)}.deepstack_record has {rows} non-zero DeepStack rows, but "
-                                    "the request has no image")
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record has {rows} non-zero DeepStack rows, but "
+                         "the request has no image")
             if rows and layers == 0:
-                raise Contradiction(f"{request.at(arm)}.deepstack_record has {rows} non-zero DeepStack rows, but "
-                                    "config.deepstack_layers is 0")
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record has {rows} non-zero DeepStack rows, but "
+                         "config.deepstack_layers is 0")
     tolerances = Tolerances(run.logprob_tol, run.tie_margin)
     for ci, case in enumerate(run.cases):
         pair = _power_pair(case)
-        if pair is None or compare(*pair, tolerances).match:
+        if pair is None or not compare(*pair, tolerances).difference_shown:
             continue
         shown = f"cases[{ci}]: {EAGER_ZERO} and {EAGER_NORMAL} answer differently (DeepStack power)"
+        place = ArmPlace(ci, 0 if case.is_sequence else None, EAGER_ZERO)
         if case.fixture is None:
-            raise Contradiction(f"{shown}, but the case has no image")
+            raise Contradiction(f"{shown}, but the case has no image", place)
         if layers == 0:
-            raise Contradiction(f"{shown}, but config.deepstack_layers is 0")
+            raise Contradiction(f"{shown}, but config.deepstack_layers is 0", place)
 
 
 def _power_pair(case: CaseResult) -> tuple[ArmResult, ArmResult] | None:
@@ -269,22 +310,16 @@ def captured_buckets_fit_the_prompts(run: RunResult) -> None:
 
 
 def _longest_prompt(run: RunResult) -> int | None:
-    """The longest prompt of the run, when every request of it says how long its prompt was."""
-    if run.interrupted:
-        return None  # requests that never ran still had their buckets captured
-    lengths = []
-    for request in _requests(run):
-        known = [a.evidence.prompt_tokens for a in _ran(request)
-                 if a.evidence is not None and a.evidence.prompt_tokens is not None]
-        if not known:
-            return None
-        lengths.append(max(known))
-    return max(lengths, default=None)
+    """The longest prompt of the run's plan (design §4b): a shard captures for the whole plan."""
+    try:
+        return max(entry.prompt_tokens for entry in read_plan(run.config))
+    except ValueError:
+        return None  # a /1 file records no plan
 
 
 RULES: tuple[Callable[[RunResult], None], ...] = (
-    forced_matches_own_scores, forced_scores_every_reference, replays_fit_their_buckets, evidence_matches_record, enough_lm_entries,
-    answers_fit_max_new_tokens, one_fingerprint_per_request, power_needs_deepstack,
+    forced_matches_own_scores, forced_scores_every_reference, replays_fit_their_buckets, evidence_matches_record,
+    enough_lm_entries, answers_fit_max_new_tokens, one_fingerprint_per_request, power_needs_deepstack,
     captured_buckets_fit_the_prompts,
 )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 # Token ids, sizes, counts, buckets: a vocabulary, an image side, a context and the LM entries of a
@@ -85,6 +86,9 @@ def logprobs(values: Any, where: str) -> tuple[float, ...]:
     return out
 
 
+_BIG_EXPONENT = re.compile(r"[eE][+-]?0*[1-9][0-9]{2,}")
+
+
 def parse_unique_keys(text: str) -> Any:
     """The JSON document; a key given twice in one object is an error naming where (json keeps the
     last silently, so an edit could hide an arm behind its own name)."""
@@ -98,11 +102,42 @@ def parse_unique_keys(text: str) -> Any:
             obj[key] = value
         return obj
 
-    doc = json.loads(text, object_pairs_hook=pairs)
+    unbounded: list[str] = []  # NaN, Infinity, or a literal that overflows: where is found after
+
+    def constant(name: str) -> float:
+        unbounded.append(name)
+        return float(name)
+
+    def finite(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            unbounded.append(literal)
+        return value
+
+    # Only a literal with a three-digit exponent can overflow to infinity: check floats one by one
+    # (slow on a large sweep) only then.
+    hooks = {"parse_float": finite} if _BIG_EXPONENT.search(text) else {}
+    doc = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, **hooks)
+    if unbounded:
+        where, value = _find_unbounded(doc)
+        raise Invalid(f"{where} is {value}: numbers in a results file must be finite")
     if twice:
         where, key = _find_object(doc, twice, "document")
         raise Invalid(f"{where} has the key {key!r} twice")
     return doc
+
+
+def _find_unbounded(node: Any) -> tuple[str, float]:
+    stack = [(node, "document")]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, float) and not math.isfinite(node):
+            return where, node
+        if isinstance(node, dict):
+            stack.extend((v, f"{where}.{k}" if where != "document" else k) for k, v in reversed(node.items()))
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(node))))
+    return "document", math.nan
 
 
 def _find_object(node: Any, twice: dict[int, str], where: str) -> tuple[str, str]:

@@ -19,20 +19,24 @@ from typing import Any
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
-from parity.sharding import case_problem, read_shard
+from parity.plan import PlanEntry, read_plan
+from parity.textfiles import TooLarge, read_text_capped
 from parity.verdict import SEQUENCE_POWER_ARM
 from parity.results import (
     CASE_IMAGE, FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, ArmResult,
     CaseResult, FixtureInfo, LayerError, Localization, Repeat, RequestResult, RequestSpec, RunResult, TopLogprobs,
 )
 from parity.results_config import MIN_LOGPROB_TOL, config_from_json  # noqa: F401 (the CLI's floor too)
-from parity.results_consistency import Contradiction, check_consistency
+from parity.results_consistency import Contradiction
+from parity.results_plan import planned_but_absent
+from parity.results_requirements import check_all
 from parity.results_json import (
     Invalid, get, ints, logprobs, non_negative_int, number, parse_unique_keys, positive,
 )
 
-# A results file is a few hundred KB; anything far larger is not one, and reading it is a hang.
-MAX_FILE_BYTES = 256 * 1024 * 1024
+# A run's file is tens of KB per case; a merged sweep of 5,000 cases at 64 new tokens is a few hundred
+# MB (scripts/bench_merge_scale.py). Anything larger is not a results file, and reading it is a hang.
+MAX_FILE_BYTES = 1024 * 1024 * 1024
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -121,7 +125,8 @@ def _forced(raw: Any, where: str) -> dict[str, tuple[float, ...]]:
     for name in raw:
         if name not in ARM_ORDER:
             raise Invalid(f"{where} names unknown reference arm {name!r}")
-    return {name: logprobs(lps, f"{where}.{name}") for name, lps in raw.items()}
+    # null: the backend could not score exactly the reference's tokens (no tf delta then).
+    return {name: None if lps is None else logprobs(lps, f"{where}.{name}") for name, lps in raw.items()}
 
 
 def _arm(name: str, raw: Any, where: str, v2: bool) -> ArmResult:
@@ -173,7 +178,7 @@ def _arms(raw: Any, where: str, v2: bool) -> tuple[ArmResult, ...]:
             reference = by_name.get(ref)
             if reference is None or reference.failed:
                 raise Invalid(f"{where}.{arm.name}.forced scores reference {ref}, which is not in the case")
-            if len(lps) != len(reference.token_ids):
+            if lps is not None and len(lps) != len(reference.token_ids):
                 raise Invalid(f"{where}.{arm.name}.forced.{ref} has {len(lps)} scores for "
                               f"{len(reference.token_ids)} reference tokens")
     return arms
@@ -325,15 +330,34 @@ def _case(raw: Any, where: str, v2: bool) -> CaseResult:
     )
 
 
-def _check_shard(config: Any, case_ids: list[str]) -> None:
-    """A shard's or a merge's file holds exactly the planned cases of the shards it covers (design §8)."""
-    try:
-        record = read_shard(config)
-    except ValueError as err:
-        raise Invalid(f"config.shard: {err}") from None
-    problem = None if record is None else case_problem(record, case_ids)
-    if problem:
-        raise Invalid(f"config.shard: the file {problem}")
+# Fields parity 0.1 never wrote: a /1 file that has one is a /2 file relabelled, which would switch
+# the /2 rules off (design §4b).
+_V2_ONLY_CONFIG = ("tie_margin", "deepstack_layers", "logprob_mean_tol", "logprob_tol_source", "plan", "shard",
+                   "captured_buckets", "localize_threshold", "tp_size")
+_V2_ONLY_CASE = ("requests", "localization", "localization_plot")
+_V2_ONLY_ARM = ("evidence", "forced", "forced_seconds")
+
+
+def _check_v1_fields(config: dict, cases: list) -> None:
+    found = [f"config.{k}" for k in _V2_ONLY_CONFIG if k in config]
+    for ci, case in enumerate(cases):
+        if not isinstance(case, dict):
+            continue
+        found += [f"cases[{ci}].{k}" for k in _V2_ONLY_CASE if k in case]
+        arms = case.get("arms")
+        for name, arm in arms.items() if isinstance(arms, dict) else ():
+            if not isinstance(arm, dict):
+                continue
+            found += [f"cases[{ci}].arms.{name}.{k}" for k in _V2_ONLY_ARM if k in arm]
+            found += [f"cases[{ci}].arms.{name}.repeats[{i}].evidence" for i, r in enumerate(arm.get("repeats") or [])
+                      if isinstance(r, dict) and "evidence" in r]
+    if found:
+        raise Invalid(f"{found[0]} is a {SCHEMA} field, which a {SCHEMA_V1} file never has: a relabelled file")
+
+
+def _absent(entry: PlanEntry) -> CaseResult:
+    """A planned case the file does not hold: no arms, judged INCOMPLETE by name."""
+    return CaseResult(entry.id, None, "", scenario=entry.scenario, absent=True)
 
 
 def run_from_json(doc: Any, source: str) -> RunResult:
@@ -345,8 +369,11 @@ def run_from_json(doc: Any, source: str) -> RunResult:
             raise Invalid(f"schema is {schema!r}, expected {SCHEMA!r} or {SCHEMA_V1!r}")
         v2 = schema == SCHEMA
         environment = get(doc, "environment", dict, "document")
-        config = config_from_json(get(doc, "config", dict, "document"), environment, v2)
+        raw_config = get(doc, "config", dict, "document")
         cases_raw = get(doc, "cases", list, "document")
+        if not v2:
+            _check_v1_fields(raw_config, cases_raw)
+        config = config_from_json(raw_config, environment, v2)
         if not cases_raw:
             raise Invalid("cases is empty")
         cases = tuple(_case(c, f"cases[{i}]", v2) for i, c in enumerate(cases_raw))
@@ -355,7 +382,7 @@ def run_from_json(doc: Any, source: str) -> RunResult:
             if case.id in seen:
                 raise Invalid(f"case id {case.id!r} appears twice; case ids must be unique")
             seen.add(case.id)
-        _check_shard(config, [c.id for c in cases])
+        absent = planned_but_absent(config, cases) if v2 else ()
         run = RunResult(
             created=get(doc, "created", str, "document"),
             environment=MappingProxyType(environment),
@@ -364,8 +391,12 @@ def run_from_json(doc: Any, source: str) -> RunResult:
             schema=schema,
             interrupted=bool(get(doc, "interrupted", bool, "document", optional=True)),
         )
-        check_consistency(run)  # on the requests as the file holds them, so places name file indices
-        return replace(run, cases=tuple(_completed(c) for c in cases) if v2 else cases)
+        check_all(run)  # on the requests as the file holds them, so places name file indices
+        if not v2:
+            return run
+        held = {c.id: _completed(c) for c in cases}
+        held.update((entry.id, _completed(_absent(entry))) for entry in absent)
+        return replace(run, cases=tuple(held[e.id] for e in read_plan(config) if e.id in held))
     except (Invalid, Contradiction) as err:
         shown = schema if schema in (SCHEMA, SCHEMA_V1) else SCHEMA
         raise ResultsFileError(source, f"not valid {shown}: {err}") from None
@@ -374,10 +405,9 @@ def run_from_json(doc: Any, source: str) -> RunResult:
 def load_results(path: str | Path) -> RunResult:
     shown = str(path)
     try:
-        path = Path(path)
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ResultsFileError(shown, f"is larger than {MAX_FILE_BYTES // 2**20} MiB; not a results file")
-        text = path.read_text(encoding="utf-8")
+        text = read_text_capped(path, MAX_FILE_BYTES)
+    except TooLarge as err:
+        raise ResultsFileError(shown, f"{err}; not a results file") from None
     except FileNotFoundError:
         raise ResultsFileError(shown, "no such file") from None
     except (OSError, UnicodeDecodeError, ValueError) as err:

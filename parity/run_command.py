@@ -27,6 +27,10 @@ from parity.reporting.progress import progress_display
 from parity.reporting.report import render_markdown
 from parity.reporting.terminal import print_table
 from parity.results import RunResult, dumps, write_atomically
+from parity.textfiles import TooLarge, read_text_capped
+
+# A prompts file is a few lines; a megabyte of prompts is thousands of cases, far past any run.
+MAX_PROMPTS_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,9 @@ def _user_prompts(texts: Sequence[str], prompts_file: str | None) -> tuple[Promp
     lines = list(texts)
     if prompts_file:
         try:
-            raw = Path(prompts_file).read_text(encoding="utf-8")
+            raw = read_text_capped(prompts_file, MAX_PROMPTS_BYTES)
+        except TooLarge as err:
+            raise UsageError(f"--prompts {prompts_file}: {err}; not a prompts file") from None
         except (OSError, UnicodeDecodeError) as err:
             raise UsageError(f"--prompts {prompts_file}: cannot be read ({err.__class__.__name__})") from None
         from_file = [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
@@ -145,8 +151,9 @@ class RunStopped(Exception):
 
 
 def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
-    """Run, show the verdict, then write the run folder: results.json, report.md and JUnit first,
-    plots last. Ctrl-C or SIGTERM raises `RunStopped` after writing what finished."""
+    """Run, write the run folder (results.json, report.md and JUnit first), show the verdict, then
+    draw the plots. Ctrl-C or SIGTERM raises `RunStopped` after writing what finished; the caller
+    holds every later signal off (`interrupts.first_stop_only`) until the files are written."""
     existed = output.run_dir.exists()
     try:
         result = _run(spec, backend, output, console)
@@ -154,11 +161,21 @@ def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, c
         raise _kept(stop, output, console, existed) from None
     except KeyboardInterrupt as stop:  # before the plan was made: the model loading, a server starting
         raise RunStopped(signal_of(stop), _nothing_finished(output, existed)) from None
-    print_table(result, console)  # the verdict is shown before any write that can fail
-    with deferred_stops(reraise=False) as noted:
-        _write_files(result, output, console)
-    if noted:
-        raise RunStopped(noted[-1], f"interrupted: the results are written in {output.run_dir}; no plots were drawn")
+    unwritten = None
+    with deferred_stops(reraise=False) as noted:  # files first: a stop now still keeps them whole
+        try:
+            _write_files(result, output, console)
+        except UsageError as failed:  # a full disk: the verdict is still shown, then the error
+            unwritten = failed
+    try:
+        if noted:
+            raise KeyboardInterrupt
+        print_table(result, console)
+    except KeyboardInterrupt as stop:
+        raise RunStopped(noted[0] if noted else signal_of(stop),
+                         f"interrupted: the results are written in {output.run_dir}; no plots were drawn") from None
+    if unwritten is not None:
+        raise unwritten
     if output.plots:
         result = _plotted(result, output, console)
     console.print(f"results: {escape(str(output.run_dir / 'results.json'))}  "
@@ -179,16 +196,16 @@ def _run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console:
 
 
 def _kept(stop: RunInterrupted, output: OutputOptions, console: Console, existed: bool) -> RunStopped:
-    """Write what finished, shielded from a second signal, and say what was kept."""
+    """Write what finished, shielded from a further signal, then show it and say what was kept."""
     if stop.finished_arms == 0:
         return RunStopped(stop.signum, _nothing_finished(output, existed))
-    # The cases that ran something, and the overall verdict: not a page of "not run" per case.
-    print_table(dataclasses.replace(stop.result, cases=tuple(c for c in stop.result.cases if c.all_arms())), console)
     with deferred_stops(reraise=False):
         _write_files(stop.result, output, console)
+    # The cases that ran something, and the overall verdict: not a page of "not run" per case.
+    print_table(dataclasses.replace(stop.result, cases=tuple(c for c in stop.result.cases if c.all_arms())), console)
     if not stop.result.interrupted:
-        return RunStopped(stop.signum, f"interrupted while localizing: every process parity started was stopped; "
-                                       f"the judged results, without localizations, are in {output.run_dir}")
+        return RunStopped(stop.signum, f"interrupted after every arm had run: every process parity started was "
+                                       f"stopped; the judged results (without localizations) are in {output.run_dir}")
     return RunStopped(stop.signum, f"interrupted: every process parity started was stopped; the "
                                    f"{stop.finished_arms} arm(s) that finished are in {output.run_dir}, "
                                    "marked interrupted")

@@ -35,7 +35,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from parity.arms import arm_mode_and_deepstack
 from parity.errors import UsageError
+from parity.plan import PlanEntry
+from parity.results import FOUR_ARM, SEQUENCE_REQUESTS
 
 CONFIG_KEY = "shard"
 _SPEC = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
@@ -62,8 +65,18 @@ class Shard:
         return f"{self.index}/{self.count}"
 
 
+def case_cost(scenario: str, arms: Sequence[str]) -> int:
+    """The generations a case asks for (sharding's expected cost): its arms over its requests, in
+    every mode, and a sequence's eager power arm."""
+    if scenario == FOUR_ARM:
+        return len(arms)
+    modes = {arm_mode_and_deepstack(a)[0] for a in arms}
+    return len(SEQUENCE_REQUESTS[scenario]) * len(modes) + ("eager" in modes)
+
+
 def partition(costs: Sequence[tuple[str, int]], count: int) -> dict[str, int]:
-    """Case id -> its shard (1-based), for cases given in case-list order with their costs."""
+    """Case id -> its shard (1-based), for cases given in case-list order with their costs: each goes
+    to the shard with the least expected cost so far (the lowest index on a tie)."""
     loads = [0] * count
     assigned = {}
     for case_id, cost in costs:
@@ -71,6 +84,17 @@ def partition(costs: Sequence[tuple[str, int]], count: int) -> dict[str, int]:
         loads[lightest] += max(cost, 1)
         assigned[case_id] = lightest + 1
     return assigned
+
+
+def assignment(entries: Sequence[PlanEntry], arms: Sequence[str], count: int) -> dict[str, int]:
+    """Case id -> shard, in plan order. Cases are taken in case-list order (each base case, its
+    scenarios most expensive first), so appending cases never moves one already assigned."""
+    scenarios = list(dict.fromkeys(e.scenario for e in entries))
+    per_scenario = len(entries) // max(len(scenarios), 1)
+    costs = [case_cost(e.scenario, arms) for e in entries]
+    order = sorted(range(len(entries)), key=lambda i: (i % per_scenario, -costs[i], i // per_scenario))
+    shards = partition([(entries[i].id, costs[i]) for i in order], count)
+    return {e.id: shards[e.id] for e in entries}
 
 
 def check_not_empty(shard: Shard, cases: int) -> None:

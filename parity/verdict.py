@@ -14,7 +14,7 @@ from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_name
 from parity.buckets import smallest_fitting
 from parity.evidence import Evidence
 from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
-from parity.results import ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
+from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 from parity.sharding import unmerged_note
 
 PASS = "PASS"
@@ -23,6 +23,7 @@ INCOMPLETE = "INCOMPLETE"
 INCONCLUSIVE_NO_POWER = "INCONCLUSIVE_NO_POWER"
 INCONCLUSIVE_NONDETERMINISTIC = "INCONCLUSIVE_NONDETERMINISTIC"
 INCONCLUSIVE_NOT_REPLAYED = "INCONCLUSIVE_NOT_REPLAYED"
+INCONCLUSIVE_UNVERIFIED = "INCONCLUSIVE_UNVERIFIED"
 FAIL_CONTROL_DIVERGES = "FAIL_CONTROL_DIVERGES"
 FAIL_DEEPSTACK_DROPPED = "FAIL_DEEPSTACK_DROPPED"
 FAIL_GRAPH_DIVERGES = "FAIL_GRAPH_DIVERGES"
@@ -38,6 +39,7 @@ EXIT_CODES = {
     INCONCLUSIVE_NO_POWER: 3,
     INCONCLUSIVE_NONDETERMINISTIC: 3,
     INCONCLUSIVE_NOT_REPLAYED: 3,
+    INCONCLUSIVE_UNVERIFIED: 3,
     ERROR: 4,
 }
 USAGE_EXIT = 2
@@ -47,6 +49,8 @@ SETUP_FAULTS = (INCOMPLETE, INCONCLUSIVE_NONDETERMINISTIC, INCONCLUSIVE_NOT_REPL
 # An arm reproduces itself when ids are equal and logprobs agree to this: the noise floor of a
 # correct replay on any x86 CPU (metrics.NOISE_FLOOR), not bit equality.
 REPEAT_TOL = NOISE_FLOOR
+# The runner variant that leaves the DeepStack slot uncleared between requests (graph_runner.py).
+NO_CLEAR_RUNNER = "no-clear"
 
 
 @dataclass(frozen=True)
@@ -81,13 +85,17 @@ class Rules:
     deepstack_layers: int | None  # None (a /1 file): inferred from the tap records
     backend: str = "transformers"
     captured: tuple[int, ...] | None = None  # the buckets the run captured; None: not recorded
+    repeat: int = 1  # --repeat: every arm runs this often
+    runner: str | None = None  # the transformers backend's runner variant
 
     @classmethod
     def of(cls, run: RunResult) -> "Rules":
         captured = run.config.get("captured_buckets")
+        repeat = run.config.get("repeat")
         return cls(Tolerances(run.logprob_tol, run.tie_margin, run.logprob_mean_tol), run.deepstack_layers,
                    str(run.config.get("backend", "transformers")),
-                   None if captured is None else tuple(sorted(int(b) for b in captured)))
+                   None if captured is None else tuple(sorted(int(b) for b in captured)),
+                   repeat if isinstance(repeat, int) and repeat >= 1 else 1, run.config.get("runner"))
 
 
 @dataclass(frozen=True)
@@ -249,6 +257,9 @@ def judge_case(case: CaseResult, rules: Rules) -> CaseResult:
 
 
 def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: Rules) -> Verdict:
+    if case.absent:
+        return Verdict(INCOMPLETE, "a planned case (config.plan) the file does not hold: it never ran here, or was "
+                                   "removed from the file")
     all_groups = groups(case)
     n = len(case.requests)
     tol = rules.tolerances.logprob_tol
@@ -271,6 +282,10 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
         missing = [name for name in group.needed if name not in group.arms]
         if missing:
             return Verdict(INCOMPLETE, f"{group.where(n)}arm(s) not run: {', '.join(missing)}")
+    for group, arm in present:  # rule 2, --repeat: a stop mid-arm keeps the repeats that finished
+        if len(arm.repeats) < rules.repeat - 1:
+            return Verdict(INCOMPLETE, f"{group.where(n)}arm {arm.name} ran {len(arm.repeats) + 1} of its "
+                                       f"{rules.repeat} runs (--repeat {rules.repeat})")
     # Rule 4 before rule 3, per run: a repeat that took another path did not "fail to reproduce".
     for group, arm in present:
         for label, evidence, shown in runs_of(arm):
@@ -289,7 +304,12 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
     by_key = {(c.a, c.b, c.request): c for c in comparisons}
     if case.is_sequence:
         return _sequence_verdict(all_groups, by_key, n, rules.tolerances)
-    return _four_arm_verdict(by_key, tol)
+    verdict = _four_arm_verdict(by_key, tol)
+    if verdict.code == PASS and rules.runner == NO_CLEAR_RUNNER:
+        verdict = Verdict(PASS, f"{verdict.reason}; note: --runner no-clear leaks state only from one request "
+                                "into the next, which a four-arm case never reaches (--scenario reuse, stream or "
+                                "all reaches it)")
+    return verdict
 
 
 def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
@@ -321,7 +341,7 @@ def _describe(c: Comparison, tol: float) -> str:
 
 def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:
     power = by_key[(EAGER_ZERO, EAGER_NORMAL, None)]
-    if power.match:  # rule 5
+    if not power.difference_shown:  # rule 5
         return Verdict(INCONCLUSIVE_NO_POWER,
                        f"{_describe(power, tol)}: zeroing DeepStack does not change the eager answer, "
                        "so nothing can be proven")
@@ -330,7 +350,7 @@ def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:
         return Verdict(FAIL_CONTROL_DIVERGES,
                        f"{_describe(control, tol)}: graph and eager differ even with DeepStack ablated")
     sees = by_key[(BCG_NORMAL, BCG_ZERO, None)]
-    if sees.match:  # rule 7
+    if not sees.difference_shown:  # rule 7
         return Verdict(FAIL_DEEPSTACK_DROPPED,
                        f"{_describe(sees, tol)}: graph replay answers as if DeepStack were zero")
     same = by_key[(BCG_NORMAL, EAGER_NORMAL, None)]
@@ -343,7 +363,7 @@ def _sequence_verdict(all_groups: tuple[Group, ...], by_key: Mapping, n: int, to
     tol = tolerances.logprob_tol
     first = all_groups[0]
     power = by_key[(POWER_CHECK.a, POWER_CHECK.b, first.request)]
-    if power.match:  # rule 5: the sequence cannot show that DeepStack reached the graph at all
+    if not power.difference_shown:  # rule 5: the sequence cannot show that DeepStack reached the graph at all
         return Verdict(INCONCLUSIVE_NO_POWER,
                        f"{first.where(n)}{_describe(power, tol)}: zeroing DeepStack does not change the eager "
                        "answer to the sequence's image request, so the sequence proves nothing about DeepStack")
@@ -358,7 +378,7 @@ def _sequence_verdict(all_groups: tuple[Group, ...], by_key: Mapping, n: int, to
                            "sequence answers differently from the eager one")
         # Nothing ran before the first request: no state can be stale. Name what it is.
         dropped = compare(group.arms[check.a], group.arms[SEQUENCE_POWER_ARM], tolerances, group.request)
-        if dropped.match:
+        if not dropped.difference_shown:
             return Verdict(FAIL_DEEPSTACK_DROPPED,
                            f"{group.where(n)}{c.a} vs {SEQUENCE_POWER_ARM} {tuple_text(dropped, tol)}: the graph "
                            "answers the sequence's first request as if DeepStack were zero")
@@ -395,6 +415,9 @@ def judge_run(run: RunResult) -> RunResult:
     unmerged = unmerged_note(run.config)  # a merge told to go without a shard: at best INCOMPLETE
     if unmerged and verdict.code in (PASS, INCONCLUSIVE_NO_POWER):
         verdict = Verdict(INCOMPLETE, f"{unmerged} ({verdict.reason})")
+    if run.schema == SCHEMA_V1 and verdict.code == PASS:  # design §4b: never a PASS on an unchecked rule
+        verdict = Verdict(INCONCLUSIVE_UNVERIFIED, f"a {SCHEMA_V1} file records no plan, so whether every planned "
+                                                   f"case is in it cannot be checked ({verdict.reason})")
     return replace(run, cases=cases, verdict=verdict)
 
 

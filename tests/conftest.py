@@ -22,6 +22,33 @@ from parity.models import LoadedModel, load_model
 torch.set_num_threads(PRESET_THREADS)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def every_run_rejudges_the_same():
+    """Every run the suite makes, through the CLI or the library, is written and read back, and
+    `parity verdict` of its file must say exactly what the run said (design §4b: the run applies
+    every rule of the loader to itself)."""
+    import parity.experiment
+    from parity.results import dumps
+    from parity.results_loader import run_from_json
+    from parity.verdict import judge_run
+
+    real = parity.experiment._run_result
+
+    def checked(*args, **kwargs):
+        run = real(*args, **kwargs)
+        if "plan" not in run.config:  # stopped before the prompts were measured: nothing is written
+            return run
+        again = judge_run(run_from_json(json.loads(dumps(run)), "<the run's own file>"))
+        held = [c for c in again.cases if not c.absent]
+        assert [(c.id, c.verdict) for c in held] == [(c.id, c.verdict) for c in run.cases]
+        assert again.verdict == run.verdict and len(held) == len(again.cases)
+        return run
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parity.experiment, "_run_result", checked)
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
     return load_model("tiny-qwen3-vl")

@@ -12,13 +12,16 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_mode_and_deepstack
+from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_mode_and_deepstack
+from parity.errors import UsageError
+from parity.fixtures import builtin_fixture
+from parity.plan import PlanEntry, plan_json, text_sha256
 from parity.evidence import Evidence
 from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
 )
-from parity.verdict import checks_for, judge_run
+from parity.verdict import FOUR_ARMS, checks_for, judge_run
 
 # Two answers that differ from the first token on: what DeepStack on/off gives a working model.
 NORMAL_IDS: tuple[int, ...] = (11, 12, 13, 14, 15)
@@ -74,7 +77,13 @@ def make_arm(
 
 
 def fixture_info(name: str) -> FixtureInfo:
-    return FixtureInfo(name=name, sha256=hashlib.sha256(name.encode()).hexdigest(), size=(64, 64))
+    """A built-in fixture's own sha256 and size (a file holds no other under its name); any other
+    name gets a made-up image."""
+    try:
+        fixture = builtin_fixture(name)
+    except UsageError:
+        return FixtureInfo(name=name, sha256=hashlib.sha256(name.encode()).hexdigest(), size=(64, 64))
+    return FixtureInfo(name, fixture.sha256, fixture.size)
 
 
 def make_case(
@@ -119,13 +128,33 @@ def make_run(
     deepstack_layers: int = 3,
 ) -> RunResult:
     """A run judged by `judge_run`, exactly as `parity run` would store it."""
+    cases = tuple(scored(c, keep=True) for c in cases)
     config = {"model": model, "backend": backend, "dtype": "float32", "max_new_tokens": 20,
-              "logprob_tol": logprob_tol, "tie_margin": tie_margin, "deepstack_layers": deepstack_layers}
+              "logprob_tol": logprob_tol, "logprob_tol_source": "user", "tie_margin": tie_margin,
+              "deepstack_layers": deepstack_layers, **plan_config(cases)}
+    repeats = {len(a.repeats) for c in cases for a in c.all_arms() if not a.failed}
+    if len(repeats) == 1 and repeats != {0}:  # as --repeat writes it: every arm repeated alike
+        config["repeat"] = repeats.pop() + 1
+    if backend == "sglang":
+        config["tp_size"] = 1
     env = {"parity": "test", "python": "3", "torch": "x", "transformers": "x", "sglang": None,
            "device": "cpu", "gpu": None}
     run = RunResult(created=created, environment=MappingProxyType(env), config=MappingProxyType(config),
-                    cases=tuple(cases))
+                    cases=cases)
     return judge_run(run)
+
+
+def plan_config(cases: Sequence[CaseResult]) -> dict:
+    """config.scenarios, config.arms and config.plan as `parity run` writes them for these cases
+    (given scenario-major, each scenario over the same fixtures and prompts)."""
+    scenarios = list(dict.fromkeys(c.scenario for c in cases))
+    plan = []
+    for case in cases:
+        tokens = [a.evidence.prompt_tokens for a in case.all_arms() if a.evidence and a.evidence.prompt_tokens]
+        plan.append(PlanEntry(case.id, case.scenario, case.fixture.sha256 if case.fixture else None,
+                              text_sha256(case.prompt), max(tokens, default=PROMPT_TOKENS)))
+    arms = sorted({a.name for c in cases for a in c.all_arms()} | set(FOUR_ARMS), key=ARM_ORDER.index)
+    return {"scenarios": scenarios, "arms": arms, "plan": plan_json(plan)}
 
 
 # --- the canonical four-arm outcomes --------------------------------------------------------------
@@ -173,12 +202,16 @@ def stream_case(bcg_ids: Sequence[Sequence[int]] | None = None, case_id: str = "
     return make_sequence(requests, case_id)
 
 
-def scored(case: CaseResult) -> CaseResult:
-    """The case as a backend that teacher-forces writes it: each arm scored on every reference it is
-    compared against, with its own logprobs where its tokens agree with the reference's, -2.0 after."""
+def scored(case: CaseResult, keep: bool = False) -> CaseResult:
+    """The case as a backend that teacher-forces writes it: each arm scored on its own tokens and on
+    every reference it is compared against, with its own logprobs where its tokens agree with the
+    reference's, -2.0 after. `keep`: scores an arm already has stay as they are."""
     forced: dict[tuple[int | None, str], dict[str, tuple[float, ...]]] = {}
     for group, check in checks_for(case):
         a, b = group.arms.get(check.a), group.arms.get(check.b)
+        for arm in (a, b):
+            if arm is not None and not arm.failed:
+                forced.setdefault((group.request, arm.name), {})[arm.name] = arm.token_logprobs
         if a is None or b is None or a.failed or b.failed:
             continue
         same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
@@ -187,8 +220,13 @@ def scored(case: CaseResult) -> CaseResult:
         forced.setdefault((group.request, a.name), {})[b.name] = scores
 
     def with_scores(arms: Sequence[ArmResult], request: int | None) -> tuple[ArmResult, ...]:
-        return tuple(replace(arm, forced=MappingProxyType(forced.get((request, arm.name), {}))) for arm in arms)
+        return tuple(arm if arm.failed else
+                     replace(arm, forced=MappingProxyType(forced.get((request, arm.name), {})
+                                                          | (dict(arm.forced) if keep else {})))
+                     for arm in arms)
 
     if not case.is_sequence:
         return replace(case, arms=with_scores(case.arms, None))
     return replace(case, requests=tuple(replace(r, arms=with_scores(r.arms, i)) for i, r in enumerate(case.requests)))
+
+

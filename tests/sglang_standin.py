@@ -79,6 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--standin-deepstack-replay", action="store_true", help="the upstream fix")
     parser.add_argument("--standin-no-plugin", action="store_true",
                         help="the hook is never called (parity not installed, or apply_hooks failed)")
+    parser.add_argument("--dtype", default="bfloat16", help="the DeepStack rows are in the served dtype")
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size",
                         help="ranks: each runs the hook on its own copy of the LM inputs, as its own process")
     parser.add_argument("--standin-silent-rank", type=int, default=None, help="this rank's hook never runs")
@@ -163,7 +164,8 @@ class Model:
             import torch
 
             seed = int(image_key(image)[:8], 16)
-            deepstack = torch.zeros(rows, DEEPSTACK_WIDTH)  # [tokens, hidden * n_ds], text rows zero
+            dtype = getattr(torch, self.args.dtype if self.args.dtype != "auto" else "bfloat16")
+            deepstack = torch.zeros(rows, DEEPSTACK_WIDTH, dtype=dtype)  # [tokens, hidden * n_ds], text rows zero
             deepstack[2:6] = torch.randn(4, DEEPSTACK_WIDTH, generator=torch.Generator().manual_seed(seed))
             lm_kwargs[plugin.DEEPSTACK_KEY] = deepstack  # as prepare_mm_inputs leaves it
         if bucket is not None:

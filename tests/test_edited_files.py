@@ -113,14 +113,18 @@ EDITS = [
      "arms.bcg_normal.deepstack_record differs from eager_normal's"),
     ("default", lambda d: _set(_arms(d)["eager_zero_deepstack"]["deepstack_record"], action="normal"), 2,
      "deepstack_record.action is 'normal', but the arm runs DeepStack 'zero'"),
-    ("default", lambda d: _set(_case(d), fixture=None), 2, "non-zero DeepStack rows, but the request has no image"),
+    # config.plan says which image each case has, the same in every scenario
+    ("default", lambda d: (_set(_case(d), fixture=None), _set(d["config"]["plan"][0], image=None)), 2,
+     "has another image or prompt than"),
+    ("default", lambda d: _set(_case(d), fixture=None), 2, "another image under the same case id"),
     ("default", lambda d: _set(d["config"], deepstack_layers=0), 2, "non-zero DeepStack rows, but config.deepstack_layers is 0"),
     ("default", lambda d: (_set(d["config"], deepstack_layers=0),
                        [_set(a, deepstack_record=None) for c in d["cases"]
                         for a in (c["arms"].values() if "arms" in c else [x for r in c["requests"] for x in r["arms"].values()])]),
      2, "eager_zero_deepstack and eager_normal answer differently (DeepStack power), but config.deepstack_layers is 0"),
-    ("default", lambda d: (_set(_case(d), fixture=None), [_set(a, deepstack_record=None) for a in _arms(d).values()]), 2,
-     "answer differently (DeepStack power), but the case has no image"),
+    ("default", lambda d: (_set(_case(d), fixture=None), _set(d["config"]["plan"][0], image=None),
+                           [_set(a, deepstack_record=None) for a in _arms(d).values()]), 2,
+     "has another image or prompt than"),
     ("default", lambda d: _set(_case(d), id=""), 2, "cases[0].id is empty"),
     ("default", lambda d: _set(_case(d), id=" \t"), 2, "cases[0].id is empty"),
     # Config fields `parity localize` rebuilds the run from.
@@ -216,7 +220,7 @@ def test_localize_refuses_buckets_past_a_checkpoints_context(parity_cli, tiny, t
 def test_an_interrupted_run_reads_back_and_does_not_pass(parity_cli, monkeypatch):
     from parity.backends.transformers_backend import TransformersSession
 
-    real, calls = TransformersSession.generate, {"n": 0}
+    real, calls = TransformersSession.answer, {"n": 0}
 
     def interrupted(self, *args, **kwargs):
         calls["n"] += 1
@@ -224,7 +228,7 @@ def test_an_interrupted_run_reads_back_and_does_not_pass(parity_cli, monkeypatch
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TransformersSession, "generate", interrupted)
+    monkeypatch.setattr(TransformersSession, "answer", interrupted)
     result, doc, out = parity_cli.run("--scenario", "all", "--fixture", "all", "--max-new-tokens", "2")
     assert result.exit_code == 130 and doc["interrupted"] is True
     assert any(not r["arms"] for c in doc["cases"] if "requests" in c for r in c["requests"])

@@ -160,7 +160,7 @@ def test_verdict_recomputes_from_arms_alone(parity_cli, tmp_path):
     recomputed = json.loads(parity_cli("verdict", str(forged), "--json").output)
     assert recomputed["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED" and len(recomputed["cases"][0]["comparisons"]) == 4
     # A tolerance large enough to hide every logprob difference cannot hide a token mismatch.
-    doc["config"]["logprob_tol"] = 100.0
+    doc["config"].update(logprob_tol=100.0, logprob_tol_source="user")
     forged.write_text(json.dumps(doc))
     assert parity_cli("verdict", str(forged)).exit_code == 1
 
@@ -213,15 +213,17 @@ def test_repeat_on_a_nondeterministic_arm_is_inconclusive(parity_cli, monkeypatc
 
     from parity.backends.transformers_backend import TransformersSession
 
-    real = TransformersSession.generate
+    real = TransformersSession.answer
     calls = {"n": 0}
 
-    def jittery(self, request, deepstack, force=()):
-        gen = real(self, request, deepstack, force)
+    def jittery(self, request, deepstack):
+        answer = real(self, request, deepstack)
         calls["n"] += 1
-        return dataclasses.replace(gen, token_logprobs=tuple(lp + calls["n"] * 1e-3 for lp in gen.token_logprobs))
+        gen = answer.generation
+        return dataclasses.replace(answer, generation=dataclasses.replace(
+            gen, token_logprobs=tuple(lp + calls["n"] * 1e-3 for lp in gen.token_logprobs)))
 
-    monkeypatch.setattr(TransformersSession, "generate", jittery)
+    monkeypatch.setattr(TransformersSession, "answer", jittery)
     result, doc, _ = parity_cli.run("--repeat", "2")
     assert result.exit_code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NONDETERMINISTIC"
 
@@ -276,7 +278,7 @@ def test_report_stays_under_a_pr_comment_and_fences_hold(parity_cli):
 def test_ctrl_c_keeps_every_finished_arm(parity_cli, tmp_path, monkeypatch):
     from parity.backends.transformers_backend import TransformersSession
 
-    real = TransformersSession.generate
+    real = TransformersSession.answer
     calls = {"n": 0}
 
     def interrupted_on_the_third(self, *args, **kwargs):
@@ -285,7 +287,7 @@ def test_ctrl_c_keeps_every_finished_arm(parity_cli, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TransformersSession, "generate", interrupted_on_the_third)
+    monkeypatch.setattr(TransformersSession, "answer", interrupted_on_the_third)
     junit = tmp_path / "junit.xml"
     result, doc, out = parity_cli.run("--junit", str(junit))
     assert result.exit_code == 130 and "interrupted" in result.output

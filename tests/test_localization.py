@@ -329,9 +329,11 @@ def test_localize_usage_errors(parity_cli, tmp_path):
 
     for args, message in (
         ([str(results), "--case", "nope/describe"], "unknown case 'nope/describe'; cases in the file: rgb-stripes"),
-        ([edited(lambda d: d["config"].update(backend="sglang"))], "rerun the failing case on the transformers backend"),
-        ([edited(lambda d: d["cases"][0]["fixture"].update(sha256="0" * 64))], "give the image the run used"),
-        ([edited(lambda d: d["cases"][0]["fixture"].update(name="cat", sha256="0" * 64))], "user image 'cat'"),
+        ([edited(lambda d: d["config"].update(backend="sglang", tp_size=1))],
+         "rerun the failing case on the transformers backend"),
+        ([edited(lambda d: d["cases"][0]["fixture"].update(sha256="0" * 64))], "another image under the same case id"),
+        ([edited(lambda d: (d["cases"][0]["fixture"].update(name="cat", sha256="0" * 64),
+                            d["config"]["plan"][0].update(image="0" * 64)))], "user image 'cat'"),
         ([edited(lambda d: d["config"].pop("captured_buckets"))], "config lacks captured_buckets"),
         ([edited(lambda d: d["config"].update(runner="turbo"))], "config.runner is 'turbo'"),
         ([str(results), "--localize-threshold", "0"], "must be 'auto' or a finite number > 0"),

@@ -16,6 +16,7 @@ from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.reporting.report import render_json, render_markdown
 from parity.reporting.terminal import print_table
 from parity.results import FixtureInfo
+from parity.verdict import judge_run
 from tests.helpers_runs import (
     NORMAL_IDS, ZERO_IDS, fixed_arms, fixture_info, legacy_arms, make_arm, make_case, make_run, scored, stream_case,
 )
@@ -96,7 +97,7 @@ def test_near_tie_note_reaches_the_terminal():
     run = make_run([make_case(arms)])
     comparison = run.cases[0].comparisons[0]
     assert comparison.tie
-    assert "[tie, tf Δ" in _terminal(run, width=120)
+    assert "[tie, flip Δ" in _terminal(run, width=120)
 
 
 def test_the_table_is_readable_at_80_columns():
@@ -147,8 +148,8 @@ def test_eager_evidence_is_calm_and_a_graph_arm_that_did_not_replay_is_not():
 def test_no_clear_in_four_arm_says_which_scenario_reaches_the_bug(runner, scenario, noted):
     case = make_case(fixed_arms()) if scenario == "four-arm" else stream_case()
     run = make_run([case])
-    run = replace(run, config={**run.config, "runner": runner})
-    note = "cannot reach that bug: run --scenario stream or --scenario reuse"
+    run = judge_run(replace(run, config={**run.config, "runner": runner}))
+    note = "which a four-arm case never reaches (--scenario reuse, stream or all reaches it)"
     markdown, text = render_markdown(run), _terminal(run, width=400)
     assert (note in markdown) is noted and (note in text) is noted
     if noted:

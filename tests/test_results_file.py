@@ -8,7 +8,7 @@ import pytest
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord
 from parity.results import SCHEMA, run_to_json, write_results
-from parity.results_loader import load_results
+from parity.results_loader import _V2_ONLY_CONFIG, load_results
 from parity.verdict import judge_run
 from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, scored, stream_case
 
@@ -103,12 +103,13 @@ def v1_doc(bcg_replay=True, arms=None):
     """A results file as parity 0.1 wrote it: no evidence, replay in each arm's DeepStack record."""
     doc = run_to_json(make_run([make_case(arms or fixed_arms())]))
     doc["schema"] = "parity.results/1"
-    for key in ("tie_margin", "deepstack_layers"):
-        doc["config"].pop(key)
+    for key in _V2_ONLY_CONFIG:
+        doc["config"].pop(key, None)
     for name, arm in doc["cases"][0]["arms"].items():
         for key in ("evidence", "forced", "forced_seconds"):
             arm.pop(key)
-        arm["deepstack_record"] = _record(bcg_replay if name.startswith("bcg") else False).to_json()
+        record = _record(bcg_replay if name.startswith("bcg") else False).to_json()
+        arm["deepstack_record"] = dict(record, action=arm["deepstack"])
     return doc
 
 
@@ -116,7 +117,9 @@ def test_a_v1_file_is_still_judged(tmp_path: Path):
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(v1_doc()))
     run = judge_run(load_results(path))
-    assert run.schema == "parity.results/1" and run.verdict.code == "PASS"
+    # Every case passed, but a /1 file records no plan: never a PASS on what it cannot show.
+    assert run.schema == "parity.results/1" and run.cases[0].verdict.code == "PASS"
+    assert run.verdict.code == "INCONCLUSIVE_UNVERIFIED" and "records no plan" in run.verdict.reason
     path.write_text(json.dumps(v1_doc(arms=legacy_arms())))
     assert judge_run(load_results(path)).verdict.code == "FAIL_DEEPSTACK_DROPPED"
 
@@ -126,14 +129,32 @@ def test_a_v1_file_is_still_judged(tmp_path: Path):
     (lambda d: d["cases"][0]["arms"]["bcg_zero_deepstack"].update(deepstack_record=None), "ERROR"),
     (lambda d: [a.update(deepstack_record=None) for a in d["cases"][0]["arms"].values()], "INCONCLUSIVE_NOT_REPLAYED"),
     (lambda d: d["cases"][0]["arms"]["eager_normal"]["deepstack_record"].update(replay=True), "INCONCLUSIVE_NOT_REPLAYED"),
-    (lambda d: d["cases"][0]["arms"]["bcg_normal"]["deepstack_record"].update(nonzero_rows=0), "ERROR"),
+    # One fingerprint per request holds in /1 too: a record that lost its rows is refused.
+    (lambda d: d["cases"][0]["arms"]["bcg_normal"]["deepstack_record"].update(nonzero_rows=0), None),
 ])
 def test_a_v1_file_never_passes_on_missing_or_contrary_evidence(tmp_path: Path, edit, code):
     doc = v1_doc()
     edit(doc)
     path = tmp_path / "v1.json"
     path.write_text(json.dumps(doc))
-    assert judge_run(load_results(path)).verdict.code == code
+    if code is None:
+        with pytest.raises(ResultsFileError, match="differs from eager_normal's"):
+            load_results(path)
+    else:
+        assert judge_run(load_results(path)).verdict.code == code
+
+
+@pytest.mark.parametrize("field, where", [
+    ("evidence", lambda d: d["cases"][0]["arms"]["bcg_normal"]), ("forced", lambda d: d["cases"][0]["arms"]["eager_normal"]),
+    ("plan", lambda d: d["config"]), ("tie_margin", lambda d: d["config"]),
+])
+def test_a_v1_file_with_a_v2_field_is_a_relabelled_file(tmp_path: Path, field, where):
+    doc = v1_doc()
+    where(doc)[field] = {} if field in ("evidence", "forced") else 0.1 if field == "tie_margin" else []
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ResultsFileError, match=f"{field} is a parity.results/2 field"):
+        load_results(path)
 
 
 def test_a_v1_reuse_case_never_passes(tmp_path: Path):

@@ -20,7 +20,7 @@ FAST = ("--max-new-tokens", "3")
 
 def _stop_on_call(monkeypatch, n: int, stop) -> None:
     """The n-th generation calls `stop()` first (a signal to this process, or a raise)."""
-    real = TransformersSession.generate
+    real = TransformersSession.answer
     calls = {"n": 0}
 
     def generate(self, *args, **kwargs):
@@ -29,7 +29,7 @@ def _stop_on_call(monkeypatch, n: int, stop) -> None:
             stop()
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TransformersSession, "generate", generate)
+    monkeypatch.setattr(TransformersSession, "answer", generate)
 
 
 def _kill_self(signum: int):

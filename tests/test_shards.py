@@ -18,11 +18,12 @@ from click.testing import CliRunner
 from parity.arms import select_arms
 from parity.backends.base import Request
 from parity.cli import cli
-from parity.experiment import CaseSpec, RunSpec, _assignment, plan_cases
+from parity.experiment import CaseSpec, RunSpec, plan_cases
 from parity.fixtures import builtin_fixture, default_prompts
 from parity.identity import first_difference, identity
 from parity.metrics import NOISE_FLOOR
-from parity.sharding import Shard, partition
+from parity.plan import PlanEntry, text_sha256
+from parity.sharding import Shard, assignment, partition
 from tests.helpers_runs import fixed_arms, make_case, make_run
 
 RUN_ARGS = ("--fixture", "rgb-stripes", "--fixture", "quadrants", "--scenario", "all", "--max-new-tokens", "4",
@@ -120,17 +121,27 @@ def test_a_shard_is_the_shards_verdict_and_says_so(runs):
 
 # --- refusals ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("model", "tiny-qwen3-vl-moe"), ("backend", "sglang"), ("dtype", "bfloat16"), ("logprob_tol", 0.5),
-    ("tie_margin", 0.2), ("runner", "legacy"), ("graph_backend", "cuda"), ("scenarios", ["four-arm"]),
-    ("max_new_tokens", 5),
+@pytest.mark.parametrize("field, value, companions", [
+    ("model", "tiny-qwen3-vl-moe", {}), ("backend", "sglang", {"tp_size": 1}),
+    ("logprob_tol", 0.5, {"logprob_tol_source": "user"}), ("tie_margin", 0.2, {}), ("runner", "legacy", {}),
+    ("graph_backend", "cuda", {}), ("max_new_tokens", 5, {}),
 ])
-def test_merge_refuses_another_experiment(runs, tmp_path, field, value):
-    other = edited(runs, tmp_path, "s2", lambda doc: doc["config"].__setitem__(field, value))
+def test_merge_refuses_another_experiment(runs, tmp_path, field, value, companions):
+    other = edited(runs, tmp_path, "s2", lambda doc: doc["config"].update({field: value, **companions}))
     result = invoke("merge", str(runs["s1"]), other, str(runs["s3"]), "--out", str(tmp_path / "m"))
     assert result.exit_code == 2
     assert other in result.output and f"config.{field}" in result.output and "same experiment" in result.output
     assert not (tmp_path / "m" / "results.json").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("dtype", "bfloat16", "logprob_tol_source 'auto' gives 0.5 for dtype 'bfloat16'"),  # its records are float32 too
+    ("scenarios", ["four-arm"], "config.plan"),  # the plan is scenario-major over config.scenarios
+])
+def test_a_shard_relabelled_as_another_experiment_is_refused_on_load(runs, tmp_path, field, value, message):
+    other = edited(runs, tmp_path, "s2", lambda doc: doc["config"].__setitem__(field, value))
+    result = invoke("merge", str(runs["s1"]), other, str(runs["s3"]), "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and other in result.output and message in result.output
 
 
 def test_merge_refuses_another_gpu(runs, tmp_path):
@@ -173,23 +184,36 @@ def test_allow_missing_names_a_missing_shard(runs, tmp_path, allow, message):
     assert result.exit_code == 2 and message in result.output
 
 
-def test_a_shard_file_without_one_of_its_cases_is_refused(runs, tmp_path):
+def test_a_shard_file_without_one_of_its_cases_is_incomplete_naming_it(runs, tmp_path):
     name = max((f"s{k}" for k in range(1, SHARDS + 1)), key=lambda n: len(load(runs[n])["cases"]))
+    gone = load(runs[name])["cases"][-1]["id"]
     dropped = edited(runs, tmp_path, name, lambda doc: doc["cases"].pop())
     others = [str(runs[f"s{k}"]) for k in range(1, SHARDS + 1) if f"s{k}" != name]
-    for command in (("merge", dropped, *others, "--out", str(tmp_path / "m")), ("verdict", dropped)):
+    for command in (("merge", dropped, *others, "--out", str(tmp_path / "m"), "--no-plot"), ("verdict", dropped)):
         result = invoke(*command)
-        assert result.exit_code == 2 and dropped in result.output and "config.shard" in result.output
+        assert result.exit_code == 3 and "INCOMPLETE" in result.output and gone in result.output, result.output
 
 
-def test_a_merged_file_with_a_case_removed_is_refused(runs, tmp_path):
+def test_a_merged_file_with_a_case_removed_is_incomplete(runs, tmp_path):
     out = tmp_path / "m"
     assert invoke("merge", *shard_files(runs), "--out", str(out), "--no-plot").exit_code == 0
     doc = load(out / "results.json")
     doc["cases"] = [c for c in doc["cases"] if not c["id"].startswith("stream/")]  # hide a failure, say
     (out / "results.json").write_text(json.dumps(doc))
     result = invoke("verdict", str(out / "results.json"))
-    assert result.exit_code == 2 and "lacks case 'stream/" in result.output
+    assert result.exit_code == 3 and "stream/" in result.output.splitlines()[-1]
+    assert "planned case (config.plan) the file does not hold" in result.output
+
+
+def test_a_case_of_another_shard_or_none_is_refused(runs, tmp_path):
+    s1, s2 = load(runs["s1"]), load(runs["s2"])
+    moved = edited(runs, tmp_path, "s1", lambda doc: doc["cases"].append(s2["cases"][0]))
+    result = invoke("verdict", moved)
+    assert result.exit_code == 2 and "which this file does not cover" in result.output
+    invented = edited(runs, tmp_path, "s1", lambda doc: doc["cases"][0].update(id="made-up/prompt-1"))
+    result = invoke("verdict", invented)
+    assert result.exit_code == 2 and "not a case of config.plan" in result.output
+    assert s1["config"]["plan"] == s2["config"]["plan"]  # every shard records the whole plan
 
 
 # --- --shard -----------------------------------------------------------------------------------------
@@ -230,7 +254,9 @@ def _assigned(fixture_names):
     cases = tuple(CaseSpec(f, default_prompts(f)[0]) for f in map(builtin_fixture, fixture_names))
     spec = RunSpec(model="tiny-qwen3-vl", arms=select_arms("all"), cases=cases,
                    scenarios=("four-arm", "reuse", "stream"), shard=Shard(1, 3))
-    return _assignment(spec, plan_cases(spec, _Lengths()))
+    plan = [PlanEntry(c.id, c.scenario, c.spec.fixture.sha256, text_sha256(c.spec.prompt.text), 1)
+            for c in plan_cases(spec, _Lengths())]
+    return assignment(plan, [a.name for a in spec.arms], 3)
 
 
 def test_appending_a_fixture_moves_no_case():

@@ -174,7 +174,8 @@ class Model:
     def __init__(self, rows: int) -> None:
         import torch
 
-        self.deepstack_input_embeds = [torch.zeros(rows, HIDDEN) for _ in range(LEVELS)]
+        # In the served dtype (the stand-in checkpoint's bfloat16), as vLLM allocates them.
+        self.deepstack_input_embeds = [torch.zeros(rows, HIDDEN, dtype=torch.bfloat16) for _ in range(LEVELS)]
         self.deepstack_input_embeds_num_tokens = 0
 
     def _set_deepstack_input_embeds(self, embeds) -> None:  # [LEVELS, tokens, HIDDEN]
@@ -202,11 +203,11 @@ class ModelState:
         if scheduled_encoder_inputs:  # this step carries image rows: the setter gets the whole step
             import torch
 
-            rows = torch.zeros(LEVELS, input_batch.num_tokens, HIDDEN)  # text rows zero
+            rows = torch.zeros(LEVELS, input_batch.num_tokens, HIDDEN, dtype=torch.bfloat16)  # text rows zero
             for start, image in scheduled_encoder_inputs:
                 seed = int(hashlib.sha256(image.encode()).hexdigest()[:8], 16)
                 features = torch.randn(LEVELS, IMAGE_TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed))
-                rows[:, start:start + IMAGE_TOKENS] = features
+                rows[:, start:start + IMAGE_TOKENS] = features.to(rows.dtype)
             self.model._set_deepstack_input_embeds(rows)
 
 

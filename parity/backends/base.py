@@ -39,20 +39,41 @@ class Generation:
     self_forced: tuple[float, ...] | None = None
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One generation request as it was served, before any scoring: what `Session.score` needs to
+    score it later (the backend's own `state`), and the generation itself (no `forced` yet)."""
+
+    generation: Generation
+    state: Any = None
+
+
 class Session(Protocol):
     """A loaded model (or running server) in one execution mode, reused for every request of a run.
 
-    Requests are served one at a time, in the order given: the sequence scenarios rely on it.
+    Requests are served one at a time, in the order given: the sequence scenarios rely on it. A
+    generation and its teacher-forced scoring are two calls, so a sequence can be served back to
+    back and scored after it (no request of parity's falls between two of a sequence's requests).
     """
 
-    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
-        """Greedy generation with DeepStack `normal` (fingerprinted) or `zero` at the LM entry.
-
-        For each token list in `force`, also score it teacher-forced under this same execution
-        (mode and tap) of the same request. Raises `ArmFailure` when the runtime fails;
-        `UsageError` only for bad input.
-        """
+    def answer(self, request: Request, deepstack: str) -> Answer:
+        """Greedy generation with DeepStack `normal` (fingerprinted) or `zero` at the LM entry: one
+        request to the runtime, nothing else. Raises `ArmFailure` when the runtime fails;
+        `UsageError` only for bad input."""
         ...
+
+    def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
+        """The answer's generation with its teacher-forced scores: each token list in `force`, and
+        the answer's own tokens, scored under the same execution (mode and tap) of the same request.
+        Raises `ArmFailure` when the runtime fails."""
+        ...
+
+
+class Generates:
+    """`generate`: answer and score at once, for a request that nothing must follow first."""
+
+    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
+        return self.score(self.answer(request, deepstack), force)
 
 
 class Backend(Protocol):

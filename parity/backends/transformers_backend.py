@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from parity.backends.base import Generation, Request
+from parity.backends.base import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
 from parity.errors import ArmFailure
 from parity.evidence import Evidence
@@ -64,19 +64,26 @@ class LMExecutor:
         return Prefill(outputs[0], outputs[1], outputs[2], bucket), points
 
 
-class TransformersSession:
+class TransformersSession(Generates):
     def __init__(self, executor: LMExecutor, backend: "TransformersBackend") -> None:
         self._executor = executor
         self._backend = backend
 
-    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
+    def answer(self, request: Request, deepstack: str) -> Answer:
+        return self._failing_as_arm(self._answer, request, "record" if deepstack == "normal" else "zero")
+
+    def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
+        return self._failing_as_arm(self._score, answer, force)
+
+    @staticmethod
+    def _failing_as_arm(step, *args):
         try:
-            return self._generate(request, "record" if deepstack == "normal" else "zero", force)
+            return step(*args)
         except (RuntimeError, ValueError) as err:  # a forward, a fail-closed slot refresh, a NaN
             raise ArmFailure(f"{err.__class__.__name__}: {err}") from err
 
     @torch.inference_mode()
-    def _generate(self, request: Request, tap_mode: str, force: Sequence[Sequence[int]]) -> Generation:
+    def _answer(self, request: Request, tap_mode: str) -> Answer:
         adapter = self._executor.adapter
         prompt = self._backend.prepared(request)
         # The tap at the LM entry, outside anything a graph captured.
@@ -84,32 +91,38 @@ class TransformersSession:
         prefill, _ = self._executor.prefill(prompt, deepstack)
         first = self._logprobs(prefill.hidden[-1])
         ids, logprobs, top, decode_steps = self._greedy(prompt, prefill, first)
-        start = time.perf_counter()
-        forced = tuple(self._forced(prompt, prefill, first, tuple(tokens)) for tokens in force)
-        # Its own answer scored the same way: a teacher-forced delta then compares like with like.
-        self_forced = self._forced(prompt, prefill, first, tuple(ids))
-        forced_seconds = time.perf_counter() - start
-        num_tokens = int(prompt.input_ids.shape[0])
         evidence = Evidence(
-            lm_calls=1 + decode_steps + sum(len(t) > 1 for t in (*force, ids)),
+            lm_calls=1 + decode_steps,
             replayed_calls=int(prefill.bucket is not None),
             prefill_replayed=prefill.bucket is not None,
             buckets=() if prefill.bucket is None else (prefill.bucket,),
             tap_calls=int(record is not None),
-            prompt_tokens=num_tokens,
+            prompt_tokens=int(prompt.input_ids.shape[0]),
             max_bucket=self._backend.max_bucket,
         )
-        return Generation(
+        generation = Generation(
             token_ids=tuple(ids),
             text=adapter.tokenizer.decode(ids, skip_special_tokens=True),
             token_logprobs=tuple(logprobs),
             top_logprobs=tuple(top),
             deepstack_record=None if record is None else replace(record, replay=prefill.bucket is not None),
             evidence=evidence,
-            forced=forced,
-            forced_seconds=forced_seconds,
-            self_forced=self_forced,
         )
+        # Scoring reuses this very prefill, so a forced score measures what this execution computed.
+        return Answer(generation, (prompt, prefill, first))
+
+    @torch.inference_mode()
+    def _score(self, answer: Answer, force: Sequence[Sequence[int]]) -> Generation:
+        prompt, prefill, first = answer.state
+        generation = answer.generation
+        start = time.perf_counter()
+        forced = tuple(self._forced(prompt, prefill, first, tuple(tokens)) for tokens in force)
+        # Its own answer scored the same way: a teacher-forced delta then compares like with like.
+        self_forced = self._forced(prompt, prefill, first, generation.token_ids)
+        scoring_calls = sum(len(t) > 1 for t in (*force, generation.token_ids))
+        evidence = replace(generation.evidence, lm_calls=generation.evidence.lm_calls + scoring_calls)
+        return replace(generation, evidence=evidence, forced=forced, self_forced=self_forced,
+                       forced_seconds=time.perf_counter() - start)
 
     def _logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(self._executor.adapter.lm_head(hidden).float(), dim=-1)

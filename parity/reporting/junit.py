@@ -10,6 +10,9 @@ Outcome mapping, chosen so that no CI consumer shows green for a run that proved
   says "not proven", and the report must not contradict it. `type` carries the exact code, so a
   consumer that wants to tell the two apart still can.
 - `ERROR` -> `<error>`: the harness or a backend broke (exit 4), not an assertion about the runtime.
+- A run whose verdict is not PASS although every case passed (interrupted, merged without a shard, a
+  file that cannot show it is complete) gets one more testcase, "run verdict", failing with that
+  verdict: a test view is never green on a run that did not pass.
 
 The document is built with ElementTree, which escapes `& < > "`; characters XML 1.0 cannot carry at
 all (ANSI escapes from server logs, NUL) are removed first, since no escaping can make them valid.
@@ -50,6 +53,8 @@ def junit_xml(run: RunResult | Sequence[RunResult]) -> str:
         _add_properties(suite, judged)
         for case in judged.cases:
             _add_testcase(suite, case, _classname(judged), judged.logprob_tol)
+        if _run_verdict_unshown(judged):
+            _add_run_testcase(suite, judged)
         suites.append(suite)
     # The root repeats the totals: some consumers (GitLab) read only the outermost element.
     for key in ("tests", "failures", "errors", "skipped"):
@@ -68,8 +73,21 @@ def write_junit(run: RunResult | Sequence[RunResult], path: str | Path) -> Path:
 
 # --- suite ---------------------------------------------------------------------------------------
 
+def _run_verdict_unshown(run: RunResult) -> bool:
+    """The run did not pass, but every case did: a stop, a shard merged without, a schema that cannot
+    show completeness. A CI test view must not be green then, so the run gets a testcase of its own."""
+    return run.verdict.code != PASS and all(case.verdict.code == PASS for case in run.cases)
+
+
+def _add_run_testcase(suite: ET.Element, run: RunResult) -> None:
+    testcase = ET.SubElement(suite, "testcase", name="run verdict", classname=_classname(run), time="0.000")
+    element = ET.SubElement(testcase, _outcome_element(run.verdict),
+                            message=xml_safe(f"{run.verdict.code}: {run.verdict.reason}"), type=run.verdict.code)
+    element.text = xml_safe(run.verdict.reason)
+
+
 def _suite_attributes(run: RunResult) -> dict[str, str]:
-    codes = [case.verdict.code for case in run.cases]
+    codes = [case.verdict.code for case in run.cases] + [run.verdict.code] * _run_verdict_unshown(run)
     errors = sum(code == ERROR for code in codes)
     failures = sum(code not in (PASS, ERROR) for code in codes)
     attrs = {

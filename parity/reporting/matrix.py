@@ -13,10 +13,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-from parity.identity import first_difference, identity
+from parity.identity import difference_path, first_difference, identity, shown
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.report import _md_case as case_markdown
 from parity.reporting.report import _md_environment as environment_markdown
+from parity.reporting.text import md_code, md_text
 from parity.results import SCENARIOS, CaseResult, RunResult, Verdict
 from parity.sharding import describe as describe_shard
 from parity.verdict import ERROR, PASS, overall_verdict
@@ -72,9 +73,13 @@ def experiments(runs: Sequence[RunResult]) -> list[Experiment]:
     labels = list(base)
     for i, run in enumerate(runs):
         twin = next((j for j, other in enumerate(base) if other == base[i] and j != i), None)
-        field = None if twin is None else first_difference(identity(run), identity(runs[twin]))
-        if field is not None:
-            labels[i] = f"{base[i]} · {field.split('.', 1)[-1]} {identity(run).get(field)}"
+        if twin is None:
+            continue
+        field = first_difference(identity(run), identity(runs[twin]))
+        # Files of one experiment never share a row (merge groups them), so a field differs; shown by
+        # its deepest differing part, not by a whole plan.
+        path, value = difference_path(field, identity(run).get(field), identity(runs[twin]).get(field))
+        labels[i] = f"{base[i]} · {path.split('.', 1)[-1]} {shown(value, 40)}"
     return [Experiment(i, label, run) for i, (label, run) in enumerate(zip(labels, runs), 1)]
 
 
@@ -111,7 +116,7 @@ def _table(rows: Sequence[Experiment], scenarios: Sequence[str]) -> list[str]:
             v = row.verdict(scenario)
             cells.append("—" if v is None else f"[{_icon(v.code)} `{v.code}`](#{row.scenario_anchor(scenario)})")
         overall = row.run.verdict.code
-        lines.append(f"| [{row.number}. {row.label}](#{row.anchor}) | " + " | ".join(cells)
+        lines.append(f"| [{row.number}. {md_text(row.label)}](#{row.anchor}) | " + " | ".join(cells)
                      + f" | {_icon(overall)} `{overall}` |")
     return lines
 
@@ -120,8 +125,8 @@ def _section(row: Experiment, scenarios: Sequence[str], texts: bool, bodies_of_p
     run = row.run
     shard = describe_shard(run.config, len(run.cases))
     lines = [f'<a name="{row.anchor}"></a>', "",
-             f"### {row.number}. {row.label}: {_icon(run.verdict.code)} `{run.verdict.code}`", "",
-             run.verdict.reason.replace("\n", " "), ""]
+             f"### {row.number}. {md_text(row.label)}: {_icon(run.verdict.code)} `{run.verdict.code}`", "",
+             md_text(run.verdict.reason), ""]
     if shard:
         lines += [f"_{shard}._", ""]
     for scenario in scenarios:
@@ -152,9 +157,9 @@ def _cases(cases: Sequence[CaseResult], run: RunResult, texts: bool, bodies_of_p
         if case.verdict.code != PASS or not fold_passes:
             parts.append(body)
         elif bodies_of_passes:
-            parts.append(f"<details><summary><code>{case.id}</code>: ✅ PASS</summary>\n\n{body}\n</details>\n")
+            parts.append(f"<details><summary>{md_code(case.id)}: ✅ PASS</summary>\n\n{body}\n</details>\n")
         else:
-            parts.append(f"- `{case.id}`: ✅ PASS")
+            parts.append(f"- {md_code(case.id)}: ✅ PASS")
     return "\n".join(parts)
 
 
@@ -164,7 +169,7 @@ def render_matrix(runs: Sequence[RunResult]) -> str:
     scenarios = _scenarios(rows)
     verdict = matrix_verdict(rows)
     n_cases = sum(len(r.cases) for r in runs)
-    head = [f"## parity matrix: {_icon(verdict.code)} `{verdict.code}`", "", verdict.reason.replace("\n", " "), "",
+    head = [f"## parity matrix: {_icon(verdict.code)} `{verdict.code}`", "", md_text(verdict.reason), "",
             f"{len(rows)} experiment(s) · {n_cases} case(s) · each cell is the verdict of that scenario's cases "
             "(design §3) and links to its section; what passed is folded.", "", *_table(rows, scenarios), ""]
     note = ""

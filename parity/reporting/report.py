@@ -11,6 +11,7 @@ from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.text import encodable, md_code, md_text, visible
+from parity.identity import SOURCE_KEY
 from parity.sharding import describe as describe_shard
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
 from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
@@ -79,10 +80,10 @@ def run_notes(run: RunResult) -> list[str]:
     shard = describe_shard(run.config, len(run.cases))
     if shard:
         notes.append(shard)
-    if run.config.get("runner") == "no-clear" and not any(case.is_sequence for case in run.cases):
-        notes.append("--runner no-clear leaves stale DeepStack rows for the next request of the same bucket; the "
-                     "four-arm scenario serves no such request, so it cannot reach that bug: run --scenario stream "
-                     "or --scenario reuse")
+    sources = run.environment.get(SOURCE_KEY)
+    if isinstance(sources, list):
+        notes.append(f"merged with --allow-mixed-code: the shards were written by {len(sources)} different parity "
+                     f"sources ({', '.join(map(str, sources))}), so their verdicts may not rest on the same code")
     return notes
 
 
@@ -262,8 +263,17 @@ def localization_json(cases: list[CaseResult]) -> str:
 
 def _md_environment(run: RunResult) -> str:
     env = " · ".join(f"{md_text(str(k))} {md_code(str(v))}" for k, v in run.environment.items())
-    config = " · ".join(f"{md_text(str(k))} {md_code(str(v))}" for k, v in run.config.items())
+    # The plan and the shard map list every case: results.json holds them, the report says how many.
+    config = " · ".join(f"{md_text(str(k))} {md_code(_config_value(k, v))}" for k, v in run.config.items())
     return f"<details><summary>Environment and config</summary>\n\n{env}\n\n{config}\n</details>\n"
+
+
+def _config_value(key: str, value: object) -> str:
+    if key == "plan" and isinstance(value, list):
+        return f"{len(value)} planned case(s) (see results.json)"
+    if key == "shard" and isinstance(value, dict):
+        return str({k: v for k, v in value.items() if k != "cases"})
+    return str(value)
 
 
 def render_json(run: RunResult) -> str:

@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
-from parity.backends.base import Generation, Request
+from parity.backends.base import Answer, Generates, Generation, Request
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.errors import ArmFailure, UsageError
 from parity.presets import PRESETS
@@ -63,7 +63,7 @@ class Server:
 # --- the session -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class SglangSession:
+class SglangSession(Generates):
     """A ready server in one mode; requests go one at a time, each tagged, the tap set before each."""
 
     server: Server
@@ -73,30 +73,34 @@ class SglangSession:
     def process(self) -> launcher.ServerProcess:
         return self.server.process
 
-    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
+    def answer(self, request: Request, deepstack: str) -> Answer:
         tap = tap_mode(deepstack)
         if not self.process.alive():
             raise self.process.exited_failure()
-        prompts, image = self.backend.prompts, self.backend.images.path(request.fixture)
-        text = prompts.text(request)
+        image = self.backend.images.path(request.fixture)
         doc, generated = self.post_tagged(tap, lambda tag: client.generate_body(
-            text, image, self.backend.settings.max_new_tokens, rid=tag))
+            self.backend.prompts.text(request), image, self.backend.settings.max_new_tokens, rid=tag))
         answer = self._parsed(client.parse_completion, doc)
-        requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
-        self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
-        forced, start = [], time.perf_counter()
-        prompt = prompts.unexpanded(answer.prompt_ids)
+        first = TaggedRequest(len(answer.prompt_ids), image is not None, generated)
+        self._check_fired(first, "request")  # before scoring: a silent tap fails the arm at once
+        generation = replace(answer.generation, deepstack_record=request_record(first),
+                             evidence=arm_evidence([first], self.backend.server_facts.max_bucket))
+        return Answer(generation, (tap, image, answer.prompt_ids, first))
+
+    def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
+        tap, image, prompt_ids, first = answer.state
+        requests, forced, start = [first], [], time.perf_counter()
+        prompt = self.backend.prompts.unexpanded(prompt_ids)
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
             doc, scored = self.post_tagged(tap, lambda tag: client.score_body(
-                prompt, tokens, len(answer.prompt_ids), image, rid=tag))
+                prompt, tokens, len(prompt_ids), image, rid=tag))
             forced.append(self._parsed(lambda d: client.parse_scores(d, tokens), doc))
-            requests.append(TaggedRequest(len(answer.prompt_ids) + len(tokens), image is not None, scored))
+            requests.append(TaggedRequest(len(prompt_ids) + len(tokens), image is not None, scored))
             self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
-        forced_seconds = time.perf_counter() - start
-        return replace(answer.generation, deepstack_record=request_record(requests[0]),
-                       evidence=arm_evidence(requests, self.backend.server_facts.max_bucket),
-                       forced=tuple(forced[:-1]), self_forced=forced[-1], forced_seconds=forced_seconds)
+        return replace(answer.generation, evidence=arm_evidence(requests, self.backend.server_facts.max_bucket),
+                       forced=tuple(forced[:-1]), self_forced=forced[-1],
+                       forced_seconds=time.perf_counter() - start)
 
     def post_tagged(self, tap: str, body_for) -> tuple[dict, tuple[plugin.TapEntry, ...]]:
         """POST one request under its own tag; its answer and the LM entries the hook recorded for it."""
@@ -320,6 +324,7 @@ class SglangBackend:
             "sglang_prefill_buckets": {"max": self.server_facts.max_bucket, "count": len(self.server_facts.prefill_buckets)},
             "sglang_tap_processes": dict(self._tap_processes),
             "sglang_device": self.settings.device,
+            "tp_size": self.server_facts.tp_size,
             "sglang_graph_backend": self.settings.graph_backend,
             "sglang_server_dtype": dict(self._served_dtype),
             "sglang_fix": self.settings.fix,

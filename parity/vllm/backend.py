@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
-from parity.backends.base import Generation, Request
+from parity.backends.base import Answer, Generates, Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.serving import launcher
 from parity.serving.channel import tap_mode
@@ -49,7 +49,7 @@ def _own(entry: TapEntry, tag: str) -> bool:
 # --- the session -------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class VllmSession:
+class VllmSession(Generates):
     """A ready server in one mode; requests go one at a time, each tagged, the tap set before each."""
 
     server: Server
@@ -59,7 +59,7 @@ class VllmSession:
     def process(self) -> launcher.ServerProcess:
         return self.server.process
 
-    def generate(self, request: Request, deepstack: str, force: Sequence[Sequence[int]] = ()) -> Generation:
+    def answer(self, request: Request, deepstack: str) -> Answer:
         tap = tap_mode(deepstack)
         if not self.process.alive():
             raise self.process.exited_failure()
@@ -68,20 +68,25 @@ class VllmSession:
         doc, generated = self.post_tagged(tap, sha, lambda tag: client.generate_body(
             request.prompt, image, backend.settings.max_new_tokens, tag))
         answer = parsed(self.process, client.parse_completion, doc)
-        requests = [TaggedRequest(len(answer.prompt_ids), image is not None, generated)]
-        self._check_fired(requests[0], "request")  # before scoring: a silent tap fails the arm at once
-        scores, start = [], time.perf_counter()
+        first = TaggedRequest(len(answer.prompt_ids), image is not None, generated)
+        self._check_fired(first, "request")  # before scoring: a silent tap fails the arm at once
+        generation = replace(answer.generation, deepstack_record=request_record(first),
+                             evidence=arm_evidence([first], backend.max_bucket, backend.tag_images))
+        return Answer(generation, (tap, request.prompt, image, sha, first))
+
+    def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
+        tap, prompt, image, sha, first = answer.state
+        backend = self.backend
+        requests, scores, start = [first], [], time.perf_counter()
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
             reference = backend.prompts.decode(tokens)
-            doc, scored = self.post_tagged(tap, sha, lambda tag: client.score_body(request.prompt, image, reference, tag))
+            doc, scored = self.post_tagged(tap, sha, lambda tag: client.score_body(prompt, image, reference, tag))
             scores.append(parsed(self.process, lambda d: client.parse_scores(d, tokens), doc))
             requests.append(TaggedRequest(len(doc.get("prompt_token_ids") or ()), image is not None, scored))
             self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
-        forced_seconds = time.perf_counter() - start
-        return replace(answer.generation, deepstack_record=request_record(requests[0]),
-                       evidence=arm_evidence(requests, backend.max_bucket, backend.tag_images),
-                       forced=tuple(scores[:-1]), self_forced=scores[-1], forced_seconds=forced_seconds)
+        return replace(answer.generation, evidence=arm_evidence(requests, backend.max_bucket, backend.tag_images),
+                       forced=tuple(scores[:-1]), self_forced=scores[-1], forced_seconds=time.perf_counter() - start)
 
     def post_tagged(self, tap: str, image_sha: str | None, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
         """One request under its own tag (also its request id); its answer and its engine steps."""

@@ -1,0 +1,125 @@
+"""What every run writes, required of every file that says it is one (design §4b).
+
+`results_consistency` refuses files that contradict themselves; these rules refuse files that lack
+what `parity run` always records, or relabel it: an edit that deletes a power arm's teacher-forced
+score, an arm's repeats or a tensor-parallel rank, or that raises an "auto" tolerance, changes what
+the verdict can see without contradicting anything else. `check_all` runs both sets, in the loader
+on every file and in `parity run` on the run itself (which fails the arm a rule names, so that
+`parity run` and `parity verdict` of its file always agree). Torch-free.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from parity.metrics import auto_tolerances
+from parity.results import SCHEMA, FixtureInfo, RunResult
+from parity.results_consistency import RULES, Contradiction, _ran, _requests
+
+
+def repeats_as_configured(run: RunResult) -> None:
+    """`--repeat N` gives every arm that ran N - 1 repeats; fewer only in a run that was stopped."""
+    repeat = run.config.get("repeat")
+    if not isinstance(repeat, int):
+        return
+    for request in _requests(run):
+        for arm in _ran(request):
+            held = len(arm.repeats)
+            if held > repeat - 1 or (held < repeat - 1 and not run.interrupted):
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.repeats holds {held} repeat(s), but config.repeat {repeat} gives every "
+                         f"arm that ran {repeat - 1}")
+
+
+def ranks_as_configured(run: RunResult) -> None:
+    """A tensor-parallel server's arm keeps one evidence record per rank (design §8), every run of it.
+    The SGLang backend records `tp_size` (a vLLM server's ranks are not counted yet: not checked)."""
+    if "tp_size" not in run.config:
+        if run.schema == SCHEMA and run.config.get("backend") == "sglang":
+            raise Contradiction("config.tp_size is missing: an SGLang run records its tensor-parallel size")
+        return
+    tp_size = run.config["tp_size"]
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise Contradiction(f"config.tp_size must be an integer >= 1, got {tp_size!r}")
+    for request in _requests(run):
+        for arm in _ran(request):
+            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
+                                                   for i, r in enumerate(arm.repeats)]
+            for where, evidence in runs:
+                if evidence is None:
+                    continue
+                labels = {r.rank for r in evidence.ranks}
+                expected = tp_size if tp_size > 1 else 0
+                if len(evidence.ranks) != expected or len(labels) != len(evidence.ranks):
+                    raise request.contradiction(
+                        arm, f"{request.at(arm)}.{where}.ranks holds {len(labels)} distinct rank(s), but "
+                             f"config.tp_size {tp_size} runs every request on {tp_size} rank(s), each recorded "
+                             f"apart{' (none recorded for one rank)' if tp_size == 1 else ''}")
+
+
+def auto_tolerances_are_the_dtypes(run: RunResult) -> None:
+    """`logprob_tol_source: auto` means the dtype's measured bounds, not a number raised by hand."""
+    config = run.config
+    if config.get("logprob_tol_source") != "auto":
+        if run.schema == SCHEMA and config.get("logprob_tol_source") != "user":
+            raise Contradiction(f"config.logprob_tol_source must be 'auto' or 'user', got "
+                                f"{config.get('logprob_tol_source')!r}")
+        return
+    auto = auto_tolerances(str(config.get("dtype")))
+    for key, value in (("logprob_tol", auto.logprob_tol), ("logprob_mean_tol", auto.mean_tol)):
+        if config.get(key) != value:
+            raise Contradiction(f"config.{key} is {config.get(key)!r}, but config.logprob_tol_source 'auto' gives "
+                                f"{value!r} for dtype {config.get('dtype')!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_pixels() -> dict[str, tuple[str, tuple[int, int]]]:
+    from parity.fixtures import builtin_fixture, builtin_names
+
+    return {name: (f.sha256, f.size) for name in builtin_names(twins=True) for f in (builtin_fixture(name),)}
+
+
+def builtin_fixtures_are_theirs(run: RunResult) -> None:
+    """A fixture named like a built-in one has its pixels (a user image never takes such a name)."""
+    for ci, case in enumerate(run.cases):
+        fixtures = [(f"cases[{ci}].fixture", case.fixture)] + [
+            (f"cases[{ci}].requests[{ri}].fixture", r.fixture) for ri, r in enumerate(case.requests)]
+        for where, fixture in fixtures:
+            _check_builtin(where, fixture)
+
+
+def _check_builtin(where: str, fixture: FixtureInfo | None) -> None:
+    if fixture is None:
+        return
+    known = _builtin_pixels().get(fixture.name)
+    if known is not None and known != (fixture.sha256, fixture.size):
+        raise Contradiction(f"{where} is named {fixture.name!r}, the built-in fixture, but its sha256 "
+                            f"{fixture.sha256[:12]}… (size {list(fixture.size)}) is not that fixture's "
+                            f"({known[0][:12]}…, size {list(known[1])})")
+
+
+def records_in_the_runs_dtype(run: RunResult) -> None:
+    """The tap records the DeepStack rows the model computed, in the dtype it ran in."""
+    dtype = run.config.get("dtype")
+    if dtype is None:
+        return
+    for request in _requests(run):
+        for arm in _ran(request):
+            record = arm.deepstack_record
+            if record is not None and record.dtype != dtype:
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record.dtype is {record.dtype!r}, but config.dtype is "
+                         f"{dtype!r}: the model computed DeepStack in another dtype than the file says")
+
+
+REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
+    repeats_as_configured, ranks_as_configured, auto_tolerances_are_the_dtypes, builtin_fixtures_are_theirs,
+    records_in_the_runs_dtype,
+)
+
+
+def check_all(run: RunResult) -> None:
+    """Raise `Contradiction` for the first consistency rule or requirement the run breaks."""
+    for rule in (*RULES, *REQUIREMENTS):
+        rule(run)

@@ -1,0 +1,230 @@
+"""Trust v4 (design §4b): every file records its plan and its code, merges prove what they merged,
+one-field edits never launder a verdict, and a CI gate is never green on a run that did not pass.
+
+Each test is a negative control: an edit, a mixed merge or a bad input that a careless or careful
+user could produce, and the refusal (exit 2) or the honest verdict it must get instead of a PASS.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from parity.cli import cli
+
+ARGS = ("--fixture", "rgb-stripes", "--fixture", "quadrants", "--max-new-tokens", "4", "--no-plot")
+
+
+def invoke(*args: str, env: dict | None = None):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False, prog_name="parity", env=env)
+
+
+def load(path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory, tiny) -> dict[str, Path]:
+    """Two shards of a two-fixture four-arm run, and the same run with another prompt, seed or dtype."""
+    root = tmp_path_factory.mktemp("provenance")
+    variants = {
+        "s1": ("--shard", "1/2"), "s2": ("--shard", "2/2"),
+        "s2-prompt": ("--shard", "2/2", "--prompt", "Describe the image."),
+        "s2-seed": ("--shard", "2/2", "--seed", "7"),
+    }
+    paths = {}
+    for name, extra in variants.items():
+        result = invoke("run", "--out", str(root / name), *ARGS, *extra)
+        assert result.exit_code in (0, 3), result.output
+        paths[name] = root / name / "results.json"
+    return paths
+
+
+def edited(path: Path, tmp_path: Path, edit, name: str = "edited.json") -> str:
+    doc = load(path)
+    edit(doc)
+    out = tmp_path / name
+    out.write_text(json.dumps(doc))
+    return str(out)
+
+
+# --- merges prove what they merged ---------------------------------------------------------------------
+
+def test_shards_of_other_prompts_do_not_merge(shards, tmp_path):
+    result = invoke("merge", str(shards["s1"]), str(shards["s2-prompt"]), "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and "config.plan" in result.output
+    # The first differing case and field are named, not two long prefixes of the plan.
+    assert "config.plan[0] (" in result.output and "not shards of the same experiment" in result.output
+
+
+def test_shards_of_another_seed_do_not_merge(shards, tmp_path):
+    result = invoke("merge", str(shards["s1"]), str(shards["s2-seed"]), "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and "preset_seed" in result.output
+
+
+def test_a_seed_relabelled_away_is_caught_by_the_fingerprint(tmp_path, tiny):
+    """Three shards of one image's three scenarios: each computes DeepStack for the same image and
+    prompt. A shard from another seed, its seed field edited to match, still disagrees there."""
+    common = ("--fixture", "rgb-stripes", "--scenario", "all", "--max-new-tokens", "3", "--no-plot")
+    paths = {}
+    for name, extra in (("1", ("--shard", "1/3")), ("2", ("--shard", "2/3")), ("3", ("--shard", "3/3")),
+                        ("2-seed", ("--shard", "2/3", "--seed", "7"))):
+        assert invoke("run", "--out", str(tmp_path / name), *common, *extra).exit_code in (0, 3)
+        paths[name] = tmp_path / name / "results.json"
+    seed = load(paths["1"])["config"]["preset_seed"]
+    relabelled = edited(paths["2-seed"], tmp_path, lambda d: d["config"].update(preset_seed=seed))
+    result = invoke("merge", str(paths["1"]), relabelled, str(paths["3"]), "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and "the shards disagree" in result.output
+    assert "for the same image and prompt" in result.output
+    good = invoke("merge", str(paths["1"]), str(paths["2"]), str(paths["3"]), "--out", str(tmp_path / "ok"), "--no-plot")
+    assert good.exit_code == 0, good.output  # the negative control: one seed merges
+
+
+def test_a_shard_relabelled_bf16_is_refused(shards, tmp_path):
+    def bf16(doc):
+        doc["config"].update(dtype="bfloat16", logprob_tol=0.5, logprob_mean_tol=0.05)
+
+    result = invoke("merge", str(shards["s1"]), edited(shards["s2"], tmp_path, bf16), "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and "deepstack_record.dtype is 'float32', but config.dtype is 'bfloat16'" in result.output
+
+
+def test_shards_of_other_code_merge_only_when_told_and_the_report_says_so(shards, tmp_path):
+    other = edited(shards["s2"], tmp_path, lambda d: d["environment"].update(parity_source="0.1.0+0000000000000000"))
+    result = invoke("merge", str(shards["s1"]), other, "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and "environment.parity_source" in result.output and "--allow-mixed-code" in result.output
+    out = tmp_path / "mixed"
+    result = invoke("merge", str(shards["s1"]), other, "--out", str(out), "--allow-mixed-code", "--no-plot")
+    assert result.exit_code == 0, result.output
+    assert "--allow-mixed-code" in (out / "report.md").read_text()
+    assert invoke("verdict", str(out / "results.json")).exit_code == 0
+
+
+def test_merge_refuses_an_out_that_holds_an_input(shards, tmp_path):
+    result = invoke("merge", str(shards["s1"]), str(shards["s2"]), "--out", str(shards["s2"].parent))
+    assert result.exit_code == 2 and "holds the input" in result.output
+    assert load(shards["s2"])["config"]["shard"]["index"] == 2  # untouched
+
+
+def test_a_merged_file_without_its_shard_record_is_incomplete(shards, tmp_path):
+    out = tmp_path / "m"
+    assert invoke("merge", str(shards["s1"]), "--allow-missing", "2", "--out", str(out), "--no-plot").exit_code == 3
+    no_record = edited(out / "results.json", tmp_path, lambda d: d["config"].pop("shard"))
+    result = invoke("verdict", no_record)
+    assert result.exit_code == 3 and "planned case (config.plan) the file does not hold" in result.output
+
+    def plan_without_shard_2(doc):
+        kept = {c["id"] for c in doc["cases"]}
+        doc["config"]["plan"] = [e for e in doc["config"]["plan"] if e["id"] in kept]
+        doc["config"]["shard"].update(merged=[1, 2], missing=[])
+
+    result = invoke("verdict", edited(out / "results.json", tmp_path, plan_without_shard_2, "p.json"))
+    assert result.exit_code == 2 and "config.shard" in result.output
+
+
+def test_junit_of_an_incomplete_merge_is_not_green(shards, tmp_path):
+    junit = tmp_path / "j.xml"
+    result = invoke("merge", str(shards["s1"]), "--allow-missing", "2", "--out", str(tmp_path / "m"), "--no-plot",
+                    "--junit", str(junit))
+    assert result.exit_code == 3
+    root = ET.parse(junit).getroot()
+    assert int(root.get("failures")) + int(root.get("errors")) >= 1
+    run_case = [t for t in root.iter("testcase") if t.get("name") == "run verdict"]
+    assert run_case and run_case[0].find("failure").get("type") == "INCOMPLETE"
+
+
+def test_verdict_of_a_shard_says_which(shards):
+    result = invoke("verdict", str(shards["s2"]))
+    assert "judged shard 2 of 2" in result.output
+
+
+# --- one-field edits ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def legacy_run(tmp_path_factory, tiny) -> Path:
+    out = tmp_path_factory.mktemp("legacy") / "run"
+    assert invoke("run", "--out", str(out), "--runner", "legacy", "--max-new-tokens", "4", "--no-plot").exit_code == 1
+    return out / "results.json"
+
+
+def test_schema_v1_relabel_is_refused(legacy_run, tmp_path):
+    result = invoke("verdict", edited(legacy_run, tmp_path, lambda d: d.update(schema="parity.results/1")))
+    assert result.exit_code == 2 and "parity.results/2 field" in result.output
+
+
+def test_an_auto_tolerance_raised_by_hand_is_refused(legacy_run, tmp_path):
+    result = invoke("verdict", edited(legacy_run, tmp_path, lambda d: d["config"].update(logprob_tol=1e-3)))
+    assert result.exit_code == 2 and "logprob_tol_source 'auto' gives" in result.output
+
+
+def test_a_deleted_teacher_forced_score_is_refused(legacy_run, tmp_path):
+    result = invoke("verdict", edited(legacy_run, tmp_path,
+                                      lambda d: d["cases"][0]["arms"]["eager_zero_deepstack"]["forced"].pop("eager_normal")))
+    assert result.exit_code == 2 and "forced lacks eager_normal" in result.output
+
+
+def test_a_builtin_fixture_name_over_other_pixels_is_refused(legacy_run, tmp_path):
+    def renamed(doc):
+        doc["cases"][0]["fixture"]["name"] = "checkerboard"
+
+    result = invoke("verdict", edited(legacy_run, tmp_path, renamed))
+    assert result.exit_code == 2 and "named 'checkerboard', the built-in fixture" in result.output
+
+
+def test_deleted_repeats_are_refused(tmp_path, tiny):
+    out = tmp_path / "rep"
+    assert invoke("run", "--out", str(out), "--repeat", "2", "--max-new-tokens", "3", "--no-plot").exit_code == 0
+
+    def no_repeats(doc):
+        for arm in doc["cases"][0]["arms"].values():
+            arm.pop("repeats")
+
+    result = invoke("verdict", edited(out / "results.json", tmp_path, no_repeats))
+    assert result.exit_code == 2 and "config.repeat 2" in result.output
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_numbers_anywhere_are_refused(legacy_run, tmp_path, literal):
+    text = legacy_run.read_text().replace('"python": "', f'"odd": {literal}, "python": "', 1)
+    path = tmp_path / "nan.json"
+    path.write_text(text)
+    for command in (("verdict", str(path)), ("report", "--format", "json", str(path)),
+                    ("merge", str(path), "--out", str(tmp_path / "m"))):
+        result = invoke(*command)
+        assert result.exit_code == 2 and "environment.odd" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/urandom"])
+def test_a_device_is_refused_not_read(device, tmp_path):
+    if not Path(device).exists():
+        pytest.skip(f"{device} is absent")
+    assert invoke("verdict", device).exit_code == 2
+    result = invoke("run", "--prompts", device, "--out", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "is a device" in result.output
+
+
+def test_the_matrix_report_write_is_guarded(shards, legacy_run, tmp_path):
+    out = tmp_path / "m"
+    (out / "report.md").mkdir(parents=True)
+    result = invoke("merge", str(shards["s1"]), str(shards["s2"]), str(legacy_run), "--matrix", "--out", str(out),
+                    "--no-plot")
+    assert result.exit_code == 2 and result.output.startswith("Error:") and "report.md" in result.output
+
+
+def test_report_exits_with_the_verdict(legacy_run):
+    assert invoke("report", str(legacy_run)).exit_code == 1
+    assert invoke("report", "--exit-zero", str(legacy_run)).exit_code == 0
+
+
+def test_a_matrix_label_cannot_inject_markdown(shards, legacy_run, tmp_path):
+    injected = edited(legacy_run, tmp_path, lambda d: d["config"].update(model="x\n## injected | [link](http://e)"))
+    result = invoke("report", str(shards["s1"]), str(shards["s2"]), injected)
+    lines = result.output.splitlines()
+    assert not any("## injected" in line and "\\#\\# injected" not in line and "`" not in line for line in lines)
+    rows = [line for line in lines if line.startswith("| [2.")]
+    assert rows and "\\[link\\](http://e)" in rows[0] and "\\|" in rows[0]  # escaped: no link, no cell break
