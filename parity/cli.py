@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -26,6 +27,8 @@ from parity.verdict import USAGE_EXIT, exit_code
 
 # Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
 MAX_SEED = 2**63 - 1
+# What a stop by Ctrl-C (SIGINT) or SIGTERM exits with: 128 + the signal's number.
+STOP_EXITS = (exit_code_of(signal.SIGINT), exit_code_of(signal.SIGTERM))
 # Runs of one arm: past a hundred, a repeat measures nothing more and only multiplies the run.
 MAX_REPEAT = 100
 # The server backends' options, and the backends each one applies to.
@@ -459,4 +462,12 @@ def models() -> None:
 
 
 def main() -> None:
-    cli(prog_name="parity")
+    try:
+        cli(prog_name="parity")
+    except SystemExit as leaving:
+        if leaving.code in STOP_EXITS:
+            # Stopping on a signal: one more (a second Ctrl-C, a CI runner's SIGTERM after its SIGINT)
+            # arriving while the interpreter shuts down must not replace the first signal's exit code.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_IGN)
+        raise

@@ -77,7 +77,7 @@ def deferred_stops(reraise: bool = True) -> Iterator[list[int]]:
     finally:
         _restore(previous)
     if noted and reraise:
-        _raise_stop(noted[-1])
+        _raise_stop(noted[0])  # the first signal decides the exit code
 
 
 def _restore(previous: dict) -> None:

@@ -216,3 +216,112 @@ def test_localize_write_failure_and_ctrl_c_leave_the_file_as_it_was(parity_cli, 
     result = parity_cli("localize", str(results), "--write")
     assert result.exit_code == 130 and "interrupted" in result.output and "Traceback" not in result.output
     assert results.read_bytes() == before
+
+
+# --- a stop at every phase, once or twice 10 ms apart (issue 21) ---------------------------------------
+
+def _signal(signum: int, again: int | None):
+    """Send `signum` to this process; with `again`, that signal 10 ms later (a second Ctrl-C, a CI
+    runner's SIGTERM after its SIGINT). Both are held until the second is sent, so the second lands
+    while parity unwinds from the first, however fast that is (in a test, never after the run)."""
+    import time
+
+    def stop():
+        held = {signal.SIGINT, signal.SIGTERM}
+        signal.pthread_sigmask(signal.SIG_BLOCK, held)
+        try:
+            os.kill(os.getpid(), signum)
+            if again is not None:
+                time.sleep(0.01)
+                os.kill(os.getpid(), again)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
+
+    return stop
+
+
+def _phase(monkeypatch, phase: str, stop) -> None:
+    import parity.reporting.plots
+
+    if phase == "arms":
+        _stop_on_call(monkeypatch, 3, stop)
+        return
+    module, name = {"load": (parity.run_command, "create_backend"), "tables": (parity.run_command, "print_table"),
+                    "writes": (parity.run_command, "render_markdown"),
+                    "plots": (parity.reporting.plots, "plot_case")}[phase]
+    real = getattr(module, name)
+    fired = {"n": 0}
+
+    def stopping(*args, **kwargs):
+        fired["n"] += 1
+        if fired["n"] == 1:
+            stop()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, stopping)
+
+
+# What each phase keeps: nothing before an arm finished, the finished arms, or the whole run.
+KEPT = {"load": None, "arms": "INCOMPLETE", "tables": "PASS", "writes": "PASS", "plots": "PASS"}
+
+
+@pytest.mark.parametrize("phase", list(KEPT))
+@pytest.mark.parametrize("signum, again", [(signal.SIGTERM, None), (signal.SIGINT, signal.SIGTERM)])
+def test_a_stop_at_every_phase_keeps_what_finished_with_the_first_signals_code(parity_cli, tmp_path, monkeypatch,
+                                                                            phase, signum, again):
+    _phase(monkeypatch, phase, _signal(signum, again))
+    out = tmp_path / "run"
+    result = parity_cli("run", "--out", str(out), "--junit", str(tmp_path / "j.xml"), *FAST)
+    assert result.exit_code == 128 + signum, result.output
+    assert "Traceback" not in result.output and "interrupted" in result.output
+    assert not list(tmp_path.rglob(".*.tmp"))
+    if KEPT[phase] is None:
+        assert not (out / "results.json").exists()
+        return
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["verdict"]["code"] == KEPT[phase] and (out / "report.md").exists() and (tmp_path / "j.xml").exists()
+    assert parity_cli("verdict", str(out / "results.json")).exit_code == (0 if KEPT[phase] == "PASS" else 3)
+
+
+@pytest.mark.parametrize("signum, again", [(signal.SIGTERM, None), (signal.SIGINT, signal.SIGTERM)])
+def test_a_stop_during_a_merge_leaves_no_temporary_file(parity_cli, tmp_path, monkeypatch, signum, again):
+    import parity.merge
+
+    _, _, out = parity_cli.run(*FAST, "--shard", "1/1")
+    real, stop = parity.merge.write_atomically, _signal(signum, again)
+
+    def write_then_stop(path, text):
+        stop()
+        real(path, text)
+
+    monkeypatch.setattr(parity.merge, "write_atomically", write_then_stop)
+    merged = tmp_path / "merged"
+    result = parity_cli("merge", str(out / "results.json"), "--out", str(merged), "--no-plot")
+    assert result.exit_code == 128 + signum and "Traceback" not in result.output
+    assert not list(merged.rglob(".*.tmp")) and json.loads((merged / "results.json").read_text())["cases"]
+
+
+def test_a_real_process_stopped_twice_10_ms_apart_keeps_the_run_and_the_first_code(tmp_path, tiny):
+    """The installed command in its own process: SIGINT once arms are running, SIGTERM 10 ms later."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "parity", "run", "--scenario", "all", "--fixture", "all",
+                                "--max-new-tokens", "3", "--no-plot", "--out", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        for line in process.stdout:
+            if "[5/" in line:  # a few arms have run
+                break
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+        process.send_signal(signal.SIGTERM)
+        output = line + process.stdout.read()
+        assert process.wait(timeout=120) == 130, output
+    finally:
+        process.kill()
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["interrupted"] is True and doc["verdict"]["code"] == "INCOMPLETE" and "Traceback" not in output

@@ -274,3 +274,29 @@ def test_a_gpu_runs_cpu_threads_do_not_split_an_experiment():
 
     assert first_difference(identity(on("cuda", 8)), identity(on("cuda", 64))) is None
     assert first_difference(identity(on("cpu", 1)), identity(on("cpu", 2))) == "environment.threads"
+
+
+# --- every shard of a common plan (issue 21) ----------------------------------------------------------
+
+@pytest.mark.parametrize("scenario, counts", [("four-arm", (2, 3, 4, 5, 6)), ("all", (2, 3, 4, 5, 6))])
+def test_every_shard_rejudges_and_merges_back_to_the_unsharded_verdict(tmp_path, tiny, scenario, counts):
+    """Genuine shards of `--fixture all`: each file is one `parity verdict` accepts, with the shard's own
+    verdict, and the merge of all N is the unsharded run, case by case."""
+    common = ("--fixture", "all", "--scenario", scenario, "--max-new-tokens", "2", "--no-plot")
+    assert invoke("run", "--out", str(tmp_path / "whole"), *common).exit_code == 0
+    whole = load(tmp_path / "whole" / "results.json")
+    for count in counts:
+        files = []
+        for k in range(1, count + 1):
+            out = tmp_path / f"{count}-{k}"
+            ran = invoke("run", "--out", str(out), *common, "--shard", f"{k}/{count}")
+            files.append(str(out / "results.json"))
+            again = invoke("verdict", files[-1])
+            assert again.exit_code == ran.exit_code == 0, again.output
+            assert f"judged shard {k} of {count}" in again.output
+        merged = tmp_path / f"merged-{count}"
+        result = invoke("merge", *files, "--out", str(merged), "--no-plot")
+        assert result.exit_code == 0, result.output
+        doc = load(merged / "results.json")
+        assert [(c["id"], c["verdict"]) for c in doc["cases"]] == [(c["id"], c["verdict"]) for c in whole["cases"]]
+        assert doc["verdict"] == whole["verdict"]

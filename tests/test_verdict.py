@@ -119,13 +119,15 @@ def test_logprob_tolerance_decides_match_and_the_reason_shows_why():
 
 # --- ties and teacher forcing ------------------------------------------------------------------
 
-def _near_tie_flip(margin_a=0.02, margin_b=0.03, forced_delta=0.01):
-    """bcg_normal flips token 3 -> 99 at step 2; both tokens are within the margins in both arms."""
+def _near_tie_flip(margin_a=0.02, margin_b=0.03, forced_delta=0.01, flip_shift=0.0):
+    """bcg_normal flips token 3 -> 99 at step 2; both tokens are within the margins in both arms.
+    `flip_shift` moves both of bcg_normal's scores at the flip step (its own path) by that much."""
     eager = make_arm(EAGER_NORMAL, (11, 12, 13, 14, 15), logprobs=(-0.1, -0.2, -0.70, -0.1, -0.1),
                      top=tuple(((t, -0.1),) for t in (11, 12)) + (((13, -0.70), (99, -0.70 - margin_b)),)
                      + tuple(((t, -0.1),) for t in (14, 15)))
-    bcg = make_arm(BCG_NORMAL, (11, 12, 99, 16, 17), logprobs=(-0.1, -0.2, -0.69, -0.3, -0.3),
-                   top=tuple(((t, -0.1),) for t in (11, 12)) + (((99, -0.69), (13, -0.69 - margin_a)),)
+    flip = -0.69 - flip_shift
+    bcg = make_arm(BCG_NORMAL, (11, 12, 99, 16, 17), logprobs=(-0.1, -0.2, flip, -0.3, -0.3),
+                   top=tuple(((t, -0.1),) for t in (11, 12)) + (((99, flip), (13, flip - margin_a)),)
                    + tuple(((t, -0.3),) for t in (16, 17)),
                    forced={EAGER_NORMAL: (-0.1, -0.2, -0.70 - forced_delta, -0.1, -0.1),
                            BCG_ZERO: (-3.0,) * 5})
@@ -149,6 +151,17 @@ def test_a_near_tie_flip_with_a_small_teacher_forced_delta_passes():
 def test_a_flip_that_is_not_a_near_tie_or_moves_the_sequence_fails(arms, tie_margin):
     run = make_run([make_case(arms)], tie_margin=tie_margin)
     assert run.verdict.code == "FAIL_GRAPH_DIVERGES"
+
+
+def test_a_tie_is_excused_only_where_its_own_step_agrees():
+    """Issue 21: a bug in the bucket the answer was generated in flips a near-tie token by 0.2, while
+    the teacher-forced check ran in another bucket where the bug is absent (tf Δ 0.01)."""
+    run = make_run([make_case(_near_tie_flip(flip_shift=0.2))], logprob_tol=0.05)
+    c = run.cases[0].comparison(BCG_NORMAL, EAGER_NORMAL)
+    assert c.tie and c.tf_delta == pytest.approx(0.01) and c.flip_delta == pytest.approx(0.21)
+    assert not c.match and run.verdict.code == "FAIL_GRAPH_DIVERGES" and "flip Δ 0.21" in run.verdict.reason
+    control = make_run([make_case(_near_tie_flip())], logprob_tol=0.05).cases[0].comparison(BCG_NORMAL, EAGER_NORMAL)
+    assert control.match and control.flip_delta == pytest.approx(0.04)  # the same tie, its step agreeing
 
 
 def test_a_tie_without_teacher_forced_scores_does_not_match():
