@@ -239,7 +239,7 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
     One experiment: `out_dir` holds its results.json, report.md and plots. `matrix`: one folder per
     experiment, and `out_dir/report.md` is the matrix report. Either way the report is appended to
     the CI step summary and `junit` gets one testsuite per experiment."""
-    from parity.reporting.ci_summary import append_step_summary
+    from parity.reporting.ci_summary import append_step_summary, step_summary_wanted
     from parity.reporting.junit import write_junit
     from parity.reporting.matrix import experiments, matrix_verdict, render_matrix
     from parity.reporting.report import render_markdown
@@ -258,7 +258,8 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
     else:
         runs = [write_run_folder(merge_runs(files, allow_missing, allow_mixed_code), output.out_dir, output.plots,
                                  warn)]
-        markdown = render_markdown(runs[0], images=False)  # a summary cannot show the folder's plots
+        # A summary cannot show the folder's plots; rendered only for a CI that asks for one.
+        markdown = render_markdown(runs[0], images=False) if step_summary_wanted() else ""
         verdict = runs[0].verdict
     if output.junit is not None:
         try:
@@ -266,7 +267,8 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
         except OSError as err:
             raise UsageError(f"--junit: cannot write {output.junit} ({err.strerror or err})") from None
     try:
-        append_step_summary(markdown)
+        if step_summary_wanted():
+            append_step_summary(markdown)
     except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning
         warn(f"GITHUB_STEP_SUMMARY not written ({err.strerror or err})")
     return verdict, output.out_dir / "report.md"

@@ -313,13 +313,12 @@ def case_to_json(case: CaseResult) -> dict:
     return out
 
 
-def run_to_json(run: RunResult) -> dict:
+def _head_json(run: RunResult) -> dict:
     out = {
         "schema": run.schema,
         "created": run.created,
         "environment": dict(run.environment),
         "config": dict(run.config),
-        "cases": [case_to_json(c) for c in run.cases if not c.absent],
         "verdict": _verdict_json(run.verdict),
     }
     if run.interrupted:
@@ -327,14 +326,18 @@ def run_to_json(run: RunResult) -> dict:
     return out
 
 
+def run_to_json(run: RunResult) -> dict:
+    return {**_head_json(run), "cases": [case_to_json(c) for c in run.cases if not c.absent]}
+
+
 def dumps(run: RunResult) -> str:
-    """The results document: one line per case, each case compact. A sweep of thousands of cases
-    stays a file the loader reads back (design §4b); indenting every logprob pair made it 4x larger.
-    allow_nan=False: a bare NaN is not JSON, and no reader should have to guess what it meant."""
-    doc = run_to_json(run)
-    cases = doc.pop("cases")
-    head = json.dumps(doc, ensure_ascii=False, allow_nan=False)
-    body = ",\n".join(json.dumps(case, ensure_ascii=False, allow_nan=False) for case in cases)
+    """The results document: one line per case, each case compact, built one case at a time. A
+    sweep of thousands of cases stays a file the loader reads back (design §4b); indenting every
+    logprob pair made it 4x larger. allow_nan=False: a bare NaN is not JSON, and no reader should
+    have to guess what it meant."""
+    head = json.dumps(_head_json(run), ensure_ascii=False, allow_nan=False)
+    body = ",\n".join(json.dumps(case_to_json(case), ensure_ascii=False, allow_nan=False)
+                      for case in run.cases if not case.absent)
     return f'{head[:-1]}, "cases": [\n{body}\n]}}'
 
 

@@ -70,15 +70,30 @@ def non_negative_int(value: Any, where: str, minimum: int = 0) -> int:
     return integer(value, where, minimum, MAX_COUNT)
 
 
+# One object per distinct token id: a merged sweep holds millions of ids (answers and top-k) from a
+# vocabulary of thousands, and json makes a new int object for each (design §4b: sweeps must load).
+_SHARED_INTS: dict[int, int] = {}
+shared_int = _SHARED_INTS.setdefault  # shared_int(v, v): the one object for v
+
+
 def ints(values: Any, where: str, minimum: int = 0) -> tuple[int, ...]:
     if not isinstance(values, list):
         raise Invalid(f"{where} must be a list of integers")
+    if all(type(v) is int and minimum <= v <= MAX_COUNT for v in values):  # every valid file: no messages built
+        return tuple(shared_int(v, v) for v in values)
     return tuple(non_negative_int(v, f"{where}[{i}]", minimum) for i, v in enumerate(values))
+
+
+def is_logprob(value: Any) -> bool:
+    """A finite number <= MAX_LOGPROB (not a bool): what every valid logprob is."""
+    return (type(value) is float or type(value) is int) and -math.inf < value <= MAX_LOGPROB
 
 
 def logprobs(values: Any, where: str) -> tuple[float, ...]:
     if not isinstance(values, list):
         raise Invalid(f"{where} must be a list of numbers")
+    if all(map(is_logprob, values)):  # every valid file: no messages built
+        return tuple(map(float, values))
     out = tuple(number(v, f"{where}[{i}]") for i, v in enumerate(values))
     for i, lp in enumerate(out):
         if lp > MAX_LOGPROB:

@@ -31,7 +31,8 @@ from parity.results_consistency import Contradiction
 from parity.results_plan import planned_but_absent
 from parity.results_requirements import check_all
 from parity.results_json import (
-    Invalid, get, ints, logprobs, non_negative_int, number, parse_unique_keys, positive,
+    MAX_COUNT, Invalid, get, ints, is_logprob, logprobs, non_negative_int, number, parse_unique_keys, positive,
+    shared_int,
 )
 
 # A run's file is tens of KB per case; a merged sweep of 5,000 cases at 64 new tokens is a few hundred
@@ -47,6 +48,10 @@ def _top(raw: Any, where: str) -> TopLogprobs | None:
         raise Invalid(f"{where} must be a list of [[token_id, logprob], ...] per step")
     steps = []
     for i, step in enumerate(raw):
+        if isinstance(step, list) and all(type(p) is list and len(p) == 2 and type(p[0]) is int
+                                          and 0 <= p[0] <= MAX_COUNT and is_logprob(p[1]) for p in step):
+            steps.append(tuple((shared_int(p[0], p[0]), float(p[1])) for p in step))  # every valid file
+            continue
         if not isinstance(step, list) or not all(isinstance(p, list) and len(p) == 2 for p in step):
             raise Invalid(f"{where}[{i}] must be a list of [token_id, logprob] pairs")
         ids = ints([t for t, _ in step], f"{where}[{i}]")
@@ -355,13 +360,22 @@ def _check_v1_fields(config: dict, cases: list) -> None:
         raise Invalid(f"{found[0]} is a {SCHEMA} field, which a {SCHEMA_V1} file never has: a relabelled file")
 
 
+def _taken(items: list, i: int, consume: bool) -> Any:
+    item = items[i]
+    if consume:
+        items[i] = None
+    return item
+
+
 def _absent(entry: PlanEntry) -> CaseResult:
     """A planned case the file does not hold: no arms, judged INCOMPLETE by name."""
     return CaseResult(entry.id, None, "", scenario=entry.scenario, absent=True)
 
 
-def run_from_json(doc: Any, source: str) -> RunResult:
-    """Parse and validate a results document; stored comparisons and verdicts are dropped."""
+def run_from_json(doc: Any, source: str, consume: bool = False) -> RunResult:
+    """Parse and validate a results document; stored comparisons and verdicts are dropped.
+    `consume`: each case's JSON is dropped from `doc` once read, so a large file's document and its
+    run are never both whole in memory."""
     schema = SCHEMA
     try:
         schema = get(doc, "schema", str, "document")
@@ -376,7 +390,7 @@ def run_from_json(doc: Any, source: str) -> RunResult:
         config = config_from_json(raw_config, environment, v2)
         if not cases_raw:
             raise Invalid("cases is empty")
-        cases = tuple(_case(c, f"cases[{i}]", v2) for i, c in enumerate(cases_raw))
+        cases = tuple(_case(_taken(cases_raw, i, consume), f"cases[{i}]", v2) for i in range(len(cases_raw)))
         seen: set[str] = set()
         for case in cases:
             if case.id in seen:
@@ -416,6 +430,7 @@ def load_results(path: str | Path) -> RunResult:
         raise ResultsFileError(shown, f"cannot be read ({reason})") from None
     try:
         doc = parse_unique_keys(text)
+        del text  # a sweep's file is hundreds of MB: not held beside what is built from it
     except json.JSONDecodeError as err:
         raise ResultsFileError(shown, f"not JSON ({err.msg} at line {err.lineno})") from None
     except RecursionError:
@@ -424,4 +439,4 @@ def load_results(path: str | Path) -> RunResult:
         raise ResultsFileError(shown, f"not a results file ({err})") from None
     except Invalid as err:
         raise ResultsFileError(shown, f"not valid JSON for a results file: {err}") from None
-    return run_from_json(doc, shown)
+    return run_from_json(doc, shown, consume=True)

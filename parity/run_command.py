@@ -22,7 +22,7 @@ from parity.errors import UsageError
 from parity.experiment import CaseSpec, RunInterrupted, RunSpec, planned_arm_runs, run_experiment
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
 from parity.interrupts import deferred_stops, exit_code_of, signal_of
-from parity.reporting.ci_summary import append_step_summary
+from parity.reporting.ci_summary import append_step_summary, step_summary_wanted
 from parity.reporting.progress import progress_display
 from parity.reporting.report import render_markdown
 from parity.reporting.terminal import print_table
@@ -227,7 +227,8 @@ def _write_files(result: RunResult, output: OutputOptions, console: Console) -> 
 
         _write(output.junit, junit_xml(result), "--junit")
     try:
-        append_step_summary(render_markdown(result, images=False))
+        if step_summary_wanted():
+            append_step_summary(render_markdown(result, images=False))
     except OSError as err:  # the verdict stands; a CI summary that cannot be written is a warning
         console.print(f"[yellow]warning:[/] GITHUB_STEP_SUMMARY not written ({escape(err.strerror or str(err))})")
 

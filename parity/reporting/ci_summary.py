@@ -16,6 +16,11 @@ SUMMARY_ENV = "GITHUB_STEP_SUMMARY"
 _CUT_NOTE = "… [cut: {} more characters]"
 
 
+def step_summary_wanted(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a CI step summary is to be written (rendering one is not free on a large sweep)."""
+    return bool(env.get(SUMMARY_ENV))
+
+
 def append_step_summary(markdown: str, env: Mapping[str, str] = os.environ) -> Path | None:
     """Append to the file `GITHUB_STEP_SUMMARY` names (created if missing); None outside Actions.
 
