@@ -89,7 +89,7 @@ def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = (), al
             if shard in holder:
                 what = (f"config.{CONFIG_KEY} shard {shard}/{count}" if CONFIG_KEY in f.run.config
                         else "the whole (unsharded) run")
-                raise UsageError(f"{f.path}: {what} is also in {holder[shard]}: a duplicate; give each shard's "
+                raise UsageError(f"{f.path}: {what} is also in {holder[shard]}: a duplicate; give each "
                                  "results file once")
             holder[shard] = f.path
     missing = [k for k in range(1, count + 1) if k not in holder]

@@ -90,8 +90,8 @@ def forced_deltas(a: ArmResult, reference: ArmResult) -> tuple[float, ...] | Non
     recorded that (`forced[reference]` in the reference itself), else its generation logprobs.
     """
     forced = a.forced.get(reference.name)
-    own = reference.forced.get(reference.name, reference.token_logprobs)
-    if forced is None or len(forced) != len(own):
+    own = reference.forced.get(reference.name, reference.token_logprobs)  # null: could not score
+    if forced is None or own is None or len(forced) != len(own):
         return None
     return tuple(abs(x - y) for x, y in zip(forced, own))
 

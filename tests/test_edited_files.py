@@ -234,3 +234,72 @@ def test_an_interrupted_run_reads_back_and_does_not_pass(parity_cli, monkeypatch
     assert any(not r["arms"] for c in doc["cases"] if "requests" in c for r in c["requests"])
     rejudged = run_to_json(judge_run(load_results(out / "results.json")))
     assert rejudged == doc and rejudged["verdict"]["code"] == "INCOMPLETE"
+
+
+# --- every one-field edit (issue 21) -----------------------------------------------------------------
+
+def _places(node, path=()):
+    """Every object key and the first item of every list, with its value (one place per field)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key not in ("comparisons", "verdict"):  # recomputed, never read
+                yield path + (key,), value
+                yield from _places(value, path + (key,))
+    elif isinstance(node, list) and node:
+        yield path + (0,), node[0]
+        yield from _places(node[0], path + (0,))
+
+
+def _other_values(value):
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [0, 1, value + 1, value * 2]
+    if isinstance(value, float):
+        return [0.0, value * 10, value / 10, 100.0]
+    if isinstance(value, str):
+        return ["", "parity.results/1", "auto", "user", "fixed", "bfloat16"]
+    if isinstance(value, list):
+        return [[], value[:-1]]
+    return [{}]
+
+
+def test_no_one_field_edit_of_a_failing_run_rejudges_to_pass(parity_cli, tmp_path):
+    """Every field of a failing run's file deleted, nulled or changed, one at a time, and one arm's
+    whole answer copied into another: never exit 0, never a traceback."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    _, doc, _ = parity_cli.run("--runner", "legacy", "--max-new-tokens", "3", name="legacy")
+    path, runner = tmp_path / "edited.json", CliRunner()
+
+    def verdict_of(edited) -> int:
+        path.write_text(json.dumps(edited))
+        result = runner.invoke(cli, ["verdict", str(path)])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        return result.exit_code
+
+    tried = 0
+    for place, value in list(_places(doc)):
+        for change in [None, "delete", *_other_values(value)]:
+            edited = json.loads(json.dumps(doc))
+            holder = edited
+            for key in place[:-1]:
+                holder = holder[key]
+            if change == "delete":
+                holder.pop(place[-1])
+            else:
+                holder[place[-1]] = change
+            assert verdict_of(edited) != 0, (place, change)
+            tried += 1
+    arms = doc["cases"][0]["arms"]
+    for target in arms:
+        for source in arms:
+            if source != target:
+                edited = json.loads(json.dumps(doc))
+                for key in ("token_ids", "text", "token_logprobs", "top_logprobs"):
+                    edited["cases"][0]["arms"][target][key] = arms[source][key]
+                assert verdict_of(edited) != 0, (target, source)
+                tried += 1
+    assert tried > 500 and verdict_of(doc) == 1  # the negative control: the file as written is the FAIL

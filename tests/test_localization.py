@@ -355,3 +355,12 @@ def test_localize_usage_errors(parity_cli, tmp_path):
     assert result.exit_code == 2 and "is PASS" in result.output
     nothing = parity_cli("localize", str(passing / "results.json"))
     assert nothing.exit_code == 0 and "nothing to localize" in nothing.output
+
+
+def test_a_sequence_whose_first_request_dropped_deepstack_is_localized(parity_cli):
+    """v3 names a first request's failure as the drop (not stale state); it is localized all the same."""
+    _, doc, _ = parity_cli.run("--runner", "legacy", "--scenario", "reuse", "--max-new-tokens", "4")
+    case = doc["cases"][0]
+    assert case["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED" and "first request" in case["verdict"]["reason"]
+    loc = case["localization"]
+    assert loc["request"] == 0 and loc["arm"] == "bcg_normal" and loc["first_divergent"] is not None

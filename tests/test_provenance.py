@@ -228,3 +228,16 @@ def test_a_matrix_label_cannot_inject_markdown(shards, legacy_run, tmp_path):
     assert not any("## injected" in line and "\\#\\# injected" not in line and "`" not in line for line in lines)
     rows = [line for line in lines if line.startswith("| [2.")]
     assert rows and "\\[link\\](http://e)" in rows[0] and "\\|" in rows[0]  # escaped: no link, no cell break
+
+
+def test_the_same_file_twice_names_what_it_has(legacy_run):
+    result = invoke("report", str(legacy_run), str(legacy_run))
+    assert result.exit_code == 2 and "the whole (unsharded) run is also in" in result.output
+    assert "config.shard" not in result.output  # the file has no such field
+
+
+def test_an_arm_whose_own_score_is_null_is_judged_without_a_traceback(legacy_run, tmp_path):
+    """null: the backend could not score exactly those tokens. Then no teacher-forced delta exists."""
+    result = invoke("verdict", edited(legacy_run, tmp_path,
+                                      lambda d: d["cases"][0]["arms"]["eager_normal"]["forced"].update(eager_normal=None)))
+    assert result.exit_code == 1 and "Traceback" not in result.output
