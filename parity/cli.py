@@ -290,7 +290,7 @@ def verdict(results_file: str, as_json: bool) -> None:
     else:
         for case in run_result.cases:
             click.echo(visible(f"{case.id}: {case.verdict.code}: {case.verdict.reason}"))
-        shard = describe_shard(run_result.config, sum(not c.absent for c in run_result.cases))
+        shard = describe_shard(run_result)
         if shard:
             click.echo(f"judged {shard[0].lower()}{shard[1:]}")
         click.echo(visible(f"{run_result.verdict.code}: {run_result.verdict.reason}"))

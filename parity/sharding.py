@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 from parity.arms import arm_mode_and_deepstack
 from parity.errors import UsageError
 from parity.plan import PlanEntry
-from parity.results import FOUR_ARM, SEQUENCE_REQUESTS
+from parity.results import FOUR_ARM, SEQUENCE_REQUESTS, RunResult
 
 CONFIG_KEY = "shard"
 _SPEC = re.compile(r"\s*(\d+)\s*/\s*(\d+)\s*")
@@ -209,8 +209,9 @@ def unmerged_note(config: Mapping[str, Any]) -> str | None:
             f"(merged with --allow-missing)")
 
 
-def describe(config: Mapping[str, Any], judged_cases: int) -> str | None:
+def describe(run: RunResult) -> str | None:
     """One line for a report's header: which part of a sharded run the report covers."""
+    config, judged_cases = run.config, sum(not c.absent for c in run.cases)
     try:
         record = read_shard(config)
     except ValueError:

@@ -121,7 +121,8 @@ def test_text_only_and_zero_deepstack_replays_equal_eager(fixed_all) -> None:
     assert checked >= 2  # the text-only request and the zero-DeepStack image request
 
 
-def test_a_slot_that_is_never_cleared_leaks_into_the_stream(tmp_path: Path) -> None:
+def _stream_with(variant: str, tmp_path: Path):
+    """One stream case on real CPU servers whose bcg server runs the fix's test-only `variant`."""
     from parity.arms import select_arms
     from parity.backends import BackendOptions, create_backend
     from parity.experiment import CaseSpec, RunSpec, run_experiment
@@ -131,15 +132,27 @@ def test_a_slot_that_is_never_cleared_leaks_into_the_stream(tmp_path: Path) -> N
     fixture = builtin_fixture("rgb-stripes")
     spec = RunSpec(model="tiny-qwen3-vl", arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
                    scenarios=(STREAM,), max_new_tokens=MAX_NEW_TOKENS)
-    options = BackendOptions(name="sglang", device="cpu", sglang_fix=deepstack_slot.NO_CLEAR)  # test-only variant
-    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
+    backend = create_backend(BackendOptions(name="sglang", device="cpu", sglang_fix=variant), MAX_NEW_TOKENS, tmp_path)
     try:
         result = run_experiment(spec, backend, warn=lambda _: None)
     finally:
         backend.close()
+    assert result.config["sglang_fix_slots"]["bcg"][0]["variant"] == variant
+    assert_no_server_left()
     (case,) = result.cases
+    return case
+
+
+def test_a_slot_that_is_never_cleared_leaks_into_the_stream(tmp_path: Path) -> None:
+    case = _stream_with(deepstack_slot.NO_CLEAR, tmp_path)
     assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
     # Every image prefill overwrites its whole bucket; the first request with none keeps the rows.
     assert "(text only)" in case.verdict.reason, case.verdict.reason
-    assert result.config["sglang_fix_slots"]["bcg"][0]["variant"] == deepstack_slot.NO_CLEAR
-    assert_no_server_left()
+
+
+def test_a_refresh_skipped_for_a_repeated_shape_is_caught_back_to_back(tmp_path: Path) -> None:
+    """Issue 21: the stream's normal and zeroed requests of one image are back to back on the graph
+    server (scoring comes after the sequence), so a refresh skipped for a repeated shape is reached."""
+    case = _stream_with(deepstack_slot.SKIP_SAME_SHAPE, tmp_path)
+    assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
+    assert "request 2 of 5 (image, DeepStack zeroed)" in case.verdict.reason, case.verdict.reason

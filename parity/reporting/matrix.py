@@ -123,7 +123,7 @@ def _table(rows: Sequence[Experiment], scenarios: Sequence[str]) -> list[str]:
 
 def _section(row: Experiment, scenarios: Sequence[str], texts: bool, bodies_of_passes: bool) -> str:
     run = row.run
-    shard = describe_shard(run.config, len(run.cases))
+    shard = describe_shard(run)
     lines = [f'<a name="{row.anchor}"></a>', "",
              f"### {row.number}. {md_text(row.label)}: {_icon(run.verdict.code)} `{run.verdict.code}`", "",
              md_text(run.verdict.reason), ""]

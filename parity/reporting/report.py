@@ -77,7 +77,7 @@ def arm_evidence_text(arm: ArmResult) -> str:
 def run_notes(run: RunResult) -> list[str]:
     """What a reader must know to read the verdict right, beyond the verdict itself."""
     notes = []
-    shard = describe_shard(run.config, len(run.cases))
+    shard = describe_shard(run)
     if shard:
         notes.append(shard)
     sources = run.environment.get(SOURCE_KEY)

@@ -19,7 +19,9 @@ plugin adds the slot of design §6 to the real runner, through SGLang's own hook
 
 It is off unless `PARITY_SGLANG_FIX` names a variant, and it refuses any SGLang version but the one
 it was written against. `deepstack-slot-no-clear` is a test-only variant that never clears (the
-stale-state bug the `stream` scenario must catch). Nothing here depends on the device: with real
+stale-state bug the `stream` scenario must catch), and `deepstack-slot-skip-same-shape` one that
+skips the refresh when two batches in a row carry DeepStack of one shape (what the stream's
+normal and zeroed requests of one image reach, back to back). Nothing here depends on the device: with real
 CUDA graphs on a GPU the same hooks bind the same slot.
 """
 
@@ -37,7 +39,10 @@ from typing import Any, Mapping
 ENV_FIX = "PARITY_SGLANG_FIX"
 FIX = "deepstack-slot"
 NO_CLEAR = "deepstack-slot-no-clear"  # test-only: a slot that is never cleared
-VARIANTS = (FIX, NO_CLEAR)
+# test-only: a refresh skipped when a batch's DeepStack has the shape of the one before it (a copy
+# "optimized" away for repeated shapes): only requests back to back reach it (design §5).
+SKIP_SAME_SHAPE = "deepstack-slot-skip-same-shape"
+VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE)
 WRITTEN_FOR = "0.5.23"
 RECORDS_FILE = "fix.jsonl"
 
@@ -138,6 +143,7 @@ def append_record(folder: Path | None, record: FixRecord) -> None:
 
 # --- the hooks on the real runner ------------------------------------------------------------------
 
+_LAST_SHAPE = "_parity_deepstack_last_shape"  # the shape the slot was last refreshed for
 _BINDING: contextvars.ContextVar[Any] = contextvars.ContextVar("parity_deepstack_binding", default=None)
 
 
@@ -206,8 +212,14 @@ class DeepStackSlotFix:
 
     def after_fill(self, result, runner, args, layer_kwargs, static_num_tokens, *rest, **kwargs):
         slot = getattr(runner, SLOT_ATTRIBUTE, None)
-        if slot is not None:
-            refresh(slot, layer_kwargs.get(DEEPSTACK_KWARG), int(static_num_tokens), clear=self.clears)
+        if slot is None:
+            return result
+        live = layer_kwargs.get(DEEPSTACK_KWARG)
+        shape = None if live is None else (tuple(live.shape), int(static_num_tokens))
+        repeated = shape is not None and shape == getattr(runner, _LAST_SHAPE, None)
+        setattr(runner, _LAST_SHAPE, shape)
+        if not (repeated and self.variant == SKIP_SAME_SHAPE):
+            refresh(slot, live, int(static_num_tokens), clear=self.clears)
         return result
 
     def register(self) -> None:
