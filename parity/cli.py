@@ -6,18 +6,19 @@ Exit codes: 0 PASS · 1 FAIL_* · 2 usage error · 3 INCOMPLETE / INCONCLUSIVE_*
 
 from __future__ import annotations
 
-import math
-import os
 import signal
 import sys
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 from rich.console import Console
 from rich.markup import escape
 
 from parity import __version__
+from parity.cli_options import (
+    LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, int_list, not_empty, positive, threads, tie_margin,
+    warn_ignored,
+)
 from parity.errors import ParityError, UsageError
 from parity.interrupts import exit_code_of, signal_of
 from parity.metrics import DEFAULT_TIE_MARGIN
@@ -31,12 +32,6 @@ MAX_SEED = 2**63 - 1
 STOP_EXITS = (exit_code_of(signal.SIGINT), exit_code_of(signal.SIGTERM))
 # Runs of one arm: past a hundred, a repeat measures nothing more and only multiplies the run.
 MAX_REPEAT = 100
-# The server backends' options, and the backends each one applies to.
-SERVER_OPTIONS = {"sglang_args": ("sglang",), "sglang_fix": ("sglang",), "vllm_args": ("vllm",),
-                  "graph_mode": ("vllm",),
-                  **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")}}
-
-
 class ParityCommandError(click.ClickException):
     """A library error shown as `Error: <one line>` with its documented exit code."""
 
@@ -58,83 +53,6 @@ def _console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
-def _positive(ctx, param, value):
-    if value is not None and value <= 0:
-        raise click.BadParameter(f"must be > 0, got {value}")
-    return value
-
-
-def _threads(ctx, param, value):
-    cpus = os.cpu_count() or 1
-    if value is not None and not 1 <= value <= cpus:
-        raise click.BadParameter(f"must be between 1 and this machine's {cpus} CPUs, got {value}")
-    return value
-
-
-def _not_empty(hint: str = ""):
-    def callback(ctx, param, value):
-        if value is not None and not value.strip():
-            raise click.BadParameter(f"must not be empty{hint}")
-        return value
-
-    return callback
-
-
-def _arm_selection(ctx, param, value):
-    names = [n.strip() for n in value.split(",") if n.strip()]
-    if not names:
-        raise click.BadParameter("expected `all` or a comma list of arm names (see `parity arms`)")
-    if "all" in names and len(names) > 1:
-        raise click.BadParameter(f"`all` already names every arm; give it alone or list the arms, got {value!r}")
-    return value
-
-
-def _tie_margin(ctx, param, value):
-    if not math.isfinite(value) or value < 0:
-        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
-    return value
-
-
-def _auto_or_number(lowest: float, inclusive: bool, note: str = ""):
-    """A callback for `auto` (None: resolved later from the dtype's measured noise) or a finite number
-    above `lowest` (or equal to it, when `inclusive`)."""
-    bound = f"{'>=' if inclusive else '>'} {lowest:g}{note}"
-
-    def callback(ctx, param, value):
-        if value == "auto":
-            return None
-        try:
-            number = float(value)
-        except ValueError:
-            raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
-        if not math.isfinite(number) or number < lowest or (number == lowest and not inclusive):
-            raise click.BadParameter(f"must be 'auto' or a finite number {bound}, got {value}")
-        return number
-
-    return callback
-
-
-_LOCALIZE_THRESHOLD_HELP = ("auto (from the dtype's measured noise) or a number: the first layer whose relative error "
-                            "||h_bcg - h_eager|| / ||h_eager|| exceeds it is named.")
-
-
-def _int_list(ctx, param, value):
-    if param.name == "buckets" and value is not None and not value.strip():
-        raise click.BadParameter("expected auto or a comma list of bucket sizes, got an empty value")
-    if value is None or value == "":
-        return ()
-    if param.name == "buckets" and value == "auto":
-        return value
-    try:
-        numbers = tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise click.BadParameter(f"expected {'auto or ' if param.name == 'buckets' else ''}a comma list of "
-                                 f"integers, got {value!r}") from None
-    if param.name == "buckets" and any(n <= 0 for n in numbers):
-        raise click.BadParameter("bucket sizes must be > 0")
-    return numbers
-
-
 @click.group(cls=ParityGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(version=__version__, prog_name="parity", message="parity %(version)s")
 def cli() -> None:
@@ -146,32 +64,32 @@ def cli() -> None:
 
 
 @cli.command()
-@click.option("--model", default="tiny-qwen3-vl", show_default=True, callback=_not_empty(),
+@click.option("--model", default="tiny-qwen3-vl", show_default=True, callback=not_empty(),
               help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Build the embedded preset from this seed instead of its own.")
 @click.option("--backend", type=click.Choice(["transformers", "sglang", "vllm"]), default="transformers", show_default=True)
-@click.option("--arms", "arm_selection", default="all", show_default=True, callback=_arm_selection,
+@click.option("--arms", "arm_selection", default="all", show_default=True, callback=arm_selection,
               help="`all` or a comma list of arm names (four-arm scenario only).")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
 @click.option("--image", "images", multiple=True, help="A user image file, used as a fixture (repeatable).")
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
-@click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=_positive)
-@click.option("--logprob-tol", default="auto", show_default=True, callback=_auto_or_number(MIN_LOGPROB_TOL, True, " (the fp32 noise floor of any x86 CPU)"),
+@click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=positive)
+@click.option("--logprob-tol", default="auto", show_default=True, callback=auto_or_number(MIN_LOGPROB_TOL, True, " (the fp32 noise floor of any x86 CPU)"),
               help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
-@click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=_tie_margin,
+@click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=tie_margin,
               help="Two tokens this close in logprob, in both arms, are a near-tie: a noise flip, not a failure.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="auto: float32 for embedded presets and on CPU, bfloat16 for checkpoints on GPU.")
-@click.option("--threads", type=int, default=None, callback=_threads,
+@click.option("--threads", type=int, default=None, callback=threads,
               help="CPU threads, at most the machine's CPUs (default: 1 for embedded presets unless "
                    "OMP_NUM_THREADS is set).")
 @click.option("--runner", type=click.Choice(["fixed", "legacy", "no-clear"]), default="fixed", show_default=True,
               help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
-@click.option("--buckets", default="auto", show_default=True, callback=_int_list,
+@click.option("--buckets", default="auto", show_default=True, callback=int_list,
               help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
                    "(vllm backend: the capture sizes).")
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
@@ -179,11 +97,11 @@ def cli() -> None:
 @click.option("--repeat", type=click.IntRange(1, MAX_REPEAT), default=1, show_default=True,
               help="Run every arm N times (at most 100); an arm that does not reproduce itself is "
                    "INCONCLUSIVE_NONDETERMINISTIC.")
-@click.option("--localize-threshold", default="auto", show_default=True, callback=_auto_or_number(0.0, False),
-              help="Localizing a failing case (transformers backend): " + _LOCALIZE_THRESHOLD_HELP)
-@click.option("--out", "out_dir", callback=_not_empty("; leave --out out for reports/<timestamp>-<model>/"),
+@click.option("--localize-threshold", default="auto", show_default=True, callback=auto_or_number(0.0, False),
+              help="Localizing a failing case (transformers backend): " + LOCALIZE_THRESHOLD_HELP)
+@click.option("--out", "out_dir", callback=not_empty("; leave --out out for reports/<timestamp>-<model>/"),
               help="Run folder (default reports/<timestamp>-<model>/).")
-@click.option("--junit", "junit_path", callback=_not_empty(), help="Also write a JUnit XML file here.")
+@click.option("--junit", "junit_path", callback=not_empty(), help="Also write a JUnit XML file here.")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
 @click.option("--shard", "shard_spec", metavar="K/N",
               help="Run only shard K of N: a partition of the cases that is the same on every machine; "
@@ -199,8 +117,8 @@ def cli() -> None:
 @click.option("--concurrent", is_flag=True,
               help="Keep both servers (sglang, vllm) up: started at once when --gpus gives each its own GPUs, else one "
                    "after the other on the shared GPU.")
-@click.option("--gpus", callback=_int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
-@click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=_positive,
+@click.option("--gpus", callback=int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
+@click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=positive,
               help="Seconds to wait for a server to be ready (SGLang /ready, vLLM /health).")
 @click.option("--mem-fraction", type=float, default=0.70, show_default=True,
               help="SGLang --mem-fraction-static / vLLM --gpu-memory-utilization per GPU; with --concurrent on a "
@@ -210,7 +128,7 @@ def run(**options) -> None:
     # Heavy imports (torch, transformers) only when running.
     from parity.arms import select_arms
     from parity.backends import BackendOptions
-    from parity.experiment import RunSpec
+    from parity.planning import RunSpec
     from parity.interrupts import first_stop_only
     from parity.run_command import (
         OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run, plan_note,
@@ -245,7 +163,7 @@ def run(**options) -> None:
         concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
         ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"], sglang_fix=o["sglang_fix"],
     )
-    _warn_ignored(click.get_current_context(), backend.name)
+    warn_ignored(click.get_current_context(), backend.name)
     note = plan_note(spec, o["model"])
     if note:
         click.echo(note, err=True)
@@ -257,19 +175,6 @@ def run(**options) -> None:
         console.print(f"[red]{escape(stopped.message)}[/]", highlight=False)
         sys.exit(stopped.exit_code)
     sys.exit(exit_code(run_result.verdict))
-
-
-def _warn_ignored(ctx: click.Context, backend: str) -> None:
-    """A server backend's options mean nothing to another backend: say so rather than drop them silently."""
-    ignored: dict[tuple[str, ...], list[str]] = {}
-    for param in ctx.command.params:
-        backends = SERVER_OPTIONS.get(param.name or "")
-        if backends and backend not in backends and \
-                ctx.get_parameter_source(param.name) not in (None, ParameterSource.DEFAULT):
-            ignored.setdefault(backends, []).append(param.opts[0])
-    for backends, given in ignored.items():
-        click.echo(f"warning: {', '.join(given)} only apply to --backend {' or '.join(backends)}; ignored with "
-                   f"--backend {backend}", err=True)
 
 
 @cli.command()
@@ -341,7 +246,7 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero:
 @click.argument("results_file")
 @click.option("--case", "case_id", help="Only this case (default: every case whose bcg arm disagrees with eager).")
 @click.option("--image", "images", multiple=True, help="A user image the run used (matched by sha256; repeatable).")
-@click.option("--localize-threshold", default="auto", show_default=True, callback=_auto_or_number(0.0, False),
+@click.option("--localize-threshold", default="auto", show_default=True, callback=auto_or_number(0.0, False),
               help="auto (the run's threshold, else the dtype's default) or a number: the first layer whose "
                    "relative error exceeds it is named.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: the run's device.")
@@ -378,7 +283,7 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
 @click.option("--out", "out_dir", required=True, help="Folder for the merged results.json, report.md and plots.")
 @click.option("--junit", "junit_path", help="Also write a JUnit XML file here (one testsuite per experiment).")
 @click.option("--no-plot", is_flag=True, help="Skip the plots.")
-@click.option("--allow-missing", callback=_int_list, default="", metavar="K[,K]",
+@click.option("--allow-missing", callback=int_list, default="", metavar="K[,K]",
               help="Shards missing on purpose: merge without them; the verdict is then at best INCOMPLETE.")
 @click.option("--matrix", is_flag=True,
               help="Files of several experiments (models, engines, graph modes, GPUs): merge each one's shards "

@@ -19,7 +19,8 @@ from rich.markup import escape
 
 from parity.backends import BackendOptions, create_backend
 from parity.errors import UsageError
-from parity.experiment import CaseSpec, RunInterrupted, RunSpec, planned_arm_runs, run_experiment
+from parity.experiment import RunInterrupted, run_experiment
+from parity.planning import CaseSpec, RunSpec, planned_arm_runs
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
 from parity.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary, step_summary_wanted

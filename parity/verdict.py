@@ -11,8 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
-from parity.buckets import smallest_fitting
-from parity.evidence import Evidence
+from parity.evidence_rules import Rules, bucket_fault, not_replayed_reason, runs_of, tap_fired
 from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 from parity.sharding import unmerged_note
@@ -78,27 +77,6 @@ SEQUENCE_POWER_ARM = EAGER_ZERO
 
 
 @dataclass(frozen=True)
-class Rules:
-    """What judging needs from a run besides its arms."""
-
-    tolerances: Tolerances
-    deepstack_layers: int | None  # None (a /1 file): inferred from the tap records
-    backend: str = "transformers"
-    captured: tuple[int, ...] | None = None  # the buckets the run captured; None: not recorded
-    repeat: int = 1  # --repeat: every arm runs this often
-    runner: str | None = None  # the transformers backend's runner variant
-
-    @classmethod
-    def of(cls, run: RunResult) -> "Rules":
-        captured = run.config.get("captured_buckets")
-        repeat = run.config.get("repeat")
-        return cls(Tolerances(run.logprob_tol, run.tie_margin, run.logprob_mean_tol), run.deepstack_layers,
-                   str(run.config.get("backend", "transformers")),
-                   None if captured is None else tuple(sorted(int(b) for b in captured)),
-                   repeat if isinstance(repeat, int) and repeat >= 1 else 1, run.config.get("runner"))
-
-
-@dataclass(frozen=True)
 class Group:
     """Arms that answered one request: the four arms of a case, or one request of a sequence."""
 
@@ -147,94 +125,11 @@ def comparable_pairs(case: CaseResult) -> list[tuple[int | None, ArmResult, ArmR
     return pairs
 
 
-# --- evidence, schema-agnostic ---------------------------------------------------------------------
-
-def replay_shown(arm: ArmResult) -> bool | None:
-    """Whether the arm's prompt prefill ran by graph replay: /2 evidence, else the /1 record."""
-    if arm.evidence is not None:
-        return arm.evidence.prefill_replayed
-    return arm.deepstack_record.replay if arm.deepstack_record is not None else None
-
-
-def tap_fired(arm: ArmResult) -> bool:
-    if arm.evidence is not None:
-        return arm.evidence.tap_calls > 0
-    return arm.deepstack_record is not None and arm.deepstack_record.nonzero_rows > 0
-
-
 def _consumes_deepstack(case: CaseResult, rules: Rules) -> bool:
     if rules.deepstack_layers is not None:
         return rules.deepstack_layers > 0
     # /1: the model is shown to consume DeepStack when some arm's tap saw non-zero rows.
     return any(tap_fired(arm) for arm in case.all_arms() if not arm.failed)
-
-
-def runs_of(arm: ArmResult) -> tuple[tuple[str, Evidence | None, bool | None], ...]:
-    """(label, evidence, replay shown) of every run of the arm: the first, then each repeat. A repeat
-    without its own evidence (a file from before v3) is covered by the arm's, which merged them."""
-    runs = [(arm.name, arm.evidence, replay_shown(arm))]
-    for i, rep in enumerate(arm.repeats):
-        if rep.evidence is not None:
-            runs.append((f"{arm.name} (repeat {i + 2})", rep.evidence, rep.evidence.prefill_replayed))
-    return tuple(runs)
-
-
-def _bucket_fault(label: str, evidence: Evidence | None, rules: Rules) -> str | None:
-    """Why a replay's bucket breaks the policy (design §6 v3), or None: a replay must use the
-    smallest captured bucket that fits its prompt."""
-    if evidence is None or not evidence.prefill_replayed or evidence.prompt_tokens is None:
-        return None
-    tokens = evidence.prompt_tokens
-    small = [b for b in evidence.buckets if b < tokens]
-    if small:
-        return f"{label} replayed its {tokens}-token prompt in bucket {small[0]}, smaller than the prompt"
-    if rules.captured is None:
-        return None
-    stray = [b for b in evidence.buckets if b not in rules.captured]
-    if stray:
-        return f"{label} replayed in bucket {stray[0]}, which the run never captured ({list(rules.captured)})"
-    policy = smallest_fitting(rules.captured, tokens)
-    if policy not in evidence.buckets:
-        return (f"{label} replayed its {tokens}-token prompt in bucket {evidence.buckets[0]}, but the bucket "
-                f"policy assigns bucket {policy} (the smallest captured bucket that fits)")
-    return None
-
-
-def _not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, shown: bool | None,
-                         rules: Rules) -> str | None:
-    if arm.mode == "eager":
-        if shown or (evidence is not None and evidence.replayed_calls > 0):
-            return (f"{label} is an eager arm but ran by graph replay, so it is not an eager reference; "
-                    "check that the eager path really disables the prefill graph")
-        return None
-    if shown is True:
-        return None
-    tokens = "?" if evidence is None or evidence.prompt_tokens is None else evidence.prompt_tokens
-    largest = "unknown" if evidence is None or evidence.max_bucket is None else evidence.max_bucket
-    how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
-    if rules.backend == "sglang":
-        hint = _sglang_not_replayed_hint(evidence)
-    elif rules.backend == "vllm":
-        hint = (f"use --buckets auto or a capture size of at least {tokens}, keep --max-num-batched-tokens above it, "
-                "and check that the attention backend allows the --graph-mode for prefills (vLLM's dispatcher "
-                "decided NONE)")
-    else:
-        hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
-    return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
-            f"so the graph path was not tested; {hint}")
-
-
-def _sglang_not_replayed_hint(evidence: Evidence | None) -> str:
-    tokens = None if evidence is None else evidence.prompt_tokens
-    largest = None if evidence is None else evidence.max_bucket
-    if tokens is not None and largest is not None and tokens <= largest:
-        # A bucket fits, so the server itself did not replay: SGLang turned its prefill graph off
-        # (an auto-disable such as torch_native attention) or declined this batch.
-        return ("a captured bucket fits the prompt, so the server did not replay it: look for SGLang's "
-                "\"Disable prefill CUDA graph because ...\" lines in the bcg server's log (sglang-bcg.log) and "
-                "for a flag that turns the prefill graph off (--sglang-arg)")
-    return (f"raise --cuda-graph-max-bs-prefill to at least {tokens if tokens is not None else '?'} and do not "
-            "disable the prefill CUDA graph (--sglang-arg)")
 
 
 # --- judging -------------------------------------------------------------------------------------
@@ -275,7 +170,7 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
                                       "image request: the DeepStack ablation cannot be trusted")
     for group, arm in present:  # rule 1c: a replay outside the bucket policy is a runner fault
         for label, evidence, _ in runs_of(arm):
-            fault = _bucket_fault(label, evidence, rules)
+            fault = bucket_fault(label, evidence, rules)
             if fault:
                 return Verdict(ERROR, f"{group.where(n)}{fault}")
     for group in all_groups:  # rule 2
@@ -289,7 +184,7 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
     # Rule 4 before rule 3, per run: a repeat that took another path did not "fail to reproduce".
     for group, arm in present:
         for label, evidence, shown in runs_of(arm):
-            reason = _not_replayed_reason(label, arm, evidence, shown, rules)
+            reason = not_replayed_reason(label, arm, evidence, shown, rules)
             if reason:
                 return Verdict(INCONCLUSIVE_NOT_REPLAYED, group.where(n) + reason)
     for group, arm in present:  # rule 3

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from parity.arms import ARM_ORDER, select_arms
-from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.experiment import run_experiment
+from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import Prompt, builtin_fixture
 from parity.sglang.backend import SglangBackend, create_sglang_backend
 

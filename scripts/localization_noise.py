@@ -24,7 +24,8 @@ from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_a
 from parity.backends import PRESET_THREADS  # noqa: E402
 from parity.backends.base import Request  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
-from parity.experiment import CaseSpec, RunSpec, run_experiment  # noqa: E402
+from parity.experiment import run_experiment  # noqa: E402
+from parity.planning import CaseSpec, RunSpec  # noqa: E402
 from parity.fixtures import builtin_fixtures, default_prompts  # noqa: E402
 from parity.graph_runner import RunnerVariant  # noqa: E402
 from parity.localization import Step, Target, auto_threshold, localize  # noqa: E402

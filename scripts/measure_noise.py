@@ -36,7 +36,8 @@ from PIL import Image  # noqa: E402
 from parity.arms import select_arms  # noqa: E402
 from parity.backends import PRESET_THREADS  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
-from parity.experiment import CaseSpec, RunSpec, run_experiment  # noqa: E402
+from parity.experiment import run_experiment  # noqa: E402
+from parity.planning import CaseSpec, RunSpec  # noqa: E402
 from parity.fixtures import Fixture, Prompt, builtin_fixtures, default_prompts  # noqa: E402
 from parity.graph_runner import PrefillGraphRunner, RunnerVariant  # noqa: E402
 from parity.metrics import auto_tolerances, first_divergence, forced_deltas, is_tie, position_deltas  # noqa: E402

@@ -47,7 +47,7 @@ def test_sglang_options_on_the_transformers_backend_warn(parity_cli, monkeypatch
 
 def test_a_large_plan_says_its_size_before_it_starts(parity_cli, monkeypatch, tmp_path):
     import parity.run_command
-    from parity.experiment import RunSpec, planned_arm_runs
+    from parity.planning import RunSpec, planned_arm_runs
 
     started = []
     monkeypatch.setattr(parity.run_command, "create_backend", lambda *a: started.append(1) or (_ for _ in ()).throw(

@@ -109,7 +109,7 @@ def test_stream_and_reuse_cases_record_every_request(parity_cli):
                ["prefill_replayed"] for r in stream["requests"])
     assert "5. bcg_normal" in (out / "report.md").read_text()
     from parity.arms import select_arms
-    from parity.experiment import RunSpec, planned_arm_runs
+    from parity.planning import RunSpec, planned_arm_runs
     from parity.results import SCENARIOS
     from parity.run_command import build_cases
 

@@ -14,7 +14,8 @@ from PIL import Image
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_arms
 from parity.backends.base import Request
 from parity.backends.transformers_backend import TransformersBackend
-from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.experiment import run_experiment
+from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import builtin_fixture, builtin_fixtures, default_prompts
 from parity.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.lm_body import Qwen3VLTextBody

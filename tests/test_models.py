@@ -7,7 +7,8 @@ from parity.arms import select_arms
 from parity.backends.base import Request
 from parity.backends.transformers_backend import TransformersBackend
 from parity.errors import ModelUnavailableError
-from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.experiment import run_experiment
+from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import builtin_fixture, default_prompts
 from parity.models import load_model
 from parity.models.tiny import SPECIAL_TOKENS

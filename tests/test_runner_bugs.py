@@ -4,7 +4,8 @@ import pytest
 
 from parity.arms import select_arms
 from parity.backends.transformers_backend import TransformersBackend
-from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.experiment import run_experiment
+from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import builtin_fixture, default_prompts
 from parity.graph_runner import PrefillGraphRunner
 from parity.results import SCENARIOS

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from parity.arms import select_arms
-from parity.experiment import CaseSpec, RunSpec, run_experiment
+from parity.experiment import run_experiment
+from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import Prompt, builtin_fixture
 from parity.results import FOUR_ARM, REUSE, SCENARIOS, STREAM, RunResult, write_results
 from parity.results_loader import load_results

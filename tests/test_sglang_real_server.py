@@ -125,7 +125,8 @@ def _stream_with(variant: str, tmp_path: Path):
     """One stream case on real CPU servers whose bcg server runs the fix's test-only `variant`."""
     from parity.arms import select_arms
     from parity.backends import BackendOptions, create_backend
-    from parity.experiment import CaseSpec, RunSpec, run_experiment
+    from parity.experiment import run_experiment
+    from parity.planning import CaseSpec, RunSpec
     from parity.fixtures import builtin_fixture, default_prompts
     from parity.results import STREAM
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from parity.arms import select_arms
 from parity.backends.base import Request
 from parity.cli import cli
-from parity.experiment import CaseSpec, RunSpec, plan_cases
+from parity.planning import CaseSpec, RunSpec, plan_cases
 from parity.fixtures import builtin_fixture, default_prompts
 from parity.identity import first_difference, identity
 from parity.metrics import NOISE_FLOOR
