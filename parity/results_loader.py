@@ -106,7 +106,7 @@ def _case(raw: Any, where: str, v2: bool) -> CaseResult:
 # Fields parity 0.1 never wrote: a /1 file that has one is a /2 file relabelled, which would switch
 # the /2 rules off (design §4b).
 _V2_ONLY_CONFIG = ("tie_margin", "deepstack_layers", "logprob_mean_tol", "logprob_tol_source", "plan", "shard",
-                   "captured_buckets", "localize_threshold", "tp_size")
+                   "localize_threshold", "tp_size")
 _V2_ONLY_CASE = ("requests", "localization", "localization_plot")
 _V2_ONLY_ARM = ("evidence", "forced", "forced_seconds")
 

@@ -179,3 +179,16 @@ def test_json_that_python_cannot_hold_is_refused(tmp_path: Path):
     (tmp_path / "twice.json").write_text('{"schema": "parity.results/2", "cases": [{"id": "a", "id": "b"}]}')
     with pytest.raises(ResultsFileError, match=r"cases\[0\] has the key 'id' twice"):
         load_results(tmp_path / "twice.json")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"buckets": "auto", "captured_buckets": [48, 50]}, "not on the bucket ladder"),
+    ({"repeat": 2}, "config.repeat 2"),
+])
+def test_the_rules_that_need_no_v2_data_hold_for_v1_files(tmp_path: Path, config, message):
+    doc = v1_doc()
+    doc["config"].update(config)
+    path = tmp_path / "v1.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ResultsFileError, match=message):
+        load_results(path)
