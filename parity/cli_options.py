@@ -11,11 +11,24 @@ import os
 import click
 from click.core import ParameterSource
 
-# The server backends' options, and the backends each one applies to.
-SERVER_OPTIONS = {"sglang_args": ("sglang",), "sglang_fix": ("sglang",), "vllm_args": ("vllm",),
-                  "graph_mode": ("vllm",),
-                  **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")}}
-
+# Every `parity run` option that not every backend uses, and the backends that use it. An option given
+# to a backend outside its list is said out loud at option parsing (design §5), before the backend or
+# its package is loaded: a warning, or a refusal (REFUSED) where running anyway would mislead.
+OPTION_BACKENDS = {
+    "runner": ("transformers",),  # the server backends run the engine's own graph runner
+    "localize_threshold": ("transformers",),  # localization probes a graph parity captures itself
+    "buckets": ("transformers", "vllm"),  # SGLang's buckets come from its own flags (--sglang-arg)
+    "graph_backend": ("transformers", "sglang"),
+    "threads": ("transformers", "sglang"),
+    "sglang_args": ("sglang",), "sglang_fix": ("sglang",),
+    "vllm_args": ("vllm",), "graph_mode": ("vllm",),
+    **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")},
+}
+# (backend, option, value) that cannot be honoured: exit 2 naming the option instead of a run elsewhere.
+REFUSED = {
+    ("vllm", "device", "cpu"): "--device cpu: the vllm backend serves on a GPU only (its CPU path does not exist "
+                               "yet), so the run would not be on the CPU; use --backend sglang or transformers",
+}
 
 
 def positive(ctx, param, value):
@@ -96,12 +109,18 @@ def int_list(ctx, param, value):
 
 
 def warn_ignored(ctx: click.Context, backend: str) -> None:
-    """A server backend's options mean nothing to another backend: say so rather than drop them silently."""
+    """Say every option the backend does not use, rather than drop it silently; refuse one it cannot
+    honour (REFUSED)."""
     ignored: dict[tuple[str, ...], list[str]] = {}
     for param in ctx.command.params:
-        backends = SERVER_OPTIONS.get(param.name or "")
-        if backends and backend not in backends and \
-                ctx.get_parameter_source(param.name) not in (None, ParameterSource.DEFAULT):
+        name = param.name or ""
+        if ctx.get_parameter_source(name) in (None, ParameterSource.DEFAULT):
+            continue
+        refusal = REFUSED.get((backend, name, ctx.params.get(name)))
+        if refusal:
+            raise click.UsageError(refusal)
+        backends = OPTION_BACKENDS.get(name)
+        if backends and backend not in backends:
             ignored.setdefault(backends, []).append(param.opts[0])
     for backends, given in ignored.items():
         click.echo(f"warning: {', '.join(given)} only apply to --backend {' or '.join(backends)}; ignored with "

@@ -196,3 +196,45 @@ def test_unwritable_junit_path_fails_before_the_run(parity_cli, tmp_path):
     (tmp_path / "file").write_text("")
     result, doc, _ = parity_cli.run("--junit", str(tmp_path / "file" / "junit.xml"))
     assert "--junit" in _one_line_error(result) and doc is None
+
+
+# Which backends use each option that not every backend uses: the spec of `parity run`'s warnings.
+USED_BY = {
+    ("--runner", "legacy"): {"transformers"},
+    ("--localize-threshold", "0.5"): {"transformers"},
+    ("--buckets", "64"): {"transformers", "vllm"},
+    ("--graph-backend", "emulated"): {"transformers", "sglang"},
+    ("--threads", "1"): {"transformers", "sglang"},
+    ("--device", "cuda"): {"transformers", "sglang", "vllm"},
+    ("--sglang-arg", "--chunked-prefill-size 64"): {"sglang"},
+    ("--sglang-fix", "deepstack-slot"): {"sglang"},
+    ("--vllm-arg", "--enable-prefix-caching"): {"vllm"},
+    ("--graph-mode", "full"): {"vllm"},
+    ("--concurrent", None): {"sglang", "vllm"},
+    ("--gpus", "0"): {"sglang", "vllm"},
+    ("--ready-timeout", "5"): {"sglang", "vllm"},
+    ("--mem-fraction", "0.5"): {"sglang", "vllm"},
+}
+
+
+@pytest.mark.parametrize("backend", ["transformers", "sglang", "vllm"])
+@pytest.mark.parametrize("option, value", list(USED_BY))
+def test_every_option_a_backend_does_not_use_is_said_before_it_loads(parity_cli, monkeypatch, backend, option, value):
+    import parity.run_command
+
+    def not_run(*args, **kwargs):  # the warning comes first: nothing is loaded, checked or run
+        raise SystemExit(0)
+
+    monkeypatch.setattr(parity.run_command, "execute_run", not_run)
+    args = ["run", "--backend", backend, option] + ([value] if value is not None else [])
+    result = parity_cli(*args)
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:") and option in line]
+    assert result.exit_code == 0, result.output
+    assert bool(warnings) == (backend not in USED_BY[(option, value)]), (backend, option, result.stderr)
+    if warnings:
+        assert f"ignored with --backend {backend}" in warnings[0]
+
+
+def test_vllm_on_the_cpu_is_refused_naming_the_option(parity_cli):
+    result = parity_cli("run", "--backend", "vllm", "--device", "cpu")
+    assert result.exit_code == 2 and "--device cpu" in result.output and "vLLM is not installed" not in result.output
