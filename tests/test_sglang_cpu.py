@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from parity.errors import BackendUnavailableError, UsageError
+from parity.serving import after_import
 from parity.sglang import backend as sglang_backend
 from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.sglang.plugin import TapChannel
@@ -118,13 +119,13 @@ def test_a_change_is_applied_right_after_its_module_executes(tmp_path: Path, mon
         module.f = lambda: "changed"
 
     try:
-        cpu_patches.after_import("parity_probe_target", patch)
+        cpu_patches.after_import("parity_probe_target", patch)  # the shared finder's
         from parity_probe_target import f  # a later `from X import f` binds the changed name
 
         assert f() == "changed"
     finally:
-        sys.meta_path[:] = [m for m in sys.meta_path if m is not cpu_patches._AFTER_IMPORT]
-        cpu_patches._AFTER_IMPORT.patches.pop("parity_probe_target", None)
+        sys.meta_path[:] = [m for m in sys.meta_path if m is not after_import.FINDER]
+        after_import.FINDER.patches.pop("parity_probe_target", None)
         sys.modules.pop("parity_probe_target", None)
 
 

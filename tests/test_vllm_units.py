@@ -251,7 +251,7 @@ print("WRAPPED=" + json.dumps([getattr(CudaGraphManager.dispatch, "__parity_tap_
       getattr(DefaultModelState.prepare_inputs_embeds, "__parity_tap__", False),
       getattr(getattr(Q, "_set_deepstack_input_embeds", None), "__parity_tap__", False),
       getattr(DefaultModelState.prepare_inputs_embeds, "__wrapped__", None) is not None,
-      sum(type(f).__name__ == "_WrapOnImport" for f in sys.meta_path),
+      sum(type(f).__name__ == "AfterImport" for f in sys.meta_path),
       "torch" in sys.modules]))
 """
 

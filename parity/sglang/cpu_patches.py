@@ -17,16 +17,16 @@ on the CPU:
 4. `get_current_device_stream_fast` returns the CPU stream (a bare `torch.get_device_module()` is
    CUDA on this wheel, with no driver).
 
-A change to a module is applied right after the module executes, so a later `from X import f`
-binds the changed name.
+A change to a module is applied right after the module executes (parity/serving/after_import.py),
+so a later `from X import f` binds the changed name.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import sys
 import types
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
+
+from parity.serving.after_import import after_import
 
 ENV_CPU = "PARITY_SGLANG_CPU"
 ENV_GRAPH = "PARITY_SGLANG_GRAPH"
@@ -37,56 +37,6 @@ ATTENTION_COMPATIBILITY_SOURCE = "_handle_attention_backend_compatibility"
 DEVICE_UTILS = "sglang.srt.utils.common"
 STREAM_FUNCTION = "get_current_device_stream_fast"
 DISABLED = "disabled"
-
-Patch = Callable[[types.ModuleType], None]
-
-
-# --- applying a change right after a module executes -----------------------------------------------
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader: Any, patch: Patch) -> None:
-        self.loader, self.patch = loader, patch
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: types.ModuleType) -> None:
-        self.loader.exec_module(module)
-        self.patch(module)
-
-
-class AfterImport(importlib.abc.MetaPathFinder):
-    """Finds a target module through the other finders, and patches it once it has executed."""
-
-    def __init__(self) -> None:
-        self.patches: dict[str, Patch] = {}
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None):
-        patch = self.patches.get(fullname)
-        if patch is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _PatchingLoader(spec.loader, patch)
-                return spec
-        return None
-
-
-_AFTER_IMPORT = AfterImport()
-
-
-def after_import(name: str, patch: Patch) -> None:
-    """Run `patch(module)` right after module `name` executes (now, if it already has)."""
-    if name in sys.modules:
-        patch(sys.modules[name])
-        return
-    _AFTER_IMPORT.patches[name] = patch
-    if _AFTER_IMPORT not in sys.meta_path:
-        sys.meta_path.insert(0, _AFTER_IMPORT)
 
 
 # --- the four changes ----------------------------------------------------------------------------------

@@ -3,9 +3,9 @@
 vLLM calls `register()` in every process that loads plugins: the API server, the engine core and
 each worker (vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder,
 so installing parity next to a production server changes nothing. When set, it arranges for three
-vLLM classes to be wrapped when their modules are imported, not before: importing a model module
-may initialise CUDA, and only the process that runs the model imports these at all. A module
-already imported is wrapped at once. Wrapping is idempotent.
+vLLM classes to be wrapped when their modules are imported, not before (parity/serving/after_import.py):
+importing a model module may initialise CUDA, and only the process that runs the model imports these
+at all. A module already imported is wrapped at once. Wrapping is idempotent.
 
 A "plugin loaded" marker would prove nothing (the API server loads plugins too, and vLLM only
 logs a plugin that fails to load): the proof that the tap works is a record written by the model
@@ -16,7 +16,7 @@ Standard library only at import time: vLLM imports this in every process.
 
 from __future__ import annotations
 
-import importlib.abc
+import functools
 import os
 import sys
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Mapping
 
+from parity.serving.after_import import after_import
 from parity.serving.channel import TapChannel
 
 ENV_VAR = "PARITY_VLLM_TAP"
@@ -66,16 +67,24 @@ def activate(environ: Mapping[str, str] = os.environ):
 
 
 def register() -> None:
-    """vLLM general-plugin entry point: inert unless PARITY_VLLM_TAP is set."""
+    """vLLM general-plugin entry point: inert unless PARITY_VLLM_TAP is set. vLLM may call it more
+    than once in a process; each module is wrapped once, when it has executed (now, if it has)."""
     tap = activate()
     if tap is None:
         return
-    for target in TARGETS:
-        module = sys.modules.get(target.module)
-        if module is not None:
-            wrap(module, target, tap)
-    if not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WrapOnImport(tap))
+    for name in dict.fromkeys(t.module for t in TARGETS):
+        after_import(name, _wrapping(name))
+
+
+@functools.lru_cache(maxsize=None)
+def _wrapping(module_name: str):
+    """The one patch of a target module (cached: registering twice registers it once)."""
+    def patch(module: ModuleType) -> None:
+        for target in TARGETS:
+            if target.module == module_name:
+                wrap(module, target, _TAP)
+
+    return patch
 
 
 def wrap(module: ModuleType, target: Target, tap) -> None:
@@ -91,45 +100,3 @@ def wrap(module: ModuleType, target: Target, tap) -> None:
         return
     if not getattr(original, taps.WRAPPED_FLAG, False):
         setattr(getattr(module, target.cls), target.method, getattr(taps, target.wrapper)(original, tap))
-
-
-class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Finds the target modules through the other finders, and wraps them right after they execute."""
-
-    def __init__(self, tap) -> None:
-        self.tap = tap
-        self.targets = {t.module: [u for u in TARGETS if u.module == t.module] for t in TARGETS}
-
-    def find_spec(self, fullname, path, target=None):
-        targets = self.targets.get(fullname)
-        if targets is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is not None:
-            spec.loader = _WrappingLoader(spec.loader, targets, self.tap)
-        return spec
-
-
-class _WrappingLoader(importlib.abc.Loader):
-    def __init__(self, loader: importlib.abc.Loader, targets, tap) -> None:
-        self.loader = loader
-        self.targets = targets
-        self.tap = tap
-
-    def __getattr__(self, name: str):
-        return getattr(self.loader, name)  # get_source, get_filename, is_package, ... as the real loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        for target in self.targets:
-            wrap(module, target, self.tap)
