@@ -17,7 +17,7 @@ from parity.fixtures import Fixture, Prompt
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.plan import PlanEntry, scenario_case_id, text_sha256
 from parity.results import CASE_IMAGE, FOUR_ARM, SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, RequestSpec
-from parity.sharding import Shard, assignment
+from parity.sharding import Shard, assignment, case_cost
 from parity.verdict import SEQUENCE_POWER_ARM
 
 # Appended to a text-only request until it lands in its image request's bucket.
@@ -103,11 +103,8 @@ def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image:
 
 def planned_arm_runs(spec: RunSpec) -> int:
     """How many generations the plan makes (repeats included), known before a model loads."""
-    # A sequence: every request in each mode, and its first request's eager power arm.
-    per_case = sum(len(spec.arms) if scenario == FOUR_ARM
-                   else len(SEQUENCE_REQUESTS[scenario]) * len(spec.modes) + ("eager" in spec.modes)
-                   for scenario in spec.scenarios)
-    return per_case * len(spec.cases) * spec.repeat
+    arms = [a.name for a in spec.arms]
+    return sum(case_cost(scenario, arms) for scenario in spec.scenarios) * len(spec.cases) * spec.repeat
 
 
 def text_request_in_bucket(backend: Backend, image: Request, same_length: bool) -> Request:
@@ -152,8 +149,9 @@ def plan_entry(case: PlannedCase, lengths: Sequence[int]) -> PlanEntry:
 
 
 def generations(spec: RunSpec, case: PlannedCase) -> int:
-    """What a case costs: its generations over every request and mode (the progress total)."""
-    return sum(len(arms_for(case, mode, req)) for mode in spec.modes for req in case.requests)
+    """What a case costs: its generations over every request and mode (sharding's cost, the
+    progress total)."""
+    return case_cost(case.scenario, [a.name for a in spec.arms])
 
 
 def shard_assignment(spec: RunSpec, plan: Sequence[PlanEntry]) -> dict[str, int]:
