@@ -4,8 +4,13 @@
 # DeepStack set/get/clear methods and CUDA-graph dispatcher, run against parity with
 # VLLM_TARGET_DEVICE=cpu. It cannot serve a model: the wheel has no CPU kernels.
 #
-#   bash scripts/setup_vllm_env.sh [VENV]        # default VENV: ~/.cache/parity/vllm-venv
+#   bash scripts/setup_vllm_env.sh [VENV]
 #   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest -q -m real_vllm tests/test_vllm_real.py
+#
+# VENV defaults to $PARITY_VLLM_VENV, else ~/.cache/parity/vllm-0.33.0-torch-2.14.1: keyed on the
+# pinned versions, outside the repository. An existing VENV with exactly these versions is reused
+# (seconds); anything else is rebuilt. Either way parity is then (re)installed into it editable from
+# this checkout, so its plugin entry point is this checkout's (.ci/run's third stage relies on it).
 #
 # vllm 0.33.0 pins torch==2.14.0, torchvision==0.29.0 and torchaudio==2.11.0 with CUDA wheels
 # (several GB). This script does NOT install those pins: it installs torch 2.14.1 and torchvision
@@ -18,11 +23,11 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="${1:-${HOME}/.cache/parity/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION="0.33.0"
 TORCH_VERSION="2.14.1"
 TORCHVISION_VERSION="0.29.1"
+VENV="${1:-${PARITY_VLLM_VENV:-${HOME}/.cache/parity/vllm-${VLLM_VERSION}-torch-${TORCH_VERSION}}}"
 
 case "$(mkdir -p "$(dirname "$VENV")" && cd "$(dirname "$VENV")" && pwd)/" in
   "$REPO"/*) echo "error: put the venv outside the repository ($REPO)" >&2; exit 2 ;;
@@ -33,11 +38,24 @@ case "$version" in
   *) echo "error: vllm $VLLM_VERSION needs Python 3.10-3.13; $PYTHON is $version (set PYTHON=python3.11)" >&2; exit 2 ;;
 esac
 
-"$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/pip" install --quiet)
 constraints="$VENV/parity-constraints.txt"
-printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$constraints"
 start=$SECONDS
+
+has_pins() {
+  [ -x "$VENV/bin/python" ] && [ -f "$constraints" ] && "$VENV/bin/python" - "$VLLM_VERSION" "$TORCH_VERSION" <<'PY' 2>/dev/null
+import sys
+from importlib.metadata import version
+sys.exit(0 if (version("vllm"), version("torch"), version("pytest") != "") == (sys.argv[1], sys.argv[2], True) else 1)
+PY
+}
+
+if has_pins; then
+  echo "reusing $VENV (vllm $VLLM_VERSION, torch $TORCH_VERSION)"
+else
+rm -rf "$VENV"
+"$PYTHON" -m venv "$VENV"
+printf 'torch==%s\ntorchvision==%s\n' "$TORCH_VERSION" "$TORCHVISION_VERSION" > "$constraints"
 
 echo "[1/4] torch $TORCH_VERSION and torchvision $TORCHVISION_VERSION (not vllm's pin torch==2.14.0, see above)"
 "${PIP[@]}" --upgrade pip packaging
@@ -71,8 +89,11 @@ PY
 # --no-warn-conflicts: the missing pins and GPU packages above are left out on purpose.
 "${PIP[@]}" --no-warn-conflicts -c "$constraints" -r "$requirements"
 
-echo "[4/4] parity (editable, with its test extra) from $REPO"
+echo "[4/4] parity's test requirements"
 "${PIP[@]}" --no-warn-conflicts -c "$constraints" -e "$REPO[test]"
+fi
+# This checkout's parity, whatever was installed before (entry point and package data follow it).
+"${PIP[@]}" --no-warn-conflicts --no-deps -e "$REPO"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'
 from importlib.metadata import entry_points, version
 names = [ep.name for ep in entry_points(group="vllm.general_plugins")]
