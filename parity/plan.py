@@ -60,6 +60,9 @@ def plan_json(entries: Sequence[PlanEntry]) -> list[dict]:
 def read_plan(config: Mapping[str, Any]) -> tuple[PlanEntry, ...]:
     """`config.plan` parsed and held to the shape every run gives it; ValueError names what is wrong."""
     raw = config.get(PLAN_KEY)
+    if raw is None:
+        raise ValueError("is missing: every run records its plan since parity's v4 results (a file written "
+                         "before cannot show which cases it lacks; run it again)")
     if not isinstance(raw, list) or not raw:
         raise ValueError("must be a non-empty list of the run's planned cases")
     entries = tuple(_entry(item, i) for i, item in enumerate(raw))

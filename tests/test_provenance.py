@@ -241,3 +241,17 @@ def test_an_arm_whose_own_score_is_null_is_judged_without_a_traceback(legacy_run
     result = invoke("verdict", edited(legacy_run, tmp_path,
                                       lambda d: d["cases"][0]["arms"]["eager_normal"]["forced"].update(eager_normal=None)))
     assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+def test_a_file_without_a_plan_is_refused_saying_why(legacy_run, tmp_path):
+    result = invoke("verdict", edited(legacy_run, tmp_path, lambda d: d["config"].pop("plan")))
+    assert result.exit_code == 2 and "config.plan is missing" in result.output
+
+
+def test_merge_refuses_to_write_what_the_loader_would_not_read(shards, tmp_path, monkeypatch):
+    import parity.merge
+
+    monkeypatch.setattr(parity.merge, "MAX_FILE_BYTES", 10_000)  # the cap, as small as a test makes it
+    result = invoke("merge", str(shards["s1"]), str(shards["s2"]), "--out", str(tmp_path / "m"), "--no-plot")
+    assert result.exit_code == 2 and "larger than the" in result.output and "reads back" in result.output
+    assert not (tmp_path / "m" / "results.json").exists()
