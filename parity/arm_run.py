@@ -18,8 +18,8 @@ from parity.results import ArmResult, Repeat, stored
 
 
 class ArmRun:
-    """One arm of one request: its answer, its scoring, its repeats; a runtime failure at any step
-    is the arm's failure, and every step that finished is in the latest result."""
+    """`answer` (one request to the runtime), then `scored` (the arm, with its teacher-forced scores
+    on `refs`), then `repeated` once per further run; `result` is always the latest."""
 
     def __init__(self, name: str, request: PlannedRequest) -> None:
         self.name, self.request = name, request

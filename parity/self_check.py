@@ -15,10 +15,8 @@ from parity.results_requirements import check_all
 
 
 def self_checked(run: RunResult) -> RunResult:
-    """The run held to every rule the loader holds its file to (design §4b), so `parity run` and
-    `parity verdict` of its file always agree: an arm whose results break a rule (teacher-forced
-    scores that disagree with its own generation, a replay in the wrong bucket) failed, with the
-    rule's words as its error; a rule no one arm broke fails every arm."""
+    """The run with every arm that breaks a rule failed; each pass fails one arm (or, for a rule no
+    arm broke, all of them), so the loop ends."""
     for _ in range(sum(len(c.all_arms()) for c in run.cases) + 1):
         try:
             check_all(run)

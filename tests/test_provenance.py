@@ -255,3 +255,30 @@ def test_merge_refuses_to_write_what_the_loader_would_not_read(shards, tmp_path,
     result = invoke("merge", str(shards["s1"]), str(shards["s2"]), "--out", str(tmp_path / "m"), "--no-plot")
     assert result.exit_code == 2 and "larger than the" in result.output and "reads back" in result.output
     assert not (tmp_path / "m" / "results.json").exists()
+
+
+def test_an_arm_whose_own_results_break_a_rule_fails_in_the_run_and_in_its_file(tmp_path, tiny, monkeypatch):
+    """Issue 21: a backend whose teacher-forced scores come from another path than its generation
+    (a server scoring prompt + answer in another bucket): the run fails that arm with the loader's
+    words instead of judging it, and `parity verdict` of the file says the same."""
+    import dataclasses
+
+    from parity.backends.transformers_backend import TransformersSession
+
+    real = TransformersSession.score
+
+    def other_path(self, answer, force=()):
+        generation = real(self, answer, force)
+        if answer.generation.evidence.prefill_replayed:  # the bcg arms' own scores, 0.2 off
+            generation = dataclasses.replace(generation, self_forced=tuple(lp - 0.2 for lp in generation.self_forced))
+        return generation
+
+    monkeypatch.setattr(TransformersSession, "score", other_path)
+    out = tmp_path / "run"
+    result = invoke("run", "--out", str(out), "--max-new-tokens", "3", "--no-plot")
+    assert result.exit_code == 4 and "parity's check of its own results" in result.output
+    assert "teacher forcing of identical tokens gives the same scores" in result.output
+    written = load(out / "results.json")["verdict"]
+    again = invoke("verdict", str(out / "results.json"))
+    assert written["code"] == "ERROR" and again.exit_code == 4
+    assert again.output.splitlines()[-1] == f"{written['code']}: {written['reason']}"
