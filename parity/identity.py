@@ -88,24 +88,24 @@ def first_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> str | None:
     return next((k for k in _ordered(set(a) | set(b)) if a.get(k) != b.get(k)), None)
 
 
-def difference_path(field: str, a: Any, b: Any) -> tuple[str, Any]:
-    """The deepest place where two values of `field` differ, and `a`'s value there: a plan's first
-    differing case and key (`config.plan[3] (bands/prompt-1).prompt`), not two long prefixes."""
+def difference_path(field: str, a: Any, b: Any) -> tuple[str, Any, Any]:
+    """The deepest place where two values of `field` differ, and each one's value there: a plan's
+    first differing case and key (`config.plan[3] (bands/prompt-1).prompt`), not two long prefixes."""
     path = field
     while True:
         if isinstance(a, dict) and isinstance(b, dict):
             key = next((k for k in [*a, *(k for k in b if k not in a)] if a.get(k) != b.get(k)), None)
             if key is None:
-                return path, a
+                return path, a, b
             path, a, b = f"{path}.{key}", a.get(key), b.get(key)
         elif isinstance(a, list) and isinstance(b, list) and a and b:
             i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
             if i is None:
-                return f"{path} (length {len(a)} vs {len(b)})", len(a)
+                return f"{path} (length {len(a)} vs {len(b)})", len(a), len(b)
             label = f" ({a[i]['id']})" if isinstance(a[i], dict) and isinstance(a[i].get("id"), str) else ""
             path, a, b = f"{path}[{i}]{label}", a[i], b[i]
         else:
-            return path, a
+            return path, a, b
 
 
 def shown(value: Any, limit: int = 80) -> str:

@@ -62,8 +62,7 @@ def check_one_experiment(files: Sequence[ShardFile], allow_mixed_code: bool = Fa
         theirs = identity(other.run)
         field = first_difference(reference, theirs)
         if field is not None:
-            path, mine = difference_path(field, theirs.get(field), reference.get(field))
-            _, before = difference_path(field, reference.get(field), theirs.get(field))
+            path, mine, before = difference_path(field, theirs.get(field), reference.get(field))
             raise UsageError(f"{other.path}: {path} is {shown(mine)}, but {first.path} has {shown(before)}: "
                              "not shards of the same experiment (merge --matrix reports several experiments)")
     sources = tuple(dict.fromkeys(str(f.run.environment.get(SOURCE_KEY)) for f in files))

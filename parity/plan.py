@@ -18,15 +18,14 @@ the file. Torch-free.
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from parity.arms import arm_mode_and_deepstack
 from parity.results import FOUR_ARM, SCENARIOS
+from parity.results_json import SHA256_HEX
 
 PLAN_KEY = "plan"
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def text_sha256(text: str) -> str:
@@ -96,9 +95,9 @@ def _entry(item: Any, i: int) -> PlanEntry:
         raise ValueError(f"{where}.id must be a non-empty case id")
     if scenario not in SCENARIOS:
         raise ValueError(f"{where}.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
-    if image is not None and not (isinstance(image, str) and _SHA256.fullmatch(image)):
+    if image is not None and not (isinstance(image, str) and SHA256_HEX.fullmatch(image)):
         raise ValueError(f"{where}.image must be null or a sha256 (64 lowercase hex digits)")
-    if not (isinstance(prompt, str) and _SHA256.fullmatch(prompt)):
+    if not (isinstance(prompt, str) and SHA256_HEX.fullmatch(prompt)):
         raise ValueError(f"{where}.prompt must be the sha256 of the prompt text (64 lowercase hex digits)")
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"{where}.prompt_tokens must be an integer >= 1, got {tokens!r}")

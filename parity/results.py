@@ -59,6 +59,8 @@ def stored(value: float) -> float:
     exactly (engines compute logprobs in float32), instead of a double's seventeen. A run judges
     these very values, so a file read back re-judges to the same verdict, at half the size."""
     return float(f"{value:.9g}")
+
+
 _NO_FORCED: Mapping[str, tuple[float, ...]] = MappingProxyType({})
 
 

@@ -4,7 +4,6 @@ evidence and repeats, each value checked and a bad one named by its JSON path (`
 
 from __future__ import annotations
 
-import re
 from types import MappingProxyType
 from typing import Any
 
@@ -12,10 +11,9 @@ from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
 from parity.results_json import (
-    MAX_COUNT, Invalid, get, ints, is_logprob, logprobs, non_negative_int, number, shared_int,
+    MAX_COUNT, SHA256_HEX, Invalid, get, ints, is_logprob, logprobs, non_negative_int, number, shared_int,
 )
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _top(raw: Any, where: str) -> TopLogprobs | None:
@@ -44,7 +42,7 @@ def _record(raw: Any, where: str) -> DeepStackRecord | None:
     if shape and rows > shape[0]:
         raise Invalid(f"{where}.nonzero_rows is {rows}, more than the {shape[0]} rows of its shape")
     sha = get(raw, "sha256", str, where)
-    if not _SHA256.fullmatch(sha):
+    if not SHA256_HEX.fullmatch(sha):
         raise Invalid(f"{where}.sha256 must be 64 lowercase hex digits")
     action = get(raw, "action", str, where)
     if action not in ("normal", "zero"):

@@ -70,6 +70,8 @@ def non_negative_int(value: Any, where: str, minimum: int = 0) -> int:
     return integer(value, where, minimum, MAX_COUNT)
 
 
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 as parity writes it
+
 # One object per distinct token id: a merged sweep holds millions of ids (answers and top-k) from a
 # vocabulary of thousands, and json makes a new int object for each (design §4b: sweeps must load).
 _SHARED_INTS: dict[int, int] = {}

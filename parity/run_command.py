@@ -168,13 +168,13 @@ def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, c
             _write_files(result, output, console)
         except UsageError as failed:  # a full disk: the verdict is still shown, then the error
             unwritten = failed
+    written = f"interrupted: the results are written in {output.run_dir}; no plots were drawn"
+    if noted:
+        raise RunStopped(noted[0], written)
     try:
-        if noted:
-            raise KeyboardInterrupt
         print_table(result, console)
     except KeyboardInterrupt as stop:
-        raise RunStopped(noted[0] if noted else signal_of(stop),
-                         f"interrupted: the results are written in {output.run_dir}; no plots were drawn") from None
+        raise RunStopped(signal_of(stop), written) from None
     if unwritten is not None:
         raise unwritten
     if output.plots:

@@ -164,22 +164,6 @@ def read_shard(config: Mapping[str, Any]) -> ShardRecord | None:
     return ShardRecord(count, dict(cases), merged=merged, missing=missing)
 
 
-def case_problem(record: ShardRecord, case_ids: Sequence[str]) -> str | None:
-    """Why a file's cases are not exactly those of the shards it covers (config.shard.cases), or None."""
-    for case_id in case_ids:
-        shard = record.cases.get(case_id)
-        if shard is None:
-            return f"case {case_id!r} is not one of the planned cases in config.shard.cases"
-        if shard not in record.covers:
-            return f"case {case_id!r} belongs to shard {shard}, which this file does not cover"
-    present = set(case_ids)
-    absent = [c for c in record.cases_of(record.covers) if c not in present]
-    if absent:
-        return (f"lacks case {absent[0]!r} of shard {record.cases[absent[0]]} "
-                f"({len(absent)} planned case(s) of its shard(s) missing)")
-    return None
-
-
 def _int(raw: Mapping[str, Any], key: str, minimum: int) -> int:
     value = raw.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

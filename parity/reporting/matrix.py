@@ -78,7 +78,7 @@ def experiments(runs: Sequence[RunResult]) -> list[Experiment]:
         field = first_difference(identity(run), identity(runs[twin]))
         # Files of one experiment never share a row (merge groups them), so a field differs; shown by
         # its deepest differing part, not by a whole plan.
-        path, value = difference_path(field, identity(run).get(field), identity(runs[twin]).get(field))
+        path, value, _ = difference_path(field, identity(run).get(field), identity(runs[twin]).get(field))
         labels[i] = f"{base[i]} · {path.split('.', 1)[-1]} {shown(value, 40)}"
     return [Experiment(i, label, run) for i, (label, run) in enumerate(zip(labels, runs), 1)]
 
