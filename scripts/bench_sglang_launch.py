@@ -30,7 +30,7 @@ from parity.arms import ARM_ORDER, select_arms
 from parity.experiment import run_experiment
 from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import Prompt, builtin_fixture
-from parity.sglang.backend import SglangBackend, create_sglang_backend
+from parity.engines.sglang.backend import SglangBackend, create_sglang_backend
 
 STANDIN = Path(__file__).resolve().parent.parent / "tests" / "sglang_standin.py"
 PROMPT = "Describe the image."

@@ -8,7 +8,7 @@ start-up delay, an image warm-up request before /ready turns 200, a scheduler ch
 the same process group, and on request a crash, a start-up failure or a server that never gets
 ready.
 
-Its "model" runs parity's real plugin hook (`parity.sglang.plugin.activate()`, what SGLang's
+Its "model" runs parity's real plugin hook (`parity.engines.sglang.plugin.activate()`, what SGLang's
 plugin loader does) once per LM entry, on arguments shaped like `prepare_mm_inputs`'s: the
 prefill (an extend batch, padded to its bucket and with `replay_layer_forward` installed on the
 LM instance when it replays) and each decode step. Like SGLang 0.5.23 it replays a prefill under
@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
 
 from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
-from parity.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
+from parity.engines.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
 
 VERSION = "0.5.23+standin"
 DEEPSTACK_WIDTH = 12  # hidden 4 x 3 DeepStack levels

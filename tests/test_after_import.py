@@ -1,4 +1,4 @@
-"""The one import-time finder both engines use (parity/serving/after_import.py): changes applied right
+"""The one import-time finder both engines use (parity/engines/after_import.py): changes applied right
 after a module executes, several per module, the real loader still answering, and no recursion with
 another finder that asks every other finder too (found serving vLLM on a CPU, where SGLang's CPU
 finder and vLLM's tap finder were both needed in one process)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.serving import after_import
+from parity.engines import after_import
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.sglang.emulated_graph import EmulatedGraph, GraphReplayError, capture, graph_pool_handle
+from parity.engines.sglang.emulated_graph import EmulatedGraph, GraphReplayError, capture, graph_pool_handle
 
 # Replay runs the same ops on the same shapes in the same process as the eager reference; only the
 # buffers' addresses differ, which some BLAS kernels let move the last bit. A stated floor, not 0.

@@ -20,7 +20,7 @@ from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import Prompt, builtin_fixture
 from parity.results import FOUR_ARM, REUSE, SCENARIOS, STREAM, RunResult, write_results
 from parity.results_loader import load_results
-from parity.sglang import backend as sglang_backend
+from parity.engines.sglang import backend as sglang_backend
 from parity.verdict import judge_run
 
 from tests.test_sglang_launcher import STANDIN, assert_nothing_left

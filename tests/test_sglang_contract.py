@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from parity.arms import MODES
-from parity.sglang import cpu_patches, deepstack_slot, plugin, servers
+from parity.engines.sglang import cpu_patches, deepstack_slot, plugin, servers
 
 SGLANG_VERSION = "0.5.23"
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from parity.errors import BackendUnavailableError, UsageError
-from parity.serving import after_import
-from parity.sglang import backend as sglang_backend
-from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
-from parity.sglang.plugin import TapChannel
+from parity.engines import after_import
+from parity.engines.sglang import backend as sglang_backend
+from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
+from parity.engines.sglang.plugin import TapChannel
 from tests.test_sglang_backend import four_arms, make_backend, run
 from tests.test_sglang_launcher import assert_nothing_left
 

@@ -19,9 +19,9 @@ import pytest
 
 from parity.backends.base import Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
-from parity.sglang import backend as sglang_backend
-from parity.serving import gpus, launcher
-from parity.sglang import servers
+from parity.engines.sglang import backend as sglang_backend
+from parity.engines import gpus, launcher
+from parity.engines.sglang import servers
 
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
 REPO = STANDIN.parent.parent
@@ -210,7 +210,7 @@ def test_ctrl_c_inside_a_session_leaves_nothing(tmp_path: Path, processor) -> No
 
 def test_sigterm_to_parity_stops_its_servers(tmp_path: Path) -> None:
     script = (
-        "import sys, time; from pathlib import Path; from parity.serving import launcher\n"
+        "import sys, time; from pathlib import Path; from parity.engines import launcher\n"
         f"spec = launcher.ServerSpec('eager', (sys.executable, {str(STANDIN)!r}, '--standin-warmup', 'text',"
         f" '--model-path', 'm'), Path({str(tmp_path / 'sglang-eager.log')!r}))\n"
         "server = launcher.start_server(spec)\n"

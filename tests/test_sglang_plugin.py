@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from parity.sglang import plugin
-from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
-from parity.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapChannelError, TapEntry, TapHook
+from parity.engines.sglang import plugin
+from parity.engines.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
+from parity.engines.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapChannelError, TapEntry, TapHook
 from parity.tap import fingerprint
 
 RAW, BUCKET, WIDTH = 6, 8, 12  # 6 real tokens padded to an 8-token bucket, 4 x 3 DeepStack
@@ -213,7 +213,7 @@ def test_garbled_control_file_fails_loudly(channel: TapChannel) -> None:
 def test_inert_without_the_control_variable(tmp_path: Path) -> None:
     assert plugin.activate({}) is None
     # In a fresh interpreter: register() returns without importing sglang or torch.
-    code = ("import sys, os; os.environ.pop('PARITY_SGLANG_TAP', None); import parity.sglang.plugin as p; "
+    code = ("import sys, os; os.environ.pop('PARITY_SGLANG_TAP', None); import parity.engines.sglang.plugin as p; "
             "p.register(); print('sglang' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parent.parent)
@@ -237,7 +237,7 @@ def test_register_adds_an_after_hook_on_prepare_mm_inputs(tmp_path: Path, monkey
 
 
 def test_answers_with_non_finite_logprobs_are_rejected() -> None:
-    from parity.sglang import client
+    from parity.engines.sglang import client
 
     doc = {"text": "a", "output_ids": [5], "prompt_token_ids": [1, 2],
            "meta_info": {"output_token_logprobs": [[float("nan"), 5, None]]}}

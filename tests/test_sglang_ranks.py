@@ -18,9 +18,9 @@ from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.errors import ResultsFileError
 from parity.results import write_results
 from parity.results_loader import load_results
-from parity.serving.evidence import RankDisagreement, TaggedRequest, TapSilence, arm_evidence, check_fired, rank_label
-from parity.sglang.plugin import TapEntry
-from parity.sglang.servers import ServerFacts, check_gpu_count
+from parity.engines.evidence import RankDisagreement, TaggedRequest, TapSilence, arm_evidence, check_fired, rank_label
+from parity.engines.sglang.plugin import TapEntry
+from parity.engines.sglang.servers import ServerFacts, check_gpu_count
 from parity.tap import fingerprint
 from parity.verdict import judge_run
 from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, make_arm, make_case, make_run

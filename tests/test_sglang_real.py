@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import pytest
 
 from parity.arms import MODES
-from parity.sglang import client, plugin, servers
+from parity.engines.sglang import client, plugin, servers
 
 SGLANG_VERSION = "0.5.23"
 
@@ -231,7 +231,7 @@ def test_the_scoring_prompt_expands_like_the_generation() -> None:
     # parity folds the expanded prompt back to one placeholder, so the server rebuilds the same ids.
     import torch
     from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
-    from parity.serving.prompts import ChatPrompts
+    from parity.engines.prompts import ChatPrompts
 
     pad = 151655
     processor = SimpleNamespace(IM_TOKEN_ID=pad, VIDEO_TOKEN_ID=None, audio_token_id=None, spatial_merge_size=2)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
-from parity.sglang import deepstack_slot
+from parity.engines.sglang import deepstack_slot
 from tests.test_sglang_real import SGLANG_VERSION, _FOUND
 
 pytestmark = [

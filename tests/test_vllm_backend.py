@@ -23,7 +23,7 @@ from parity.fixtures import Prompt, builtin_fixture
 from parity.results import FOUR_ARM, REUSE, SCENARIOS, STREAM, RunResult, write_results
 from parity.results_loader import load_results
 from parity.verdict import judge_run
-from parity.vllm import backend as vllm_backend
+from parity.engines.vllm import backend as vllm_backend
 
 from tests.test_sglang_launcher import running
 from tests.vllm_standin import ByteProcessor, model_config

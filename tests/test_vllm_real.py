@@ -33,8 +33,8 @@ import pytest
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's config code needs a platform; CPU is this one
 
-from parity.serving.channel import TapChannel  # noqa: E402
-from parity.vllm import plugin, servers, tap as taps  # noqa: E402
+from parity.engines.channel import TapChannel  # noqa: E402
+from parity.engines.vllm import plugin, servers, tap as taps  # noqa: E402
 
 VERSION = "0.33.0"
 
@@ -152,7 +152,7 @@ def test_capture_sizes_resolve_as_parity_plans_and_vllms_default_is_the_trap() -
 def test_the_bodies_pass_vllms_validation_as_greedy_requests_whatever_the_generation_config() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from parity.vllm import client
+    from parity.engines.vllm import client
 
     image = client.image_url(b"png")
     checkpoint_defaults = {"repetition_penalty": 1.05, "presence_penalty": 1.5, "top_k": 20, "top_p": 0.8}
@@ -366,7 +366,7 @@ def test_the_leak_at_function_level(tmp_path: Path) -> None:
     changed = (leaked_hidden - clean_hidden).abs().sum(dim=1) > 0
     assert changed.nonzero().flatten().tolist() == list(range(3, 19))
     # parity's evidence for that request: a leak witness naming the image that left the rows.
-    from parity.serving.evidence import TaggedRequest, arm_evidence
+    from parity.engines.evidence import TaggedRequest, arm_evidence
 
     evidence = arm_evidence([TaggedRequest(24, False, (text,))], 48, {image.tag: "sha-of-the-image"})
     assert evidence.leak.rows == 16 and evidence.leak.source_sha256 == "sha-of-the-image"

@@ -21,11 +21,11 @@ from parity.errors import UsageError
 from parity.evidence import LeakWitness
 from parity.results import write_results
 from parity.results_loader import load_results
-from parity.serving.channel import TapChannel
-from parity.serving.evidence import TaggedRequest, arm_evidence
-from parity.serving.http import ServerRejected
+from parity.engines.channel import TapChannel
+from parity.engines.evidence import TaggedRequest, arm_evidence
+from parity.engines.http import ServerRejected
 from parity.verdict import judge_run
-from parity.vllm import client, plugin, servers, tap as taps
+from parity.engines.vllm import client, plugin, servers, tap as taps
 
 from tests.helpers_runs import make_evidence, make_run, stream_case
 
@@ -242,7 +242,7 @@ FAKE_VLLM = {
 }
 _PROBE = """
 import json, sys
-from parity.vllm import plugin
+from parity.engines.vllm import plugin
 plugin.register(); plugin.register()  # vLLM may load plugins more than once per process
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.gpu.model_states.default import DefaultModelState
@@ -340,7 +340,7 @@ def test_vllm_options_are_checked_before_anything_starts(parity_cli, args, messa
 
 
 def test_importing_parity_and_its_vllm_backend_never_imports_vllm() -> None:
-    code = "import sys, parity.cli, parity.vllm.backend, parity.vllm.plugin; print('vllm' in sys.modules)"
+    code = "import sys, parity.cli, parity.engines.vllm.backend, parity.engines.vllm.plugin; print('vllm' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=os.environ | {"PYTHONPATH": str(REPO)})
     assert proc.stdout.strip() == "False", proc.stderr

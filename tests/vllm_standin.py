@@ -8,7 +8,7 @@ server life parity must handle: a start-up delay, a child process in the same pr
 and on request a crash or a start-up failure.
 
 Its "engine" has the three points parity's tap wraps in vLLM 0.33, with the same meaning, and
-runs parity's real wrappers on them (`parity.vllm.plugin.activate()` and `parity.vllm.tap`, what
+runs parity's real wrappers on them (`parity.engines.vllm.plugin.activate()` and `parity.engines.vllm.tap`, what
 the plugin installs in a real model process):
 
 - `Manager.dispatch`: the graph decision per step from `-cc.cudagraph_mode`, the capture sizes
@@ -215,7 +215,7 @@ class Engine:
     """One request at a time: a prefill step, then one decode step per further token."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from parity.vllm import plugin, tap
+        from parity.engines.vllm import plugin, tap
 
         self.args = args
         breakable = os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1"

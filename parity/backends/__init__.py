@@ -83,8 +83,8 @@ def _served_checkpoint(options: BackendOptions) -> None:
 
 def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
     from parity.presets import PRESETS
-    from parity.serving.flags import flag_values
-    from parity.sglang.backend import create_sglang_backend
+    from parity.engines.flags import flag_values
+    from parity.engines.sglang.backend import create_sglang_backend
 
     # SGLang serves the embedded presets too, on the CPU from a cached checkpoint folder.
     device = "cpu" if options.device == "cpu" else "cuda"
@@ -105,7 +105,7 @@ def _sglang(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Back
 
 
 def _vllm(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> Backend:
-    from parity.vllm.backend import create_vllm_backend
+    from parity.engines.vllm.backend import create_vllm_backend
 
     _served_checkpoint(options)
     vllm_args = options.vllm_args

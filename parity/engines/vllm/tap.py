@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from parity.evidence import DeepStackRecord
-from parity.serving.channel import Control, TapChannel, TapEntry, process_role
+from parity.engines.channel import Control, TapChannel, TapEntry, process_role
 
 # What the wrappers rely on in vLLM 0.33.0; tests/test_vllm_real.py checks each against the real code.
 BUFFER_ATTR = "deepstack_input_embeds"  # the model's list of per-level [max_tokens, hidden] buffers

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from parity.errors import ArmFailure
-from parity.serving import launcher
-from parity.serving.channel import TapChannel, TapEntry
-from parity.serving.http import ServerRejected, ServerUnreachable, post_json
+from parity.engines import launcher
+from parity.engines.channel import TapChannel, TapEntry
+from parity.engines.http import ServerRejected, ServerUnreachable, post_json
 
 
 @dataclass(frozen=True)

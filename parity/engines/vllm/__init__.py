@@ -9,6 +9,6 @@
   fingerprint, the zero arm, the engine's own graph decision, and the stale-DeepStack leak witness.
 - `backend`: the Backend protocol over these, and `create_vllm_backend`.
 
-What any engine backend needs lives in `parity.serving`. Nothing is imported here: vLLM imports
-`parity.vllm.plugin` in every process, and that must stay cheap and free of vLLM and torch.
+What any engine backend needs lives in `parity.engines`. Nothing is imported here: vLLM imports
+`parity.engines.vllm.plugin` in every process, and that must stay cheap and free of vLLM and torch.
 """

@@ -17,7 +17,7 @@ that property, on the tensor objects instead of addresses:
 
 SGLang's breakable prefill graph (BreakableCUDAGraphCapture) builds one such graph per segment
 between its eager breaks and looks `torch.cuda.CUDAGraph` up when it starts a segment, so
-setting the attribute in the server process is enough (parity/sglang/cpu_patches.py).
+setting the attribute in the server process is enough (parity/engines/sglang/cpu_patches.py).
 
 What it cannot show (GPU only): memory-pool aliasing (every captured tensor stays alive here),
 stream and event races, the real kernels' numerics, capture-time faults of CUDA itself.

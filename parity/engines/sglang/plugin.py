@@ -11,7 +11,7 @@ it was an extend (prompt) batch, its padded and real token counts, whether BCG r
 (`replay_layer_forward` installed on the LM instance) and, where `input_deepstack_embeds` is
 present, hands it to parity's one tap (`parity.tap.apply_tap`) and stores the fingerprint.
 
-The hook is steered through parity's channel (`parity.serving.channel`): a control file set only
+The hook is steered through parity's channel (`parity.engines.channel`): a control file set only
 while a tagged request runs, so the server's own warm-up request is never tapped or recorded, and
 one record line per LM entry.
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from parity.serving.channel import (  # noqa: F401  (the channel's names, as this module always had them)
+from parity.engines.channel import (  # noqa: F401  (the channel's names, as this module always had them)
     CONTROL_FILE, CONTROL_MODES, RECORDS_FILE, Control, TapChannel, TapChannelError, TapEntry, process_role,
 )
 
@@ -155,9 +155,9 @@ def activate(environ: Mapping[str, str] = os.environ) -> TapHook | None:
 def register() -> None:
     """SGLang general-plugin entry point: inert unless PARITY_SGLANG_TAP or PARITY_SGLANG_FIX is set.
 
-    The tap, and the DeepStack replay slot fix when parity asks for it (parity/sglang/deepstack_slot.py).
+    The tap, and the DeepStack replay slot fix when parity asks for it (parity/engines/sglang/deepstack_slot.py).
     """
-    from parity.sglang import deepstack_slot
+    from parity.engines.sglang import deepstack_slot
 
     hook = activate()
     folder = os.environ.get(ENV_VAR)

@@ -12,8 +12,8 @@
   servers' PYTHONPATH (its `sitecustomize` installs them).
 
 What any engine backend needs (server processes, the tap's channel and records, evidence, GPU
-placement, prompts) lives in `parity.serving`.
+placement, prompts) lives in `parity.engines`.
 
-Nothing is imported here: SGLang imports `parity.sglang.plugin` in every server process, and
+Nothing is imported here: SGLang imports `parity.engines.sglang.plugin` in every server process, and
 that must stay cheap and free of the backend's dependencies.
 """

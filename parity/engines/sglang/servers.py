@@ -17,11 +17,11 @@ from typing import Callable, Sequence
 from parity.arms import MODES, load_arms
 from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
 from parity.errors import UsageError
-from parity.serving import launcher
-from parity.serving.flags import flag_values, int_flag
-from parity.serving.flags import split_user_args as split_args
-from parity.serving.placement import LaunchPlan, Placement, plan_placement
-from parity.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
+from parity.engines import launcher
+from parity.engines.flags import flag_values, int_flag
+from parity.engines.flags import split_user_args as split_args
+from parity.engines.placement import LaunchPlan, Placement, plan_placement
+from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
 # Same kernels, same seed, no prefix reuse (a cached image prefix would skip DeepStack), §7.
@@ -198,7 +198,7 @@ def server_flags(settings: SglangSettings, mode: str, mem_fraction: float) -> tu
 # --- placement: which GPUs, how much memory, in which order -------------------------------------------
 
 def plan_launch(settings: SglangSettings, modes: Sequence[str] = MODES) -> LaunchPlan:
-    """The servers' GPUs, memory and start order (`parity.serving.placement.plan_placement`)."""
+    """The servers' GPUs, memory and start order (`parity.engines.placement.plan_placement`)."""
     return plan_placement(settings.gpus, settings.facts.gpus_per_server, settings.concurrent, settings.mem_fraction,
                           modes, "SGLang", "--sglang-arg")
 

@@ -25,15 +25,15 @@ from parity.backends.base import Answer, Generates, Generation, Request
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.errors import ArmFailure, UsageError
 from parity.presets import PRESETS
-from parity.serving import launcher
-from parity.serving.channel import tap_mode
-from parity.serving.evidence import (
+from parity.engines import launcher
+from parity.engines.channel import tap_mode
+from parity.engines.evidence import (
     EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record,
 )
-from parity.serving.gpus import gpu_count, gpu_memory, gpu_name, visible_gpu_count
-from parity.serving.prompts import ChatPrompts, CheckpointFacts, ImageFiles
-from parity.sglang import client, deepstack_slot, plugin, server_checks
-from parity.sglang.servers import (
+from parity.engines.gpus import gpu_count, gpu_memory, gpu_name, visible_gpu_count
+from parity.engines.prompts import ChatPrompts, CheckpointFacts, ImageFiles
+from parity.engines.sglang import client, deepstack_slot, plugin, server_checks
+from parity.engines.sglang.servers import (
     DEFAULT_MEM_FRACTION, LAUNCH_MODULE, MAX_MEM_FRACTION, Placement, SglangSettings, buckets_given,
     check_gpu_count, fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )

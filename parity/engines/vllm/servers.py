@@ -23,11 +23,11 @@ from typing import Mapping, Sequence
 
 from parity.arms import MODES
 from parity.errors import UsageError
-from parity.serving import launcher
-from parity.serving.channel import TapChannel
-from parity.serving.flags import flag_values, int_flag, split_user_args
-from parity.serving.placement import LaunchPlan, Placement, plan_placement
-from parity.vllm import plugin
+from parity.engines import launcher
+from parity.engines.channel import TapChannel
+from parity.engines.flags import flag_values, int_flag, split_user_args
+from parity.engines.placement import LaunchPlan, Placement, plan_placement
+from parity.engines.vllm import plugin
 
 LAUNCH_MODULE = ("-m", "vllm.entrypoints.cli.main", "serve")
 ARG_OPTION = "--vllm-arg"

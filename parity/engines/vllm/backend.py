@@ -24,16 +24,16 @@ from typing import Any, Iterator, Mapping, Sequence
 from parity.arms import MODES
 from parity.backends.base import Answer, Generates, Generation, Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
-from parity.serving import launcher
-from parity.serving.channel import tap_mode
-from parity.serving.channel import TapChannel, TapEntry
-from parity.serving.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
-from parity.serving.gpus import cuda_present, gpu_name
-from parity.serving.http import ServerRejected, ServerUnreachable, get_json
-from parity.serving.pool import Server, ServerPool, parsed, post_tagged
-from parity.serving.prompts import ChatPrompts, CheckpointFacts
-from parity.vllm import client, plugin
-from parity.vllm.servers import (
+from parity.engines import launcher
+from parity.engines.channel import tap_mode
+from parity.engines.channel import TapChannel, TapEntry
+from parity.engines.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, processes, request_record
+from parity.engines.gpus import cuda_present, gpu_name
+from parity.engines.http import ServerRejected, ServerUnreachable, get_json
+from parity.engines.pool import Server, ServerPool, parsed, post_tagged
+from parity.engines.prompts import ChatPrompts, CheckpointFacts
+from parity.engines.vllm import client, plugin
+from parity.engines.vllm.servers import (
     DEFAULT_MEM_FRACTION, LAUNCH_MODULE, READY_PATH, VllmSettings, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
 )

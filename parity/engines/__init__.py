@@ -9,6 +9,6 @@
 - `prompts`: the checkpoint's chat template and config, and fixtures as PNG files.
 - `gpus`: what nvidia-smi says about the GPUs.
 
-Nothing is imported here: an engine imports `parity.serving.channel` in its model processes, and
+Nothing is imported here: an engine imports `parity.engines.channel` in its model processes, and
 that must stay cheap.
 """

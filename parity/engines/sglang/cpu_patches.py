@@ -1,9 +1,9 @@
 """What parity changes, in-process, in the SGLang 0.5.23 servers it starts on a CPU (sglang-cpu.md).
 
-Installed by parity's stand-in `sitecustomize` (parity/sglang/standin/) in every server process,
+Installed by parity's stand-in `sitecustomize` (parity/engines/sglang/standin/) in every server process,
 only when parity sets `PARITY_SGLANG_CPU`; no SGLang file is edited. Always:
 
-- `torch.ops.sgl_kernel` answers from the kernel stand-in (parity/sglang/kernel_standin.py).
+- `torch.ops.sgl_kernel` answers from the kernel stand-in (parity/engines/sglang/kernel_standin.py).
 
 With `PARITY_SGLANG_GRAPH=emulated`, SGLang's own breakable prefill runner captures and replays
 on the CPU:
@@ -11,13 +11,13 @@ on the CPU:
 1. keep the prefill graph: `handle_attention_backend_compatibility` declares the prefill graph
    off for `torch_native`; that one declaration is dropped, so the prefill backend the command
    line asked for stays (decode stays off, as SGLang declares);
-2. `torch.cuda.CUDAGraph` is parity's emulation (parity/sglang/emulated_graph.py), which
+2. `torch.cuda.CUDAGraph` is parity's emulation (parity/engines/sglang/emulated_graph.py), which
    SGLang's breakable capture looks up for every segment;
 3. `torch.cpu.graph_pool_handle` exists (SGLang asks the device module for a pool handle);
 4. `get_current_device_stream_fast` returns the CPU stream (a bare `torch.get_device_module()` is
    CUDA on this wheel, with no driver).
 
-A change to a module is applied right after the module executes (parity/serving/after_import.py),
+A change to a module is applied right after the module executes (parity/engines/after_import.py),
 so a later `from X import f` binds the changed name.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import types
 from typing import Any, Mapping
 
-from parity.serving.after_import import after_import
+from parity.engines.after_import import after_import
 
 ENV_CPU = "PARITY_SGLANG_CPU"
 ENV_GRAPH = "PARITY_SGLANG_GRAPH"
@@ -68,7 +68,7 @@ def cpu_stream(module: types.ModuleType) -> None:
 
 
 def install_emulated_graphs(torch_module: Any) -> None:
-    from parity.sglang.emulated_graph import EmulatedGraph, graph_pool_handle
+    from parity.engines.sglang.emulated_graph import EmulatedGraph, graph_pool_handle
 
     torch_module.cuda.CUDAGraph = EmulatedGraph  # change 2
     torch_module.cpu.graph_pool_handle = graph_pool_handle  # change 3
@@ -79,7 +79,7 @@ def install_emulated_graphs(torch_module: Any) -> None:
 def install(environ: Mapping[str, str]) -> None:
     import torch
 
-    from parity.sglang.kernel_standin import install_ops
+    from parity.engines.sglang.kernel_standin import install_ops
 
     install_ops(torch)
     if environ.get(ENV_GRAPH) == GRAPH_EMULATED:

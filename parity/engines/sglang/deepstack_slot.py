@@ -15,7 +15,7 @@ plugin adds the slot of design §6 to the real runner, through SGLang's own hook
   tensor's rows are copied and the bucket's tail zeroed; no DeepStack (a text-only batch) zeroes
   the bucket; a malformed tensor raises before any write (fail closed);
 - proven in place: the runner's process appends a line to `fix.jsonl` in parity's tap channel,
-  which parity checks before trusting a bcg server (parity/sglang/backend.py).
+  which parity checks before trusting a bcg server (parity/engines/sglang/backend.py).
 
 It is off unless `PARITY_SGLANG_FIX` names a variant, and it refuses any SGLang version but the one
 it was written against. `deepstack-slot-no-clear` is a test-only variant that never clears (the

@@ -2,7 +2,7 @@
 
 This folder is on the PYTHONPATH of those servers only, so every process SGLang starts (launcher,
 tokenizer, scheduler, detokenizer) runs this before anything else. It changes nothing unless
-parity's variables are set: then it installs the CPU changes of parity/sglang/cpu_patches.py.
+parity's variables are set: then it installs the CPU changes of parity/engines/sglang/cpu_patches.py.
 A sitecustomize this one shadows (a distribution's own) still runs, after it.
 """
 
@@ -23,7 +23,7 @@ def _run_shadowed() -> None:
 
 
 if os.environ.get("PARITY_SGLANG_CPU"):
-    from parity.sglang.cpu_patches import install
+    from parity.engines.sglang.cpu_patches import install
 
     install(os.environ)
 _run_shadowed()

@@ -10,7 +10,7 @@ naming the op, never an answer computed by something else.
 - `torch.ops.sgl_kernel`: names ending in `_cpu` are stubs, except the ones SGLang probes with
   `hasattr` to choose a path, which stay absent (their presence would switch on fused or AMX code
   paths, or make SGLang register fakes for ops that do not exist).
-- the `sgl_kernel` module (parity/sglang/standin/sgl_kernel): every attribute is a stub; the
+- the `sgl_kernel` module (parity/engines/sglang/standin/sgl_kernel): every attribute is a stub; the
   submodules that are pure Python in the real wheel are executed from the installed real package's
   own files (nothing of SGLang's is copied into parity); every other submodule is a stub module.
 

@@ -3,7 +3,7 @@
 vLLM calls `register()` in every process that loads plugins: the API server, the engine core and
 each worker (vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder,
 so installing parity next to a production server changes nothing. When set, it arranges for three
-vLLM classes to be wrapped when their modules are imported, not before (parity/serving/after_import.py):
+vLLM classes to be wrapped when their modules are imported, not before (parity/engines/after_import.py):
 importing a model module may initialise CUDA, and only the process that runs the model imports these
 at all. A module already imported is wrapped at once. Wrapping is idempotent.
 
@@ -24,8 +24,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Mapping
 
-from parity.serving.after_import import after_import
-from parity.serving.channel import TapChannel
+from parity.engines.after_import import after_import
+from parity.engines.channel import TapChannel
 
 ENV_VAR = "PARITY_VLLM_TAP"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -39,7 +39,7 @@ class Target:
     module: str
     cls: str
     method: str
-    wrapper: str  # the name of the wrapping function in parity.vllm.tap
+    wrapper: str  # the name of the wrapping function in parity.engines.vllm.tap
 
 
 # What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/test_vllm_real.py checks each one.
@@ -54,13 +54,13 @@ _TAP = None  # this process's StepTap, once activated
 
 
 def activate(environ: Mapping[str, str] = os.environ):
-    """This process's tap (a `parity.vllm.tap.StepTap`), or None when parity's variable is not set."""
+    """This process's tap (a `parity.engines.vllm.tap.StepTap`), or None when parity's variable is not set."""
     global _TAP
     folder = environ.get(ENV_VAR)
     if not folder:
         return None
     if _TAP is None:
-        from parity.vllm.tap import StepTap
+        from parity.engines.vllm.tap import StepTap
 
         _TAP = StepTap(TapChannel(Path(folder)))
     return _TAP
@@ -89,7 +89,7 @@ def _wrapping(module_name: str):
 
 def wrap(module: ModuleType, target: Target, tap) -> None:
     """Replace `target`'s method in `module` with the tap's wrapper around it (once)."""
-    from parity.vllm import tap as taps
+    from parity.engines.vllm import tap as taps
 
     original = getattr(getattr(module, target.cls, None), "__dict__", {}).get(target.method)
     if original is None:

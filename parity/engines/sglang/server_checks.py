@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Sequence
 
 from parity.errors import BackendUnavailableError, UsageError
-from parity.sglang import deepstack_slot, plugin
-from parity.serving.gpus import cuda_present
-from parity.sglang.kernel_standin import read_calls
-from parity.sglang.plugin import TapEntry
-from parity.sglang.servers import DEVICES, GRAPH_BACKENDS
+from parity.engines.sglang import deepstack_slot, plugin
+from parity.engines.gpus import cuda_present
+from parity.engines.sglang.kernel_standin import read_calls
+from parity.engines.sglang.plugin import TapEntry
+from parity.engines.sglang.servers import DEVICES, GRAPH_BACKENDS
 
 
 # --- before any server starts --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence, combine_ranks
-from parity.serving.channel import TapEntry
+from parity.engines.channel import TapEntry
 
 _SCHEDULER_TITLE = re.compile(r"sglang::scheduler_?(\S*)")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from parity.backends.base import Generation
-from parity.serving.http import ServerRejected, finite
+from parity.engines.http import ServerRejected, finite
 
 TOP_LOGPROBS = 5
 CHAT_PATH = "/v1/chat/completions"

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from parity.backends.base import Generation
-from parity.serving.http import (  # noqa: F401  (the HTTP names, as this module always had them)
+from parity.engines.http import (  # noqa: F401  (the HTTP names, as this module always had them)
     REQUEST_TIMEOUT_S, ServerRejected, ServerUnreachable, finite, get_json, post_json,
 )
 
