@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Sequence
 
 from parity.arms import arm_mode_and_deepstack
-from parity.backends.base import Answer, Session
+from parity.backends.protocol import Answer, Session
 from parity.errors import ArmFailure
 from parity.planning import PlannedRequest
 from parity.results import ArmResult, Repeat, stored

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 from parity import __version__
 from parity.arm_run import ArmRun, failed_arm
 from parity.arms import ARM_ORDER, MODES, arm_mode_and_deepstack, arm_named
-from parity.backends.base import Backend, Session
+from parity.backends.protocol import Backend, Session
 from parity.errors import ArmFailure
 from parity.fixtures import Fixture
 from parity.identity import SOURCE_KEY, source_identity

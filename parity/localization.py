@@ -27,7 +27,7 @@ from parity.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_G
 if TYPE_CHECKING:  # reports import this module: no torch, no fixtures at import time
     import torch
 
-    from parity.backends.base import Request
+    from parity.backends.protocol import Request
 
 # Per-point relative error of a correct (fixed) runner against eager, measured on every preset,
 # built-in fixture and prompt on the CPU (scripts/localization_noise.py, docs/localization.md): at

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from parity.backends.base import Request
+from parity.backends.protocol import Request
 from parity.errors import UsageError
 from parity.fixtures import Fixture, builtin_fixture, builtin_names, image_fixture
 from parity.localization import localize_run, target_of

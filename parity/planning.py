@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from parity.arms import MODES, RUN_ORDER, ArmSpec, arm_named
-from parity.backends.base import Backend, Request
+from parity.backends.protocol import Backend, Request
 from parity.errors import UsageError
 from parity.fixtures import Fixture, Prompt
 from parity.metrics import DEFAULT_TIE_MARGIN

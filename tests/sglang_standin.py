@@ -46,6 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
 
 from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
+from parity.engines import standin_calls  # noqa: E402
 from parity.engines.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
 
 VERSION = "0.5.23+standin"
@@ -322,7 +323,7 @@ def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
                 self._send(200, answer(state.model, body))
             except Rejected as err:
                 self._send(400, {"error": {"message": str(err)}})
-            except kernel_standin.StandinCalled as err:  # SGLang answers a failed forward with an error
+            except standin_calls.StandinCalled as err:  # SGLang answers a failed forward with an error
                 self._send(500, {"error": {"message": str(err)}})
 
     return Handler
@@ -338,7 +339,7 @@ def start_up(state: State, started: float) -> None:
     if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "startup":
         try:
             kernel_standin.stub(state.args.standin_kernel_call)()
-        except kernel_standin.StandinCalled as err:
+        except standin_calls.StandinCalled as err:
             print(f"standin: scheduler died: {err}", flush=True)
             os._exit(1)
     # SGLang's VLM warm-up is an image request (§1.4); it runs through the hook before /ready.

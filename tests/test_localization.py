@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_arms
-from parity.backends.base import Request
+from parity.backends.protocol import Request
 from parity.backends.transformers_backend import TransformersBackend
 from parity.experiment import run_experiment
 from parity.planning import CaseSpec, RunSpec

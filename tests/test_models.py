@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from parity.arms import select_arms
-from parity.backends.base import Request
+from parity.backends.protocol import Request
 from parity.backends.transformers_backend import TransformersBackend
 from parity.errors import ModelUnavailableError
 from parity.experiment import run_experiment

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from parity.errors import BackendUnavailableError, UsageError
-from parity.engines import after_import
+from parity.engines import after_import, standin_calls
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.engines.sglang.plugin import TapChannel
@@ -39,13 +39,13 @@ def test_the_ops_namespace_answers_cpu_ops_and_keeps_probed_names_absent(tmp_pat
         assert not hasattr(ops, absent), absent  # present, they would switch SGLang onto other paths
     calls = tmp_path / "calls.jsonl"
     monkeypatch.setenv(kernel_standin.ENV_CALLS, str(calls))
-    with pytest.raises(kernel_standin.StandinCalled, match="fused_sigmoid_mul_cpu"):
+    with pytest.raises(standin_calls.StandinCalled, match="fused_sigmoid_mul_cpu"):
         ops.fused_sigmoid_mul_cpu(torch.ones(2))
-    (call,) = kernel_standin.read_calls(calls)
+    (call,) = standin_calls.read_calls(calls)
     assert call.op == "torch.ops.sgl_kernel.fused_sigmoid_mul_cpu" and call.pid == os.getpid()
-    problem = server_checks.standin_problem(calls)
+    problem = kernel_standin.call_log(calls).problem()
     assert "stand-in op torch.ops.sgl_kernel.fused_sigmoid_mul_cpu was called" in problem
-    assert server_checks.standin_problem(tmp_path / "none.jsonl") is None
+    assert kernel_standin.call_log(tmp_path / "none.jsonl").problem() is None
 
 
 _IN_SERVER = textwrap.dedent("""
@@ -97,7 +97,7 @@ def test_the_standin_folder_turns_a_server_process_into_a_cpu_one(tmp_path: Path
     assert out == {"ops_cpu": True, "ops_probed": False, "graph": "EmulatedGraph", "pool": True, "standin": True,
                    "real_file": True, "version": "0.4.10", "called": out["called"]}
     assert "sgl_kernel.elementwise.silu_and_mul" in out["called"] and lines[-1] == "1"  # the shadowed hook ran too
-    assert [c.op for c in kernel_standin.read_calls(calls)] == ["sgl_kernel.elementwise.silu_and_mul"]
+    assert [c.op for c in standin_calls.read_calls(calls)] == ["sgl_kernel.elementwise.silu_and_mul"]
 
 
 def test_without_parity_variables_the_standin_folder_changes_nothing(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ child it spawns in the same process group.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.backends.base import Request
+from parity.backends.protocol import Request
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines import gpus, launcher
@@ -294,7 +295,7 @@ def test_bucket_of_honours_the_replay_length_limit_and_bad_values_are_usage_erro
 
 def test_missing_sglang_or_port_is_backend_unavailable(tmp_path: Path, processor,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sglang_backend.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(BackendUnavailableError, match="SGLang is not installed"):
         sglang_backend.create_sglang_backend(model="m", max_new_tokens=1, run_dir=tmp_path, processor=processor)
     with pytest.raises(BackendUnavailableError, match="cannot bind a port"):

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from parity.arms import select_arms
-from parity.backends.base import Request
+from parity.backends.protocol import Request
 from parity.cli import cli
 from parity.planning import CaseSpec, RunSpec, plan_cases
 from parity.fixtures import builtin_fixture, default_prompts

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from parity.backends.base import Backend
+from parity.backends.protocol import Backend
 from parity.errors import UsageError
 
 # Measured with scripts/bench_cpu.py: the embedded presets' matrices are so small that a second

@@ -17,7 +17,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from parity.backends.base import Answer, Generates, Generation, Request
+from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
 from parity.errors import ArmFailure
 from parity.evidence import Evidence

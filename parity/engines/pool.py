@@ -18,14 +18,21 @@ from parity.errors import ArmFailure
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.http import ServerRejected, ServerUnreachable, post_json
+from parity.engines.standin_calls import StandinLog
 
 
 @dataclass(frozen=True)
 class Server:
-    """A ready server of one mode and the channel of its tap."""
+    """A ready server of one mode, the channel of its tap, and the log of its stand-in ops (CPU)."""
 
     process: launcher.ServerProcess
     channel: TapChannel
+    standins: StandinLog | None = None
+
+    def standin_failure(self) -> ArmFailure | None:
+        """A stand-in op called in this server fails its arms naming the op, whatever it answered."""
+        problem = self.standins.problem() if self.standins is not None else None
+        return None if problem is None else self.process.failure(problem)
 
 
 StartFn = Callable[[str, int], Server]  # (mode, its launch count) -> a started server
@@ -61,7 +68,7 @@ class ServerPool:
         failures = launcher.wait_ready([s.process for s in started], self.ready_timeout, self.ready_poll)
         for server in started:
             mode = server.process.name
-            failure = failures.get(mode)
+            failure = server.standin_failure() or failures.get(mode)  # a stand-in call names the op
             if failure is not None and self._explain is not None and server.process.exit_code() is not None:
                 failure = self._explain(mode, failure)
             failure = failure or self._probe(server)

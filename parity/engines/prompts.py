@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from parity.backends.base import Request
+from parity.backends.protocol import Request
 from parity.errors import UsageError
 from parity.fixtures import Fixture
 from parity.models.qwen3_vl import chat_text

@@ -6,13 +6,11 @@ ids next to their logprobs (§2.4) and scores given tokens (teacher forcing, §2
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from parity.backends.base import Generation
-from parity.engines.http import (  # noqa: F401  (the HTTP names, as this module always had them)
-    REQUEST_TIMEOUT_S, ServerRejected, ServerUnreachable, finite, get_json, post_json,
-)
+from parity.backends.protocol import Generation
+from parity.engines.engine import Completion
+from parity.engines.http import ServerRejected, finite
 
 TOP_LOGPROBS = 5
 
@@ -54,15 +52,7 @@ def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length
     return body
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A parsed /generate answer: the generation (evidence added by the session) and the prompt ids."""
-
-    generation: Generation
-    prompt_ids: tuple[int, ...]  # as the server expanded them (return_prompt_token_ids)
-
-
-def parse_completion(doc: Mapping[str, Any]) -> Answer:
+def parse_completion(doc: Mapping[str, Any]) -> Completion:
     """Token ids, text, logprobs and prompt ids from a /generate answer (§2.2); malformed → ServerRejected."""
     try:
         meta = doc["meta_info"]
@@ -81,7 +71,7 @@ def parse_completion(doc: Mapping[str, Any]) -> Answer:
         raise ServerRejected("/generate answer: output_ids and output_token_logprobs name different tokens")
     finite(logprobs, "output", "/generate")
     generation = Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None, evidence=None)
-    return Answer(generation, prompt_ids)
+    return Completion(generation, prompt_ids)
 
 
 def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...]:

@@ -23,13 +23,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import json
 import os
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from parity.engines import standin_calls
 
 ENV_CALLS = "PARITY_SGLANG_STANDIN_CALLS"  # a file: one JSON line per stub call
 PACKAGE = "sgl_kernel"
@@ -43,48 +43,14 @@ PROBED_ABSENT = frozenset({
 REAL_SUBMODULES = frozenset({"scalar_type", "version"})
 
 
-class StandinCalled(NotImplementedError):
-    """A stand-in op was called: this run needed a compiled SGLang kernel that is not here."""
-
-
-@dataclass(frozen=True)
-class StandinCall:
-    op: str
-    pid: int
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "StandinCall":
-        return cls(str(raw.get("op", "?")), int(raw.get("pid", 0)))
-
-
-def read_calls(path: Path) -> list[StandinCall]:
-    """The stub calls logged in `path` (none when the file does not exist)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    calls = []
-    for line in text.splitlines():
-        try:
-            calls.append(StandinCall.from_json(json.loads(line)))
-        except (ValueError, TypeError, AttributeError):
-            calls.append(StandinCall(f"<unreadable call record: {line[:80]!r}>", 0))
-    return calls
+def call_log(path: Path) -> standin_calls.StandinLog:
+    """Where a server's `sgl_kernel` stand-in logs its calls (ENV_CALLS), as parity reads it back."""
+    return standin_calls.StandinLog(path, PACKAGE, "SGLang")
 
 
 def stub(name: str, environ=os.environ) -> Callable[..., Any]:
     """A callable that stands for compiled op `name`: calling it logs the call and raises."""
-
-    def standin_op(*args: Any, **kwargs: Any) -> Any:
-        where = environ.get(ENV_CALLS)
-        if where:
-            with open(where, "a", encoding="utf-8") as log:
-                log.write(json.dumps({"op": name, "pid": os.getpid()}) + "\n")
-        print(f"parity: sgl_kernel stand-in op {name} was called", file=sys.stderr, flush=True)
-        raise StandinCalled(f"{name} is a stand-in for a compiled SGLang kernel that this CPU run does not have")
-
-    standin_op.__name__ = standin_op.__qualname__ = name.rsplit(".", 1)[-1]
-    return standin_op
+    return standin_calls.stub(name, ENV_CALLS, PACKAGE, environ)
 
 
 class OpsNamespace:

@@ -7,8 +7,6 @@ possible on the device, the fix's SGLang version; each failure is a usage error 
 While running, each check reads what the server's own processes wrote, never what its flags imply,
 and returns a one-line problem (the caller turns it into the arm's `ERROR`) or None:
 
-- no `sgl_kernel` stand-in op was called (a CPU server that needed a compiled kernel computed
-  nothing trustworthy; the message names the op);
 - the dtype the model really runs in (the embeddings the tap saw) is the one parity asked for
   (SGLang silently runs a float32 checkpoint in float16 under `--dtype auto`);
 - parity's DeepStack slot fix, when asked for, is in place in the bcg server's prefill runner.
@@ -16,20 +14,20 @@ and returns a one-line problem (the caller turns it into the arm's `ERROR`) or N
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 from pathlib import Path
 from typing import Sequence
 
 from parity.errors import BackendUnavailableError, UsageError
 from parity.engines.sglang import deepstack_slot, plugin
-from parity.engines.gpus import cuda_present
-from parity.engines.sglang.kernel_standin import read_calls
+from parity.engines.settings import EnginePackage
 from parity.engines.sglang.plugin import TapEntry
 from parity.engines.sglang.servers import DEVICES, GRAPH_BACKENDS
 
 
 # --- before any server starts --------------------------------------------------------------------------
+
+PACKAGE = EnginePackage("sglang", "SGLang", "0.5.23", "sglang", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
+
 
 def graph_backend(device: str, asked: str | None) -> str:
     """`auto`/None: real CUDA graphs on a GPU, parity's emulation inside the server on a CPU."""
@@ -51,33 +49,7 @@ def check_fix_version(fix: str | None) -> None:
                                       f"prefill graph runner; this environment has SGLang {version}")
 
 
-def check_requirements(device: str = "cuda") -> None:
-    """Raise BackendUnavailableError (exit 2) when this machine cannot run SGLang servers."""
-    if importlib.util.find_spec("sglang") is None:
-        raise BackendUnavailableError("SGLang is not installed in this Python environment; install it with "
-                                      "pip install 'parity[sglang]' (SGLang 0.5.23)")
-    if device == "cuda" and not cuda_present():
-        raise BackendUnavailableError("the sglang backend needs a CUDA GPU and none is visible "
-                                      "(torch.cuda.is_available() is False and nvidia-smi lists no GPU); "
-                                      "--device cpu serves on the CPU")
-    names = {ep.name for ep in importlib.metadata.entry_points(group=plugin.ENTRY_POINT_GROUP)}
-    if plugin.ENTRY_POINT_NAME not in names:
-        raise BackendUnavailableError(
-            f"parity's SGLang plugin is not registered (no {plugin.ENTRY_POINT_NAME!r} entry point in "
-            f"{plugin.ENTRY_POINT_GROUP}); install parity itself, e.g. pip install -e '.[sglang]', "
-            "not only put it on PYTHONPATH")
-
-
 # --- a running server ----------------------------------------------------------------------------------
-
-def standin_problem(calls_file: Path | None) -> str | None:
-    calls = read_calls(calls_file) if calls_file is not None else []
-    if not calls:
-        return None
-    ops = sorted({c.op for c in calls})
-    return (f"the sgl_kernel stand-in op {', '.join(ops)} was called (pid {calls[0].pid}): SGLang took a path that "
-            f"needs a compiled kernel this CPU run does not have, so its answers cannot be trusted ({calls_file})")
-
 
 def served_dtype(entries: Sequence[TapEntry]) -> str | None:
     dtypes = sorted({e.dtype for e in entries if e.dtype})

@@ -17,10 +17,10 @@ from typing import Callable, Sequence
 from parity.arms import MODES, load_arms
 from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
 from parity.errors import UsageError
-from parity.engines import launcher
 from parity.engines.flags import flag_values, int_flag
 from parity.engines.flags import split_user_args as split_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
+from parity.engines.settings import ServerSettings
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
@@ -51,7 +51,6 @@ RESERVED_FLAGS = (
     "--cuda-graph-backend-prefill", "--disable-prefill-cuda-graph", "--disable-cuda-graph",
     "--cuda-graph-config", "--model-path", "--host", "--port", "--mem-fraction-static", "--device",
 )
-DEFAULT_MEM_FRACTION = 0.70
 # Above this a server keeps too little for activations and graph capture to start reliably.
 MAX_MEM_FRACTION = 0.95
 
@@ -137,18 +136,9 @@ GpuMemory = Callable[[Sequence[int] | None, int], "tuple[float, float] | None"]
 
 
 @dataclass(frozen=True)
-class SglangSettings:
-    model: str
-    max_new_tokens: int
-    run_dir: Path
-    sglang_args: tuple[str, ...] = ()
-    concurrent: bool = False
-    gpus: tuple[int, ...] = ()
-    mem_fraction: float = DEFAULT_MEM_FRACTION
-    ready_timeout: float = 1800.0
+class SglangSettings(ServerSettings):
     launch_command: tuple[str, ...] = (sys.executable, *LAUNCH_MODULE)
-    stop_grace: float = launcher.STOP_GRACE_S
-    ready_poll: float = launcher.POLL_S
+    sglang_args: tuple[str, ...] = ()
     gpu_memory: GpuMemory | None = None  # (free, total) of a server's GPUs; tests substitute it
     device: str = "cuda"  # "cpu": SGLang's CPU engine with parity's kernel stand-in (sglang-cpu.md)
     graph_backend: str = "cuda"  # "emulated": the prefill graph replays through parity's emulation (CPU)

@@ -10,10 +10,10 @@ re-tokenizes that text, so scores are kept only where it gave back exactly the t
 from __future__ import annotations
 
 import base64
-from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from parity.backends.base import Generation
+from parity.backends.protocol import Generation
+from parity.engines.engine import Completion
 from parity.engines.http import ServerRejected, finite
 
 TOP_LOGPROBS = 5
@@ -65,14 +65,6 @@ def score_body(prompt: str, image: str | None, reference: str, request_id: str) 
     return body
 
 
-@dataclass(frozen=True)
-class Answer:
-    """A parsed chat answer: the generation (evidence added by the session) and the prompt's ids."""
-
-    generation: Generation
-    prompt_ids: tuple[int, ...]  # as the server expanded them (image tokens included)
-
-
 def _token_id(name: Any) -> int:
     text = str(name)
     if not text.startswith(TOKEN_PREFIX):
@@ -80,7 +72,7 @@ def _token_id(name: Any) -> int:
     return int(text[len(TOKEN_PREFIX):])
 
 
-def parse_completion(doc: Mapping[str, Any]) -> Answer:
+def parse_completion(doc: Mapping[str, Any]) -> Completion:
     """Ids, text, logprobs and prompt ids from a chat answer; a malformed one → ServerRejected."""
     try:
         choice = doc["choices"][0]
@@ -99,7 +91,7 @@ def parse_completion(doc: Mapping[str, Any]) -> Answer:
                              f"({len(token_ids)} ids, {len(chosen)} logprob steps)")
     finite(logprobs, "output", CHAT_PATH)
     generation = Generation(token_ids, text, logprobs, top, deepstack_record=None, evidence=None)
-    return Answer(generation, prompt_ids)
+    return Completion(generation, prompt_ids)
 
 
 def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...] | None:

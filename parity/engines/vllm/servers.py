@@ -17,16 +17,15 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from parity.arms import MODES
 from parity.errors import UsageError
-from parity.engines import launcher
 from parity.engines.channel import TapChannel
 from parity.engines.flags import flag_values, int_flag, split_user_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
+from parity.engines.settings import ServerSettings
 from parity.engines.vllm import plugin
 
 LAUNCH_MODULE = ("-m", "vllm.entrypoints.cli.main", "serve")
@@ -35,7 +34,6 @@ READY_PATH = "/health"
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 PLUGINS_ENV = "VLLM_PLUGINS"
 EAGER_CUDAGRAPH_MODE = "NONE"
-DEFAULT_MEM_FRACTION = 0.70
 # The API server's default on an H100/H200 (vllm-0.33.md §6); raised when a prompt needs more.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -200,20 +198,11 @@ class CaptureSizes:
 # --- settings, flags and environment ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class VllmSettings:
-    model: str
-    max_new_tokens: int
-    run_dir: Path
+class VllmSettings(ServerSettings):
+    launch_command: tuple[str, ...] = (sys.executable, *LAUNCH_MODULE)
     vllm_args: tuple[str, ...] = ()
     graph_mode: str = DEFAULT_GRAPH_MODE
     buckets: tuple[int, ...] | None = None  # None: vLLM's ladder up to what the run needs
-    concurrent: bool = False
-    gpus: tuple[int, ...] = ()
-    mem_fraction: float = DEFAULT_MEM_FRACTION
-    ready_timeout: float = 1800.0
-    launch_command: tuple[str, ...] = (sys.executable, *LAUNCH_MODULE)
-    stop_grace: float = launcher.STOP_GRACE_S
-    ready_poll: float = launcher.POLL_S
 
     @property
     def facts(self) -> ServerFacts:

@@ -1,0 +1,312 @@
+"""One engine backend and its session, written once for every server engine (design §6).
+
+The backend runs one real server per execution mode on the shared pool, probes it once ready,
+and hands out sessions; a session sends each request under its own tag with the tap set, reads
+back what the tap recorded for that tag, and scores answers teacher-forced in the same server.
+What differs between engines is declared by `EngineBackend`'s abstract methods: the server
+command and environment of a mode, the request bodies and their parsing, which tap records belong
+to a request, the start-up checks beyond the tap, the exit explanation, and the config keys.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Mapping, Sequence
+
+from parity.arms import MODES
+from parity.backends.protocol import Answer, Generates, Generation, Request
+from parity.engines import launcher
+from parity.engines.channel import TapChannel, TapEntry, tap_mode
+from parity.engines.evidence import EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record
+from parity.engines.http import ServerRejected, ServerUnreachable, get_json
+from parity.engines.placement import LaunchPlan, Placement
+from parity.engines.pool import Server, ServerPool, parsed, post_tagged
+from parity.engines.prompts import ChatPrompts, CheckpointFacts
+from parity.engines.standin_calls import StandinLog
+from parity.errors import ArmFailure, UsageError
+from parity.fixtures import Fixture
+
+PROBE_PROMPT = "Say OK."
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A generation as an engine answered it, and the prompt ids the server prefilled."""
+
+    generation: Generation
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Served:
+    """What scoring an answer needs of its request: the same tap, image and prompt."""
+
+    tap: str
+    request: Request
+    image: Any
+    prompt_ids: tuple[int, ...]
+    first: TaggedRequest
+
+
+@dataclass(frozen=True)
+class EngineSession(Generates):
+    """A ready server in one mode; requests go one at a time, each tagged, the tap set before each."""
+
+    server: Server
+    backend: "EngineBackend"
+
+    @property
+    def process(self) -> launcher.ServerProcess:
+        return self.server.process
+
+    def answer(self, request: Request, deepstack: str) -> Answer:
+        tap = tap_mode(deepstack)
+        if not self.process.alive():
+            raise self.process.exited_failure()
+        engine = self.backend
+        image = engine.image_input(request.fixture)
+        doc, entries = self.post_tagged(tap, request.fixture, lambda tag: engine.generate_body(
+            request, image, engine.settings.max_new_tokens, tag))
+        completion = parsed(self.process, engine.parse_completion, doc)
+        first = TaggedRequest(len(completion.prompt_ids), image is not None, entries)
+        self._check_fired(first, "request")  # before scoring: a silent tap fails the arm at once
+        generation = replace(completion.generation, deepstack_record=request_record(first),
+                             evidence=engine.evidence([first]))
+        return Answer(generation, _Served(tap, request, image, completion.prompt_ids, first))
+
+    def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
+        served: _Served = answer.state
+        engine = self.backend
+        requests, scores, start = [served.first], [], time.perf_counter()
+        # Its own tokens last: scores from a prefill are compared with scores from a prefill.
+        for tokens in (*force, answer.generation.token_ids):
+            doc, entries = self.post_tagged(served.tap, served.request.fixture, lambda tag: engine.score_body(
+                served.request, served.image, served.prompt_ids, tokens, tag))
+            scores.append(parsed(self.process, lambda d: engine.parse_scores(d, tokens), doc))
+            length = engine.scored_length(doc, served.prompt_ids, tokens)
+            requests.append(TaggedRequest(length, served.image is not None, entries))
+            self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
+        return replace(answer.generation, evidence=engine.evidence(requests), forced=tuple(scores[:-1]),
+                       self_forced=scores[-1], forced_seconds=time.perf_counter() - start)
+
+    def post_tagged(self, tap: str, fixture: Fixture | None, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
+        """One request under its own tag; its answer and the tap records that belong to it. A
+        stand-in op called while serving it fails the arm naming the op, whatever the answer."""
+        try:
+            tag, doc, entries = post_tagged(self.server, tap, self.backend.request_path, body_for,
+                                            self.backend.belongs)
+        except ArmFailure as failure:
+            raise self.server.standin_failure() or failure from None
+        failure = self.server.standin_failure()
+        if failure is not None:
+            raise failure
+        self.backend.tag_images[tag] = fixture.sha256 if fixture is not None else None
+        return doc, tuple(entries)
+
+    def _check_fired(self, request: TaggedRequest, what: str) -> None:
+        try:
+            check_fired(request, self.backend.facts.deepstack_layers, what, self.backend.ranks)
+        except EvidenceFault as silence:
+            raise self.process.failure(str(silence)) from None
+
+
+class EngineBackend(abc.ABC):
+    """The `Backend` protocol for a server engine; a subclass declares what only its engine knows."""
+
+    name: str
+    request_path: str  # where generation and scoring requests are POSTed
+    version_path: str  # GET: a JSON document with the server's "version"
+    tap_hint: str  # how to make a tap that never fired fire (install hints, the engine's plugin switch)
+
+    def __init__(self, settings: Any, prompts: ChatPrompts, facts: CheckpointFacts) -> None:
+        self.settings = settings
+        self.prompts = prompts
+        self.facts = facts
+        self.plan = self.plan_launch(MODES)  # refuses impossible GPU combinations before any start
+        self.tag_images: dict[str, str | None] = {}  # every tag sent -> the sha256 of its image
+        self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
+                               settings.stop_grace, self.explain_exit)
+        self._modes: tuple[str, ...] = MODES
+        self._commands: dict[str, list[str]] = {}
+        self._tap_processes: dict[str, list[str]] = {}
+        self._version: str | None = None
+
+    # --- what an engine declares -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def plan_launch(self, modes: Sequence[str]) -> LaunchPlan:
+        """Each mode's GPUs, memory fraction and the start order (`placement.plan_placement`)."""
+
+    @abc.abstractmethod
+    def plan_run(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
+        """What the run's modes and prompt lengths decide before any launch (capture sizes)."""
+
+    @abc.abstractmethod
+    def server_spec(self, mode: str, placement: Placement, stem: str,
+                    channel: TapChannel) -> tuple[launcher.ServerSpec, StandinLog | None]:
+        """The mode's server, and the log its stand-in ops write calls to (None: no stand-ins)."""
+
+    @abc.abstractmethod
+    def image_input(self, fixture: Fixture | None) -> Any:
+        """The fixture as the engine's request body carries it (a file path, a data URL)."""
+
+    @abc.abstractmethod
+    def generate_body(self, request: Request, image: Any, max_new_tokens: int, tag: str) -> dict:
+        ...
+
+    @abc.abstractmethod
+    def parse_completion(self, doc: dict) -> Completion:
+        ...
+
+    @abc.abstractmethod
+    def score_body(self, request: Request, image: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
+                   tag: str) -> dict:
+        """A request whose answer holds the logprob of each of `tokens` after the prompt."""
+
+    @abc.abstractmethod
+    def parse_scores(self, doc: dict, tokens: Sequence[int]) -> tuple[float, ...] | None:
+        ...
+
+    @abc.abstractmethod
+    def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:
+        """The prompt tokens a scoring request prefilled."""
+
+    @abc.abstractmethod
+    def engine_config(self) -> Mapping[str, Any]:
+        """The engine's own keys for the results' `config`."""
+
+    @abc.abstractmethod
+    def installed_version(self) -> str | None:
+        ...
+
+    def belongs(self, entry: TapEntry, tag: str) -> bool:
+        """Whether a tap record filed under `tag` is a step of that request."""
+        return True
+
+    def check_started(self, server: Server, entries: Sequence[TapEntry]) -> ArmFailure | None:
+        """Checks of a ready server beyond the tap firing, given the probe's tap records."""
+        return None
+
+    def explain_exit(self, mode: str, failure: ArmFailure) -> ArmFailure:
+        """A server that exited while starting: what it most likely hit."""
+        return failure
+
+    @property
+    def ranks(self) -> int:
+        """Model processes that run every request, each with its own tap (tensor parallelism)."""
+        return 1
+
+    @property
+    def max_bucket(self) -> int | None:
+        return None
+
+    @property
+    def max_positions(self) -> int | None:
+        return self.facts.max_positions
+
+    def bucket_of(self, num_tokens: int) -> int | None:
+        return None
+
+    # --- written once ------------------------------------------------------------------------------
+
+    @property
+    def launch_count(self) -> int:
+        return self.pool.launch_count
+
+    def prompt_length(self, request: Request) -> int:
+        return self.prompts.length(request)
+
+    def evidence(self, requests: Sequence[TaggedRequest]):
+        return arm_evidence(requests, self.max_bucket, self.tag_images)
+
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = ()) -> None:
+        unknown = [m for m in modes if m not in MODES]
+        if unknown:
+            raise UsageError(f"unknown mode {', '.join(unknown)}; known: {', '.join(MODES)}")
+        self._modes = tuple(modes)
+        self.plan_run(self._modes, prompt_lengths)
+        self.plan = self.plan_launch(self._modes)
+        if self.settings.concurrent and len(modes) > 1:
+            for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
+                self.pool.launch(tuple(m for m in stage if m in modes))
+
+    @contextmanager
+    def session(self, mode: str) -> Iterator[EngineSession]:
+        with self.pool.serving(mode) as server:
+            yield EngineSession(server, self)
+
+    def _start(self, mode: str, count: int) -> Server:
+        stem = f"{self.name}-{mode}" if count == 1 else f"{self.name}-{mode}-{count}"
+        channel = TapChannel(self.settings.run_dir / f"{stem}.tap")
+        channel.create()
+        spec, standins = self.server_spec(mode, self.plan.placements[mode], stem, channel)
+        self._commands[mode] = list(spec.command[len(self.settings.launch_command):])
+        return Server(launcher.start_server(spec), channel, standins)
+
+    def _probe(self, server: Server) -> ArmFailure | None:
+        """One tagged text-only request: the tap must record it in the process that runs the model."""
+        session = EngineSession(server, self)
+        try:
+            _, entries = session.post_tagged("record", None, lambda tag: self.generate_body(
+                Request(None, PROBE_PROMPT), None, 1, tag))
+        except ArmFailure as failure:
+            return failure
+        if not entries:
+            return server.process.failure(f"the tap never fired: the hook recorded nothing for a request in the "
+                                          f"server's model process; {self.tap_hint}")
+        self._tap_processes[server.process.name] = processes(entries)
+        failure = self.check_started(server, entries)
+        if failure is None and self._version is None:
+            self._version = self._server_version(server.process)
+        return failure
+
+    def _server_version(self, process: launcher.ServerProcess) -> str | None:
+        try:
+            version = get_json(f"{process.base_url}{self.version_path}").get("version")
+        except (ServerRejected, ServerUnreachable):
+            return None
+        return str(version) if version is not None else None
+
+    def environment(self) -> Mapping[str, Any]:
+        gpu = self.gpu_name()
+        return {self.name: self._version or self.installed_version(), "device": "cuda" if gpu else "cpu", "gpu": gpu}
+
+    def gpu_name(self) -> str | None:
+        from parity.engines.gpus import gpu_name
+
+        return gpu_name(self.settings.gpus)
+
+    def config(self) -> Mapping[str, Any]:
+        name, settings = self.name, self.settings
+        planned = {m: self.planned_flags(m) for m in self._modes}
+        return {
+            "dtype": settings.facts.dtype or self.facts.dtype,
+            "deepstack_layers": self.facts.deepstack_layers,
+            **self.engine_config(),
+            f"{name}_servers": {m: self._commands.get(m, planned[m]) for m in self._modes},
+            f"{name}_concurrent": settings.concurrent,
+            f"{name}_start_order": [list(s) for s in self.plan.stages] if settings.concurrent else None,
+            f"{name}_gpus": {m: None if p.gpus is None else list(p.gpus) for m, p in self.plan.placements.items()
+                             if m in self._modes},
+            f"{name}_launches": self.launch_count,
+            f"{name}_tap_processes": dict(self._tap_processes),
+        }
+
+    @abc.abstractmethod
+    def planned_flags(self, mode: str) -> list[str]:
+        """The mode's server flags as they would be launched now (for a mode not launched yet)."""
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def checkpoint_inputs(model: str, processor: Any = None, model_config: Any = None) -> tuple[ChatPrompts, CheckpointFacts]:
+    """The checkpoint's chat prompts and facts (tests inject a processor and config instead)."""
+    if processor is None or model_config is None:
+        from parity.models.checkpoint import CheckpointSource, load_config_and_processor
+
+        model_config, processor = load_config_and_processor(CheckpointSource.of(model))
+    return ChatPrompts(processor), CheckpointFacts.of(model_config)
