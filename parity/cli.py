@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from types import MappingProxyType
 
 import click
 from rich.console import Console
@@ -16,9 +17,10 @@ from rich.markup import escape
 
 from parity import __version__
 from parity.cli_options import (
-    LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, int_list, not_empty, positive, threads, tie_margin,
-    warn_ignored,
+    LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
+    tie_margin, warn_ignored,
 )
+from parity.engines import registry
 from parity.errors import ParityError, UsageError
 from parity.interrupts import exit_code_of, signal_of
 from parity.metrics import DEFAULT_TIE_MARGIN
@@ -68,7 +70,7 @@ def cli() -> None:
               help="An embedded preset (see `parity models`) or a Qwen3-VL Hugging Face id / local path.")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Build the embedded preset from this seed instead of its own.")
-@click.option("--backend", type=click.Choice(["transformers", "sglang", "vllm"]), default="transformers", show_default=True)
+@click.option("--backend", type=click.Choice(list(registry.BACKENDS)), default=registry.DEFAULT, show_default=True)
 @click.option("--arms", "arm_selection", default="all", show_default=True, callback=arm_selection,
               help="`all` or a comma list of arm names (four-arm scenario only).")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
@@ -106,16 +108,8 @@ def cli() -> None:
 @click.option("--shard", "shard_spec", metavar="K/N",
               help="Run only shard K of N: a partition of the cases that is the same on every machine; "
                    "join the shards' results with `parity merge`.")
-@click.option("--sglang-arg", "sglang_args", multiple=True, help="Extra SGLang server flag (repeatable, sglang backend).")
-@click.option("--vllm-arg", "vllm_args", multiple=True,
-              help="Extra `vllm serve` flag for both servers (repeatable, vllm backend); flags parity sets are refused.")
-@click.option("--graph-mode", type=click.Choice(["full_and_piecewise", "full", "piecewise", "breakable"]),
-              default="full_and_piecewise", show_default=True,
-              help="vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE).")
-@click.option("--sglang-fix", type=click.Choice(["deepstack-slot"]), default=None,
-              help="Run parity's DeepStack replay slot fix inside the SGLang servers (SGLang 0.5.23 only).")
 @click.option("--concurrent", is_flag=True,
-              help="Keep both servers (sglang, vllm) up: started at once when --gpus gives each its own GPUs, else one "
+              help="Keep both servers (server backends) up: started at once when --gpus gives each its own GPUs, else one "
                    "after the other on the shared GPU.")
 @click.option("--gpus", callback=int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
 @click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=positive,
@@ -123,11 +117,12 @@ def cli() -> None:
 @click.option("--mem-fraction", type=float, default=0.70, show_default=True,
               help="SGLang --mem-fraction-static / vLLM --gpu-memory-utilization per GPU; with --concurrent on a "
                    "shared GPU each server gets half of it of the GPU's total.")
+@engine_options
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""
     # Heavy imports (torch, transformers) only when running.
     from parity.arms import select_arms
-    from parity.backends import BackendOptions
+    from parity.backends.options import BackendOptions
     from parity.planning import RunSpec
     from parity.interrupts import first_stop_only
     from parity.run_command import (
@@ -159,9 +154,8 @@ def run(**options) -> None:
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
-        sglang_args=tuple(o["sglang_args"]), vllm_args=tuple(o["vllm_args"]), graph_mode=o["graph_mode"],
-        concurrent=o["concurrent"], gpus=tuple(o["gpus"]),
-        ready_timeout=o["ready_timeout"], mem_fraction=o["mem_fraction"], sglang_fix=o["sglang_fix"],
+        concurrent=o["concurrent"], gpus=tuple(o["gpus"]), ready_timeout=o["ready_timeout"],
+        mem_fraction=o["mem_fraction"], engine=MappingProxyType({e.name: o[e.name] for e in registry.own_options()}),
     )
     warn_ignored(click.get_current_context(), backend.name)
     note = plan_note(spec, o["model"])

@@ -11,25 +11,7 @@ import os
 import click
 from click.core import ParameterSource
 
-# Every `parity run` option that not every backend uses, and the backends that use it. An option given
-# to a backend outside its list is said out loud at option parsing (design §5), before the backend or
-# its package is loaded: a warning, or a refusal (REFUSED) where running anyway would mislead.
-OPTION_BACKENDS = {
-    "runner": ("transformers",),  # the server backends run the engine's own graph runner
-    "localize_threshold": ("transformers",),  # localization probes a graph parity captures itself
-    "buckets": ("transformers", "vllm"),  # SGLang's buckets come from its own flags (--sglang-arg)
-    "graph_backend": ("transformers", "sglang"),
-    "threads": ("transformers", "sglang"),
-    "sglang_args": ("sglang",), "sglang_fix": ("sglang",),
-    "vllm_args": ("vllm",), "graph_mode": ("vllm",),
-    **{name: ("sglang", "vllm") for name in ("concurrent", "gpus", "ready_timeout", "mem_fraction")},
-}
-# (backend, option, value) that cannot be honoured: exit 2 naming the option instead of a run elsewhere.
-REFUSED = {
-    ("vllm", "device", "cpu"): "--device cpu: the vllm backend serves on a GPU only (its CPU path does not exist "
-                               "yet), so the run would not be on the CPU; use --backend sglang or transformers",
-}
-
+from parity.engines import registry
 
 def positive(ctx, param, value):
     if value is not None and value <= 0:
@@ -108,18 +90,26 @@ def int_list(ctx, param, value):
     return numbers
 
 
+def engine_options(command):
+    """Add the options only one backend has (each engine's `entry`), before the common ones in --help."""
+    for option in reversed(registry.own_options()):
+        command = option.decorator()(command)
+    return command
+
+
 def warn_ignored(ctx: click.Context, backend: str) -> None:
-    """Say every option the backend does not use, rather than drop it silently; refuse one it cannot
-    honour (REFUSED)."""
+    """Say every option the backend does not use, rather than drop it silently (design §5), at option
+    parsing, before the backend or its package is loaded; refuse one it cannot honour."""
     ignored: dict[tuple[str, ...], list[str]] = {}
+    users = registry.option_backends()
     for param in ctx.command.params:
         name = param.name or ""
         if ctx.get_parameter_source(name) in (None, ParameterSource.DEFAULT):
             continue
-        refusal = REFUSED.get((backend, name, ctx.params.get(name)))
+        refusal = registry.refusal(backend, name, ctx.params.get(name))
         if refusal:
             raise click.UsageError(refusal)
-        backends = OPTION_BACKENDS.get(name)
+        backends = users.get(name)
         if backends and backend not in backends:
             ignored.setdefault(backends, []).append(param.opts[0])
     for backends, given in ignored.items():

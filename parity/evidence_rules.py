@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parity.buckets import smallest_fitting
+from parity.engines import registry
 from parity.evidence import Evidence
 from parity.metrics import Tolerances
 from parity.results import ArmResult, RunResult
@@ -19,7 +20,7 @@ class Rules:
 
     tolerances: Tolerances
     deepstack_layers: int | None  # None (a /1 file): inferred from the tap records
-    backend: str = "transformers"
+    backend: str = registry.DEFAULT
     captured: tuple[int, ...] | None = None  # the buckets the run captured; None: not recorded
     repeat: int = 1  # --repeat: every arm runs this often
     runner: str | None = None  # the transformers backend's runner variant
@@ -29,7 +30,7 @@ class Rules:
         captured = run.config.get("captured_buckets")
         repeat = run.config.get("repeat")
         return cls(Tolerances(run.logprob_tol, run.tie_margin, run.logprob_mean_tol), run.deepstack_layers,
-                   str(run.config.get("backend", "transformers")),
+                   str(run.config.get("backend", registry.DEFAULT)),
                    None if captured is None else tuple(sorted(int(b) for b in captured)),
                    repeat if isinstance(repeat, int) and repeat >= 1 else 1, run.config.get("runner"))
 
@@ -90,26 +91,6 @@ def not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, s
     tokens = "?" if evidence is None or evidence.prompt_tokens is None else evidence.prompt_tokens
     largest = "unknown" if evidence is None or evidence.max_bucket is None else evidence.max_bucket
     how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
-    if rules.backend == "sglang":
-        hint = _sglang_not_replayed_hint(evidence)
-    elif rules.backend == "vllm":
-        hint = (f"use --buckets auto or a capture size of at least {tokens}, keep --max-num-batched-tokens above it, "
-                "and check that the attention backend allows the --graph-mode for prefills (vLLM's dispatcher "
-                "decided NONE)")
-    else:
-        hint = f"use --buckets auto, or give --buckets a bucket of at least {tokens} tokens"
+    hint = registry.info(rules.backend).not_replayed_hint(evidence)
     return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
             f"so the graph path was not tested; {hint}")
-
-
-def _sglang_not_replayed_hint(evidence: Evidence | None) -> str:
-    tokens = None if evidence is None else evidence.prompt_tokens
-    largest = None if evidence is None else evidence.max_bucket
-    if tokens is not None and largest is not None and tokens <= largest:
-        # A bucket fits, so the server itself did not replay: SGLang turned its prefill graph off
-        # (an auto-disable such as torch_native attention) or declined this batch.
-        return ("a captured bucket fits the prompt, so the server did not replay it: look for SGLang's "
-                "\"Disable prefill CUDA graph because ...\" lines in the bcg server's log (sglang-bcg.log) and "
-                "for a flag that turns the prefill graph off (--sglang-arg)")
-    return (f"raise --cuda-graph-max-bs-prefill to at least {tokens if tokens is not None else '?'} and do not "
-            "disable the prefill CUDA graph (--sglang-arg)")

@@ -19,6 +19,7 @@ from parity import __version__
 from parity.arm_run import ArmRun, failed_arm
 from parity.arms import ARM_ORDER, MODES, arm_mode_and_deepstack, arm_named
 from parity.backends.protocol import Backend, Session
+from parity.engines import registry
 from parity.errors import ArmFailure
 from parity.fixtures import Fixture
 from parity.identity import SOURCE_KEY, source_identity
@@ -257,5 +258,7 @@ def _environment(backend: Backend) -> dict:
     return {
         "parity": __version__, SOURCE_KEY: source_identity(), "python": platform.python_version(),
         "torch": version("torch"),
-        "transformers": version("transformers"), "sglang": version("sglang"), **backend.environment(),
+        "transformers": version("transformers"),
+        **{b.package: version(b.package) for b in registry.BACKENDS.values() if b.version_in_every_run},
+        **backend.environment(),
     }

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from parity import __version__
+from parity.engines import registry
 from parity.results import RunResult
 
 # `environment.parity_source`: the code that wrote a file. Shards of different code are not one
@@ -25,12 +26,15 @@ SOURCE_KEY = "parity_source"
 # Named first when files differ, in this order: what a reader checks first.
 FIRST_FIELDS = (
     "config.model", "config.backend", "config.dtype", "config.logprob_tol", "config.logprob_mean_tol",
-    "config.tie_margin", "config.runner", "config.graph_backend", "config.graph_mode", "config.sglang_servers",
-    "config.vllm_servers", "config.scenarios", "environment.gpu", "environment.device",
+    "config.tie_margin", "config.runner", "config.graph_backend", "config.graph_mode",
+    *(f"config.{b.servers_key}" for b in registry.BACKENDS.values() if b.servers_key),
+    "config.scenarios", "environment.gpu", "environment.device",
 )
 # Differ between machines of one experiment: where the servers ran, not what was run. The source is
 # compared on its own (merge.check_one_experiment), so that the override can name it.
-VOLATILE = frozenset({"config.sglang_tap_processes", "config.vllm_tap_processes", f"environment.{SOURCE_KEY}"})
+VOLATILE = frozenset({*(f"config.{k}" for b in registry.BACKENDS.values() for k in b.volatile_keys),
+                      f"environment.{SOURCE_KEY}"})
+_SERVERS_KEYS = frozenset(b.servers_key for b in registry.BACKENDS.values() if b.servers_key)
 # Only these keys of config.shard say which experiment a file is; the rest says which shard.
 _SHARD_IDENTITY = ("count", "cases")
 # Worked out on each machine from the GPU memory free when a server starts (sharing a GPU).
@@ -43,7 +47,7 @@ def identity(run: RunResult) -> dict[str, Any]:
     for key, value in run.config.items():
         if key == "shard":
             value = {k: value.get(k) for k in _SHARD_IDENTITY} if isinstance(value, dict) else value
-        elif key in ("sglang_servers", "vllm_servers"):
+        elif key in _SERVERS_KEYS:
             value = _masked(value)
         fields[f"config.{key}"] = value
     fields.setdefault("config.shard", None)

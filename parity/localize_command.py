@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from parity.backends.protocol import Request
+from parity.engines import registry
 from parity.errors import UsageError
 from parity.fixtures import Fixture, builtin_fixture, builtin_names, image_fixture
 from parity.localization import localize_run, target_of
@@ -45,7 +46,7 @@ class Localized:
 def localize_results(options: LocalizeOptions) -> Localized:
     run = judge_run(load_results(options.results))
     config = run.config
-    if config.get("backend") != "transformers":
+    if not registry.of_run(config).localizes:
         raise UsageError(f"{options.results}: a {config.get('backend')} run cannot be localized, since its graph is "
                          "the runtime's own and parity cannot probe it per layer; rerun the failing case on the "
                          "transformers backend with the same checkpoint")
@@ -142,7 +143,7 @@ def _matches(fixture: Fixture, info: FixtureInfo) -> bool:
 def _backend(run: RunResult, device: str | None):
     import torch
 
-    from parity.backends import apply_thread_policy
+    from parity.backends.options import apply_thread_policy
     from parity.backends.transformers_backend import TransformersBackend
     from parity.buckets import BucketPolicy
     from parity.graph_runner import RunnerVariant

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from parity.engines import registry
 from parity.metrics import auto_tolerances
 from parity.results import SCHEMA, FixtureInfo, RunResult
 from parity.results_consistency import RULES, Contradiction, _ran, _requests
@@ -36,8 +37,9 @@ def ranks_as_configured(run: RunResult) -> None:
     """A tensor-parallel server's arm keeps one evidence record per rank (design §8), every run of it.
     The SGLang backend records `tp_size` (a vLLM server's ranks are not counted yet: not checked)."""
     if "tp_size" not in run.config:
-        if run.schema == SCHEMA and run.config.get("backend") == "sglang":
-            raise Contradiction("config.tp_size is missing: an SGLang run records its tensor-parallel size")
+        backend = registry.of_run(run.config)
+        if run.schema == SCHEMA and backend.records_ranks:
+            raise Contradiction(f"config.tp_size is missing: a {backend.name} run records its tensor-parallel size")
         return
     tp_size = run.config["tp_size"]
     if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:

@@ -17,7 +17,8 @@ from typing import Sequence
 from rich.console import Console
 from rich.markup import escape
 
-from parity.backends import BackendOptions, create_backend
+from parity.backends.options import BackendOptions
+from parity.engines.registry import create_backend
 from parity.errors import UsageError
 from parity.experiment import RunInterrupted, run_experiment
 from parity.planning import CaseSpec, RunSpec, planned_arm_runs

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_arms  # noqa: E402
-from parity.backends import PRESET_THREADS  # noqa: E402
+from parity.backends.options import PRESET_THREADS  # noqa: E402
 from parity.backends.protocol import Request  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
 from parity.experiment import run_experiment  # noqa: E402

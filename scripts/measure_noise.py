@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from parity.arms import select_arms  # noqa: E402
-from parity.backends import PRESET_THREADS  # noqa: E402
+from parity.backends.options import PRESET_THREADS  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
 from parity.experiment import run_experiment  # noqa: E402
 from parity.planning import CaseSpec, RunSpec  # noqa: E402

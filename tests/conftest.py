@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from parity.backends import PRESET_THREADS
+from parity.backends.options import PRESET_THREADS
 from parity.cli import cli
 from parity.models import LoadedModel, load_model
 

@@ -124,7 +124,8 @@ def test_text_only_and_zero_deepstack_replays_equal_eager(fixed_all) -> None:
 def _stream_with(variant: str, tmp_path: Path):
     """One stream case on real CPU servers whose bcg server runs the fix's test-only `variant`."""
     from parity.arms import select_arms
-    from parity.backends import BackendOptions, create_backend
+    from parity.backends.options import BackendOptions
+    from parity.engines.registry import create_backend
     from parity.experiment import run_experiment
     from parity.planning import CaseSpec, RunSpec
     from parity.fixtures import builtin_fixture, default_prompts
@@ -133,7 +134,7 @@ def _stream_with(variant: str, tmp_path: Path):
     fixture = builtin_fixture("rgb-stripes")
     spec = RunSpec(model="tiny-qwen3-vl", arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
                    scenarios=(STREAM,), max_new_tokens=MAX_NEW_TOKENS)
-    backend = create_backend(BackendOptions(name="sglang", device="cpu", sglang_fix=variant), MAX_NEW_TOKENS, tmp_path)
+    backend = create_backend(BackendOptions(name="sglang", device="cpu", engine={"sglang_fix": variant}), MAX_NEW_TOKENS, tmp_path)
     try:
         result = run_experiment(spec, backend, warn=lambda _: None)
     finally:

@@ -13,13 +13,15 @@ import platform
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from parity.backends.options import BackendOptions, apply_thread_policy
 from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
-from parity.errors import ArmFailure
+from parity.errors import ArmFailure, UsageError
 from parity.evidence import Evidence
 from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
 from parity.lm_body import KVCache
@@ -313,3 +315,18 @@ class TransformersBackend:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
+
+
+def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> TransformersBackend:
+    """The backend the command line builds: the model loaded in parity's own process."""
+    from parity.models import load_model
+    from parity.presets import PRESETS
+
+    apply_thread_policy(options.threads, options.model in PRESETS)
+    loaded = load_model(options.model, device=options.device, dtype=options.dtype, seed=options.seed)
+    buckets = BucketPolicy.parse(options.buckets, loaded.adapter.max_positions)
+    try:
+        return TransformersBackend(loaded, max_new_tokens=max_new_tokens, runner_variant=RunnerVariant(options.runner),
+                                   graph_backend=options.graph_backend, buckets=buckets)
+    except ValueError as err:  # e.g. --graph-backend cuda with the model on the CPU
+        raise UsageError(str(err)) from None

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
+from parity.engines import registry
 from parity.identity import difference_path, first_difference, identity, shown
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.report import _md_case as case_markdown
@@ -51,9 +52,9 @@ def graph_mode(run: RunResult) -> str:
     config = run.config
     if config.get("graph_mode"):
         return str(config["graph_mode"])
-    bcg = (config.get("sglang_servers") or {}).get("bcg")
-    if isinstance(bcg, list) and "--cuda-graph-backend-prefill" in bcg[:-1]:
-        return f"prefill graph {bcg[bcg.index('--cuda-graph-backend-prefill') + 1]}"
+    label = registry.of_run(config).graph_label(config)
+    if label:
+        return label
     parts = [f"{config['runner']} runner" if config.get("runner") else None,
              f"{config['graph_backend']} graph" if config.get("graph_backend") else None]
     return ", ".join(p for p in parts if p) or "graph mode not recorded"

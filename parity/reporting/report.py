@@ -6,6 +6,7 @@ import json
 import re
 from typing import Iterator
 
+from parity.engines import registry
 from parity.evidence import Evidence
 from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
@@ -228,9 +229,9 @@ def not_localized_note(case: CaseResult, run: RunResult) -> str | None:
     """Why a case whose bcg arm disagrees with eager has no localization (None: it has one, or needs none)."""
     if case.localization is not None or target_of(case) is None:
         return None
-    backend = run.config.get("backend")
-    if backend in ("sglang", "vllm"):  # the engine's graphs, not parity's: nothing to probe per layer
-        return not_available(str(backend)) + f" (docs/{backend}-runbook.md)"
+    backend = registry.of_run(run.config)
+    if not backend.localizes:  # the engine's graphs, not parity's: nothing to probe per layer
+        return not_available(backend.name) + (f" ({backend.runbook})" if backend.runbook else "")
     return f"not localized in this run; `parity localize results.json --case {case.id} --write` adds it"
 
 

@@ -12,14 +12,17 @@ from __future__ import annotations
 import os
 import shlex
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from parity.backends.options import BackendOptions
 from parity.backends.protocol import Request
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs
+from parity.engines.flags import flag_values
 from parity.engines.gpus import gpu_count, gpu_memory, visible_gpu_count
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
@@ -219,3 +222,21 @@ def create_sglang_backend(*, sglang_args: tuple[str, ...] = (), device: str = "c
 
         settings = replace(settings, model=str(saved_preset(settings.model, seed)))
     return SglangBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
+
+
+def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> SglangBackend:
+    """The backend the command line builds. SGLang serves the embedded presets too, on the CPU from a
+    cached checkpoint folder."""
+    device = "cpu" if options.device == "cpu" else "cuda"
+    embedded = options.model in PRESETS
+    if options.seed is not None and not embedded:
+        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
+    sglang_args = tuple(options.own("sglang_args", ()))
+    # The servers, not parity, load the weights. Explicit on a CPU and for presets: under `auto`
+    # SGLang runs a float32 checkpoint in float16 (docs/engines/sglang-cpu.md).
+    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
+    if dtype is not None and flag_values(sglang_args, "--dtype") is None:
+        sglang_args = (*sglang_args, "--dtype", dtype)
+    return create_sglang_backend(sglang_args=sglang_args, device=device, graph_backend=options.graph_backend,
+                                 fix=options.own("sglang_fix"), threads=options.threads, seed=options.seed,
+                                 max_new_tokens=max_new_tokens, run_dir=run_dir, **options.server)

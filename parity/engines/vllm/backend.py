@@ -11,9 +11,11 @@ leak witness (DeepStack rows an earlier request left in vLLM's persistent buffer
 from __future__ import annotations
 
 import io
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
+from parity.backends.options import BackendOptions
 from parity.backends.protocol import Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
@@ -165,3 +167,20 @@ def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str
         PACKAGE.check_installed(needs_gpu=True)
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     return VllmBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
+
+
+def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> VllmBackend:
+    """The backend the command line builds: a checkpoint served by `vllm serve`."""
+    from parity.presets import PRESETS
+
+    if options.model in PRESETS:
+        raise UsageError(f"{options.model!r} is an embedded preset, built in parity's process: it runs on the "
+                         f"transformers backend; give --backend {options.name} a Qwen3-VL checkpoint id or path")
+    if options.seed is not None:
+        raise UsageError(f"--seed builds an embedded preset; the {options.name} backend serves checkpoints")
+    vllm_args = tuple(options.own("vllm_args", ()))
+    if options.dtype != "auto":
+        vllm_args = (*vllm_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
+    return create_vllm_backend(vllm_args=vllm_args, graph_mode_name=options.own("graph_mode", "full_and_piecewise"),
+                               buckets=options.buckets, max_new_tokens=max_new_tokens, run_dir=run_dir,
+                               **options.server)

@@ -1,0 +1,72 @@
+"""What a backend declares about itself (design §6): how to build it, the `parity run` options it
+uses, and its capabilities. Each engine's `entry` module fills one in; `registry` holds them all.
+Stdlib and parity's light modules only: verdicts and reports read these.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from parity.evidence import Evidence
+
+if TYPE_CHECKING:
+    from parity.backends.options import BackendOptions
+    from parity.backends.protocol import Backend
+
+# Options every engine server backend uses (launch and placement of servers).
+SERVER_OPTIONS = frozenset({"concurrent", "gpus", "ready_timeout", "mem_fraction"})
+
+
+def _tokens(evidence: Evidence | None) -> str:
+    return "?" if evidence is None or evidence.prompt_tokens is None else str(evidence.prompt_tokens)
+
+
+def _buckets_hint(evidence: Evidence | None) -> str:
+    return f"use --buckets auto, or give --buckets a bucket of at least {_tokens(evidence)} tokens"
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """A `parity run` option only one backend has: its click name (the key in
+    `BackendOptions.engine`), its flag, and click's keyword arguments for it."""
+
+    name: str
+    flag: str
+    settings: Mapping[str, Any]
+
+    def decorator(self) -> Callable:
+        import click
+
+        return click.option(self.flag, self.name, **self.settings)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One backend: how to build it, which options it uses, and its capabilities."""
+
+    name: str
+    factory: str  # "module:function"(options, max_new_tokens, run_dir) -> Backend, imported when used
+    options: frozenset[str]  # the shared `parity run` options (click names) it uses beyond the common ones
+    localizes: bool = False  # parity captures its graph itself, so a failing case's layers can be probed
+    runbook: str | None = None  # what to read when its servers misbehave
+    servers_key: str | None = None  # config key: each mode's server flags
+    volatile_keys: tuple[str, ...] = ()  # config keys that differ between machines of one experiment
+    records_ranks: bool = False  # records config.tp_size and one evidence record per rank
+    version_in_every_run: bool = False  # its package version goes in every run's environment
+    package: str | None = None  # the Python package it drives
+    # (option, value) it cannot honour: exit 2 naming the option instead of a run that misleads
+    refused: Mapping[tuple[str, Any], str] = field(default_factory=dict)
+    own_options: tuple[EngineOption, ...] = ()  # options only it has (the command line adds them)
+    not_replayed_hint: Callable[[Evidence | None], str] = _buckets_hint
+    graph_label: Callable[[Mapping[str, Any]], str | None] = lambda config: None  # the graph path, from config
+
+    @property
+    def uses(self) -> frozenset[str]:
+        return self.options | {o.name for o in self.own_options}
+
+    def create(self, options: "BackendOptions", max_new_tokens: int, run_dir: Path) -> "Backend":
+        module, function = self.factory.split(":")
+        return getattr(importlib.import_module(module), function)(options, max_new_tokens, run_dir)

@@ -1,0 +1,50 @@
+"""The `sglang` backend as the registry knows it: its options, capabilities and hints (design §6).
+Light: no SGLang, no torch (the verdict reads it)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import click
+
+from parity.engines.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
+from parity.evidence import Evidence
+
+GRAPH_FLAG = "--cuda-graph-backend-prefill"  # what the bcg server's flags set, and the eager server's do not
+
+
+def not_replayed_hint(evidence: Evidence | None) -> str:
+    tokens = None if evidence is None else evidence.prompt_tokens
+    largest = None if evidence is None else evidence.max_bucket
+    if tokens is not None and largest is not None and tokens <= largest:
+        # A bucket fits, so the server itself did not replay: SGLang turned its prefill graph off
+        # (an auto-disable such as torch_native attention) or declined this batch.
+        return ("a captured bucket fits the prompt, so the server did not replay it: look for SGLang's "
+                "\"Disable prefill CUDA graph because ...\" lines in the bcg server's log (sglang-bcg.log) and "
+                "for a flag that turns the prefill graph off (--sglang-arg)")
+    return (f"raise --cuda-graph-max-bs-prefill to at least {tokens if tokens is not None else '?'} and do not "
+            "disable the prefill CUDA graph (--sglang-arg)")
+
+
+def graph_label(config: Mapping[str, Any]) -> str | None:
+    bcg = (config.get("sglang_servers") or {}).get("bcg")
+    if isinstance(bcg, list) and GRAPH_FLAG in bcg[:-1]:
+        return f"prefill graph {bcg[bcg.index(GRAPH_FLAG) + 1]}"
+    return None
+
+
+SGLANG = BackendInfo(
+    name="sglang", factory="parity.engines.sglang.backend:from_options",
+    # SGLang's buckets come from its own flags (--sglang-arg), not --buckets.
+    options=frozenset({"graph_backend", "threads", *SERVER_OPTIONS}),
+    runbook="docs/sglang-runbook.md", servers_key="sglang_servers", volatile_keys=("sglang_tap_processes",),
+    records_ranks=True, version_in_every_run=True, package="sglang",
+    own_options=(
+        EngineOption("sglang_args", "--sglang-arg", {
+            "multiple": True, "help": "Extra SGLang server flag (repeatable, sglang backend)."}),
+        EngineOption("sglang_fix", "--sglang-fix", {
+            "type": click.Choice(["deepstack-slot"]), "default": None,
+            "help": "Run parity's DeepStack slot fix inside the SGLang servers (SGLang 0.5.23 only)."}),
+    ),
+    not_replayed_hint=not_replayed_hint, graph_label=graph_label,
+)

@@ -1,0 +1,38 @@
+"""The `vllm` backend as the registry knows it: its options, capabilities and hints (design §6).
+Light: no vLLM, no torch (the verdict reads it)."""
+
+from __future__ import annotations
+
+import click
+
+from parity.engines.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
+from parity.evidence import Evidence
+
+GRAPH_MODE_NAMES = ("full_and_piecewise", "full", "piecewise", "breakable")  # servers.GRAPH_MODES, in order
+
+
+def not_replayed_hint(evidence: Evidence | None) -> str:
+    tokens = "?" if evidence is None or evidence.prompt_tokens is None else evidence.prompt_tokens
+    return (f"use --buckets auto or a capture size of at least {tokens}, keep --max-num-batched-tokens above it, "
+            "and check that the attention backend allows the --graph-mode for prefills (vLLM's dispatcher "
+            "decided NONE)")
+
+
+VLLM = BackendInfo(
+    name="vllm", factory="parity.engines.vllm.backend:from_options",
+    options=frozenset({"buckets", *SERVER_OPTIONS}),
+    runbook="docs/vllm-runbook.md", servers_key="vllm_servers", volatile_keys=("vllm_tap_processes",),
+    package="vllm",
+    refused={("device", "cpu"): "--device cpu: the vllm backend serves on a GPU only (its CPU path does not exist "
+                                "yet), so the run would not be on the CPU; use --backend sglang or transformers"},
+    own_options=(
+        EngineOption("vllm_args", "--vllm-arg", {
+            "multiple": True,
+            "help": "Extra `vllm serve` flag for both servers (repeatable, vllm backend); flags parity sets are "
+                    "refused."}),
+        EngineOption("graph_mode", "--graph-mode", {
+            "type": click.Choice(GRAPH_MODE_NAMES), "default": "full_and_piecewise", "show_default": True,
+            "help": "vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE)."}),
+    ),
+    not_replayed_hint=not_replayed_hint,
+)
