@@ -93,7 +93,7 @@ def cli() -> None:
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
 @click.option("--buckets", default="auto", show_default=True, callback=int_list,
               help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
-                   "(vllm backend: the capture sizes).")
+                   "(a server backend's graph capture sizes).")
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
               help="reuse: image then text request; stream: five requests back to back; all: the three.")
 @click.option("--repeat", type=click.IntRange(1, MAX_REPEAT), default=1, show_default=True,
@@ -109,14 +109,14 @@ def cli() -> None:
               help="Run only shard K of N: a partition of the cases that is the same on every machine; "
                    "join the shards' results with `parity merge`.")
 @click.option("--concurrent", is_flag=True,
-              help="Keep both servers (server backends) up: started at once when --gpus gives each its own GPUs, else one "
-                   "after the other on the shared GPU.")
+              help="Keep both servers of a server backend up: started at once when --gpus gives each its own GPUs, "
+                   "else one after the other on the shared GPU.")
 @click.option("--gpus", callback=int_list, default="", help="Comma list of GPU indexes for --concurrent servers.")
 @click.option("--ready-timeout", type=float, default=1800.0, show_default=True, callback=positive,
-              help="Seconds to wait for a server to be ready (SGLang /ready, vLLM /health).")
+              help="Seconds to wait for a server to be ready (the engine's readiness endpoint).")
 @click.option("--mem-fraction", type=float, default=0.70, show_default=True,
-              help="SGLang --mem-fraction-static / vLLM --gpu-memory-utilization per GPU; with --concurrent on a "
-                   "shared GPU each server gets half of it of the GPU's total.")
+              help="The share of each GPU's memory a server may use (the engine's own memory flag); with --concurrent "
+                   "on a shared GPU each server gets half of it of the GPU's total.")
 @engine_options
 def run(**options) -> None:
     """Run the experiment and write results.json and report.md to the run folder."""

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from parity import emulated_graph, slot_contract
 from parity.lm_body import ConsumesDeepStack
 
 Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is the bucket's rows
@@ -60,20 +61,16 @@ class Slot:
 
 
 class _EmulatedGraph:
-    """CPU stand-in for a CUDA graph: replay re-runs the callable on exactly its captured bindings.
-
-    Like a real graph it cannot see a live tensor that was not copied into a slot; it reproduces
-    replay semantics, not replay speed.
-    """
+    """A CUDA graph on any device (`parity.emulated_graph`): capture records the body's ops on the
+    slots' tensors and freezes its Python decisions, as a real capture does; replay re-runs those
+    ops and writes the captured outputs in place. Like a real graph, it cannot see a live tensor
+    that was not copied into a slot; it reproduces replay semantics, not replay speed."""
 
     def __init__(self, fn: Callable[[], Outputs]) -> None:
-        self._fn = fn
-        self.outputs = fn()
+        self._graph, self.outputs = emulated_graph.capture(fn)
 
     def replay(self) -> None:
-        # In place, as a CUDA graph writes its static outputs: what a caller kept is overwritten.
-        for static, fresh in zip(self.outputs, self._fn()):
-            static.copy_(fresh)
+        self._graph.replay()
 
 
 class _CudaGraph:
@@ -208,19 +205,10 @@ class PrefillGraphRunner:
         self._fill(self._positions, positions, num_tokens, bucket)
 
     def refresh_deepstack(self, deepstack: torch.Tensor | None, num_tokens: int, bucket: int) -> None:
-        """The DeepStack slot contract; validation happens before any write (fail closed)."""
-        slot = self._deepstack
-        if slot is None:
-            return
-        clears = slot.padding is Padding.ZERO
-        if deepstack is None or deepstack.numel() == 0:
-            if clears:
-                slot.bucket(bucket).zero_()  # absence: no stale rows can leak into this request
-            return
-        problem = _deepstack_mismatch(deepstack, slot.buffer, num_tokens)
-        if problem:
-            raise RuntimeError(f"DeepStack replay input rejected, slot left untouched: {problem}")
-        self._fill(slot, deepstack, num_tokens, bucket)
+        """The DeepStack slot contract (`slot_contract.refresh`): validated before any write."""
+        if self._deepstack is not None:
+            slot_contract.refresh(self._deepstack.buffer, deepstack, bucket, rows=num_tokens,
+                                  clear=self._deepstack.padding is Padding.ZERO)
 
     @staticmethod
     def _fill(slot: Slot, live: torch.Tensor, num_tokens: int, bucket: int) -> None:
@@ -236,17 +224,3 @@ class PrefillGraphRunner:
         self._graphs.clear()
         self._probe_graphs.clear()
         self._deepstack = None
-
-
-def _deepstack_mismatch(live: torch.Tensor, buffer: torch.Tensor, num_tokens: int) -> str | None:
-    if live.dtype != buffer.dtype:
-        return f"dtype {live.dtype} != slot dtype {buffer.dtype}"
-    if live.dim() != 2:
-        return f"rank {live.dim()} != 2 (expected [num_tokens, hidden * n])"
-    if live.shape[1] != buffer.shape[1]:
-        return f"width {live.shape[1]} != slot width {buffer.shape[1]}"
-    if live.device != buffer.device:
-        return f"device {live.device} != slot device {buffer.device}"
-    if live.shape[0] != num_tokens:
-        return f"{live.shape[0]} rows for a request of {num_tokens} tokens"
-    return None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.engines.sglang.emulated_graph import EmulatedGraph, GraphReplayError, capture, graph_pool_handle
+from parity.emulated_graph import EmulatedGraph, GraphReplayError, capture, graph_pool_handle
 
 # Replay runs the same ops on the same shapes in the same process as the eager reference; only the
 # buffers' addresses differ, which some BLAS kernels let move the last bit. A stated floor, not 0.
@@ -92,6 +92,22 @@ def test_in_place_writes_and_out_arguments_are_replayed_into_the_same_tensors() 
     dst.fill_(7.0)
     graph.replay()
     assert dst.tolist() == [0.0, 2.0, 4.0, 6.0, 14.0, 14.0] and acc.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("make_copy", [
+    lambda x: x.to(torch.float64),  # `to` aliases by its schema, converts here
+    lambda x: x.t().reshape(-1),  # `reshape` of a non-contiguous tensor copies
+    lambda x: x.t().contiguous(),
+])
+def test_an_op_that_may_alias_but_copied_is_re_run_under_inference_mode(make_copy) -> None:
+    """Under inference mode these composite ops reach the recorder whole; the ones that returned a
+    copy at capture must be re-run at replay, or every later op reads the capture's stale values."""
+    x = torch.zeros(4, 4)
+    with torch.inference_mode():
+        graph, out = capture(lambda: make_copy(x) * 2)
+        x.copy_(torch.arange(16.0).reshape(4, 4))
+        graph.replay()
+        assert torch.equal(out, make_copy(x) * 2)
 
 
 def test_a_shape_change_at_replay_is_an_error_not_a_fallback() -> None:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from parity.slot_contract import refresh
+
 ENV_FIX = "PARITY_SGLANG_FIX"
 FIX = "deepstack-slot"
 NO_CLEAR = "deepstack-slot-no-clear"  # test-only: a slot that is never cleared
@@ -57,49 +59,6 @@ TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/test_sglang_contract
 DEEPSTACK_KWARG = "input_deepstack_embeds"
 SLOT_ATTRIBUTE = "_parity_deepstack_slot"
 REPLAYING_BACKENDS = ("breakable", "full")
-
-
-# --- the slot contract (design §6), on plain tensors ----------------------------------------------
-
-def mismatch(slot: Any, live: Any, bucket: int) -> str | None:
-    """Why `live` cannot fill `slot`'s first `bucket` rows; None when it fits."""
-    if bucket > slot.shape[0]:
-        return f"bucket of {bucket} tokens exceeds the slot's {slot.shape[0]} rows"
-    if live.dim() != 2:
-        return f"rank {live.dim()} tensor, expected [tokens, {slot.shape[1]}]"
-    if live.shape[1] != slot.shape[1]:
-        return f"width {live.shape[1]}, expected {slot.shape[1]} (hidden x DeepStack blocks)"
-    if live.shape[0] > bucket:
-        return f"{live.shape[0]} rows for a bucket of {bucket} tokens"
-    if live.dtype != slot.dtype:
-        return f"dtype {live.dtype}, expected {slot.dtype}"
-    if live.device != slot.device:
-        return f"device {live.device}, expected {slot.device}"
-    return None
-
-
-def refresh(slot: Any, live: Any, bucket: int, clear: bool = True) -> None:
-    """Fill `slot`'s bucket before a replay: validate, then copy the live rows and zero the rest.
-
-    `live` None or empty: the batch has no DeepStack, the bucket is zeroed (no stale rows can leak).
-    A tensor that does not fit raises RuntimeError and leaves the slot untouched.
-    `clear=False` is the test-only variant that never zeroes.
-    """
-    if live is None or live.numel() == 0:
-        if bucket > slot.shape[0]:
-            raise RuntimeError(f"DeepStack replay slot: bucket of {bucket} tokens exceeds the slot's "
-                               f"{slot.shape[0]} rows")
-        if clear:
-            slot[:bucket].zero_()
-        return
-    problem = mismatch(slot, live, bucket)
-    if problem is not None:
-        raise RuntimeError(f"DeepStack replay slot: the live input_deepstack_embeds does not fit ({problem}); "
-                           "refusing to replay without it")
-    rows = live.shape[0]
-    slot[:rows].copy_(live)
-    if clear:
-        slot[rows:bucket].zero_()
 
 
 # --- proof that the fix is in place ----------------------------------------------------------------

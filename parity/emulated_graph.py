@@ -10,7 +10,8 @@ that property, on the tensor objects instead of addresses:
 - `replay` re-runs the recorded ops on those tensors. An op that returned a new tensor has its
   fresh result copied into the tensor it produced at capture (the "address" later ops read); an
   op that wrote into an operand (in place, `out=`) writes into it again; a view needs nothing (it
-  is the captured memory already); an allocation has no kernel; an op that answered Python with a
+  is the captured memory already; an op that may alias but returned a copy, such as `to` or
+  `reshape` under inference mode, is not a view); an allocation has no kernel; an op that answered Python with a
   number (`.item()`, a size) is not asked again: its answer was frozen at capture.
 - A fresh result whose shape or dtype differs from the captured one is an error: a real graph
   cannot change shape, and this one never silently falls back to eager.
@@ -85,9 +86,17 @@ def _record(func, args: tuple, kwargs: dict, out: Any) -> RecordedOp:
     if writes:
         # In place or out=: its result aliases the operand it wrote, so running it again is the replay.
         return RecordedOp(func, args, kwargs, (), True)
-    if views or schema.name in _ALLOCATIONS or not tensors:
+    if (views and _aliases_an_operand(tensors, args, kwargs)) or schema.name in _ALLOCATIONS or not tensors:
         return RecordedOp(func, args, kwargs, (), False)
     return RecordedOp(func, args, kwargs, tensors, True)
+
+
+def _aliases_an_operand(outputs: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> bool:
+    """Whether every output really shares memory with an operand. Ops such as `to`, `reshape` and
+    `contiguous` may alias by their schema yet return a copy (a dtype change, a non-contiguous
+    input): those are kernels the graph re-runs, not views of captured memory."""
+    operands = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() in operands for t in outputs)
 
 
 class _Recorder(TorchDispatchMode):
