@@ -2,7 +2,7 @@
 
 A prompt of n tokens replays in the smallest captured bucket >= n, its rows padded up to the
 bucket. Both backends use SGLang 0.5.23's ladder (`generate_prefill_cuda_graph_batch_sizes`,
-sglang-0.5.23.md §1.1), so a transformers run pads exactly as the server it models would.
+docs/engines/sglang-0.5.23.md §1.1), so a transformers run pads exactly as the server it models would.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 AUTO = "auto"
-# SGLang's default prefill.max_bs on an H100/H200 (chunked_prefill_size, §1.1).
+# SGLang's default prefill.max_bs on an H100/H200 (chunked_prefill_size, docs/engines/sglang-0.5.23.md §1.1).
 SGLANG_MAX_PREFILL_BUCKET = 8192
 
 

@@ -25,7 +25,7 @@ from parity.errors import ParityError, UsageError
 from parity.interrupts import exit_code_of, signal_of
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import FOUR_ARM, SCENARIOS
-from parity.results_loader import MIN_LOGPROB_TOL
+from parity.results.loader import MIN_LOGPROB_TOL
 from parity.verdict import USAGE_EXIT, exit_code
 
 # Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
@@ -178,7 +178,7 @@ def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json
     from parity.reporting.text import visible
-    from parity.results_loader import load_results
+    from parity.results.loader import load_results
     from parity.verdict import judge_run
 
     from parity.sharding import describe as describe_shard
@@ -210,7 +210,7 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero:
     code is the matrix verdict's."""
     from parity.reporting.report import render_json, render_markdown
     from parity.reporting.terminal import print_table
-    from parity.results_loader import load_results
+    from parity.results.loader import load_results
     from parity.verdict import judge_run
 
     if len(results_files) > 1:
@@ -313,7 +313,7 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 def compare(before_file: str, after_file: str, fmt: str) -> None:
     """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
     from parity.reporting.before_after import compare_runs, render_markdown, render_table
-    from parity.results_loader import load_results
+    from parity.results.loader import load_results
 
     result = compare_runs(load_results(before_file), load_results(after_file))
     if fmt == "table":

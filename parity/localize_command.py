@@ -19,7 +19,7 @@ from parity.errors import UsageError
 from parity.fixtures import Fixture, builtin_fixture, builtin_names, image_fixture
 from parity.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 from parity.verdict import judge_run
 
 # What the command needs from the run's config to build the same model and runner again.

@@ -19,9 +19,9 @@ from parity.errors import UsageError
 from parity.interrupts import deferred_stops
 from parity.identity import SOURCE_KEY, difference_path, first_difference, identity, shown
 from parity.results import RunResult, Verdict, dumps, write_atomically
-from parity.results_consistency import Contradiction
-from parity.results_loader import MAX_FILE_BYTES, load_results
-from parity.results_requirements import check_all
+from parity.results.consistency import Contradiction
+from parity.results.loader import MAX_FILE_BYTES, load_results
+from parity.results.requirements import check_all
 from parity.sharding import CONFIG_KEY, ShardRecord, merged_config, read_shard
 from parity.verdict import judge_run
 

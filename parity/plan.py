@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.arms import arm_mode_and_deepstack
 from parity.results import FOUR_ARM, SCENARIOS
-from parity.results_json import SHA256_HEX
+from parity.results.fields import SHA256_HEX
 
 PLAN_KEY = "plan"
 

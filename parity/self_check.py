@@ -10,8 +10,8 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from parity.results import ArmResult, RunResult
-from parity.results_consistency import ArmPlace, Contradiction
-from parity.results_requirements import check_all
+from parity.results.consistency import ArmPlace, Contradiction
+from parity.results.requirements import check_all
 
 
 def self_checked(run: RunResult) -> RunResult:

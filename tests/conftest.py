@@ -29,7 +29,7 @@ def every_run_rejudges_the_same():
     every rule of the loader to itself)."""
     import parity.experiment
     from parity.results import dumps
-    from parity.results_loader import run_from_json
+    from parity.results.loader import run_from_json
     from parity.verdict import judge_run
 
     real = parity.experiment._run_result

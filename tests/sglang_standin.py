@@ -2,7 +2,7 @@
 
 It is NOT SGLang. It speaks the small part of SGLang's HTTP API parity uses (`GET /ready`,
 `GET /server_info`, `POST /generate` with the native request/answer shapes of
-sglang-0.5.23.md §2: text or input_ids, image_data, output and input logprobs from
+docs/engines/sglang-0.5.23.md §2: text or input_ids, image_data, output and input logprobs from
 `logprob_start_len`, `return_prompt_token_ids`) and mimics the server life parity must handle: a
 start-up delay, an image warm-up request before /ready turns 200, a scheduler child process in
 the same process group, and on request a crash, a start-up failure or a server that never gets
@@ -174,7 +174,7 @@ class Model:
                 print("standin: CUDA error: an illegal memory access was encountered (image prefill replay)", flush=True)
                 os._exit(1)
 
-            # What BCG installs on the LM instance for the replay (§3.3); restored as a bound method after.
+            # What BCG installs on the LM instance for the replay (docs/engines/sglang-0.5.23.md §3.3); restored as a bound method after.
             def replay_layer_forward(*_: Any, **__: Any) -> None:
                 return None
 
@@ -265,7 +265,7 @@ def answer(model: Model, body: dict) -> dict:
             "output_token_logprobs": [[lp, tid, None] for tid, lp in zip(out_ids, out_lps)]}
     if body.get("top_logprobs_num"):
         meta["output_top_logprobs"] = tops
-    if start >= 0:  # entry 0 has no logprob; entry k scores prompt[start + k] (§2.2)
+    if start >= 0:  # entry 0 has no logprob; entry k scores prompt[start + k] (docs/engines/sglang-0.5.23.md §2.2)
         meta["input_token_logprobs"] = [[None, prompt[start], None]] + [
             [step_logprobs(prompt[:k], image, deepstack)[VOCAB.index(prompt[k])] if prompt[k] in VOCAB else -30.0,
              prompt[k], None] for k in range(start + 1, len(prompt))]
@@ -342,7 +342,7 @@ def start_up(state: State, started: float) -> None:
         except standin_calls.StandinCalled as err:
             print(f"standin: scheduler died: {err}", flush=True)
             os._exit(1)
-    # SGLang's VLM warm-up is an image request (§1.4); it runs through the hook before /ready.
+    # SGLang's VLM warm-up is an image request (docs/engines/sglang-0.5.23.md §1.4); it runs through the hook before /ready.
     image = "warmup-image" if state.args.standin_warmup == "image" else None
     placeholder = f"<|vision_start|>{IMAGE_PLACEHOLDER}<|vision_end|>" if image else ""
     answer(state.model, {"text": placeholder + "warm-up", "image_data": image, "sampling_params": {"max_new_tokens": 8}})

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from parity.results import run_to_json
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 from parity.verdict import EXIT_CODES, judge_run
 from tests.conftest import REAL_RUNS
 

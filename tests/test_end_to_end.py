@@ -9,7 +9,7 @@ import json
 import pytest
 from PIL import Image
 
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 
 
 @pytest.mark.parametrize("model, args, code, exit_code", [

@@ -25,7 +25,7 @@ from parity.localization import (
 from parity.models import load_model
 from parity.reporting.report import localization_sentence, render_markdown
 from parity.results import LayerError, Localization, run_to_json, write_results
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 from parity.verdict import judge_run
 from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, fixed_arms, four_arms, legacy_arms, make_case, make_run, stream_case
 

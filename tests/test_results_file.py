@@ -8,7 +8,7 @@ import pytest
 from parity.errors import ResultsFileError
 from parity.evidence import DeepStackRecord
 from parity.results import SCHEMA, run_to_json, write_results
-from parity.results_loader import _V2_ONLY_CONFIG, load_results
+from parity.results.loader import _V2_ONLY_CONFIG, load_results
 from parity.verdict import judge_run
 from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, scored, stream_case
 

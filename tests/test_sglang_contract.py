@@ -73,7 +73,7 @@ class Source:
 
     @cached_property
     def cli_flags(self) -> dict[str, ast.expr]:
-        """Every `--flag` ServerArgs declares, with its field annotation (§1.1: `_` becomes `-`)."""
+        """Every `--flag` ServerArgs declares, with its field annotation (docs/engines/sglang-0.5.23.md §1.1: `_` becomes `-`)."""
         flags: dict[str, ast.expr] = {}
         for name in self.wheel.namelist():
             if name.startswith("sglang/srt/arg_groups/fields/") and name.endswith(".py"):

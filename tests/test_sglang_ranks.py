@@ -17,7 +17,7 @@ import torch
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.errors import ResultsFileError
 from parity.results import write_results
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 from parity.engines.evidence import RankDisagreement, TaggedRequest, TapSilence, arm_evidence, check_fired, rank_label
 from parity.engines.sglang.plugin import TapEntry
 from parity.engines.sglang.servers import ServerFacts, check_gpu_count

@@ -142,7 +142,7 @@ _ROUTINE = textwrap.dedent('''
             seen.append(kwargs.get("input_deepstack_embeds"))
             return input_embeds
 
-    def replay_layer_forward(*args, **kwargs):  # what BCG installs on the LM instance (sglang-0.5.23.md 3.3)
+    def replay_layer_forward(*args, **kwargs):  # what BCG installs on the LM instance (docs/engines/sglang-0.5.23.md §3.3)
         seen.append(kwargs.get("input_deepstack_embeds"))
         return kwargs["input_embeds"]
 

@@ -26,7 +26,7 @@ pytestmark = [
         "scripts/setup_sglang_env.sh set up an environment that has it")),
 ]
 MAX_NEW_TOKENS = 8
-# fp32 on one machine: a correct replay differs from eager by rounding only (sglang-cpu.md: 1e-6);
+# fp32 on one machine: a correct replay differs from eager by rounding only (docs/engines/sglang-cpu.md: 1e-6);
 # the padded bucket changes matmul shapes, so not bit-for-bit. The drop moves logprobs by ~0.1.
 NOISE = 1e-5
 

@@ -21,7 +21,7 @@ from parity.experiment import run_experiment
 from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import Prompt, builtin_fixture
 from parity.results import FOUR_ARM, REUSE, SCENARIOS, STREAM, RunResult, write_results
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 from parity.verdict import judge_run
 from parity.engines.vllm import backend as vllm_backend
 

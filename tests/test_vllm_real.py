@@ -375,7 +375,7 @@ def test_the_leak_at_function_level(tmp_path: Path) -> None:
 
 def test_the_partial_clear_residue_is_seen_on_the_next_longer_step(tmp_path: Path) -> None:
     """After a FULL image step, an eager (over-the-largest-size) step clears only its own rows;
-    the rest stays with the counter at 0 (vllm-0.33.md §1.4), and the witness still sees it."""
+    the rest stays with the counter at 0 (docs/engines/vllm-0.33.md §1.4), and the witness still sees it."""
     engine = Engine(tmp_path, "FULL")
     engine.request(IMAGE_PROMPT, (3, 16))
     _, dispatched, short = engine.request([1, 2, 3, 4, 5, 6, 7, 8], None)

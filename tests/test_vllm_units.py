@@ -20,7 +20,7 @@ import torch
 from parity.errors import UsageError
 from parity.evidence import LeakWitness
 from parity.results import write_results
-from parity.results_loader import load_results
+from parity.results.loader import load_results
 from parity.engines.channel import TapChannel
 from parity.engines.evidence import TaggedRequest, arm_evidence
 from parity.engines.http import ServerRejected

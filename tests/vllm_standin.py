@@ -1,7 +1,7 @@
 """A stand-in for `python -m vllm.entrypoints.cli.main serve`, for tests (no GPU, no vLLM).
 
 It is NOT vLLM. It speaks the small part of vLLM's HTTP API parity uses (`GET /health`,
-`GET /version`, `POST /v1/chat/completions` with the OpenAI chat shapes of vllm-0.33.md §7.1:
+`GET /version`, `POST /v1/chat/completions` with the OpenAI chat shapes of docs/engines/vllm-0.33.md §7.1:
 image as a data URL, `logprobs`/`top_logprobs`, `return_token_ids`,
 `return_tokens_as_token_ids`, `prompt_logprobs` with `continue_final_message`) and mimics the
 server life parity must handle: a start-up delay, a child process in the same process group,
@@ -13,7 +13,7 @@ the plugin installs in a real model process):
 
 - `Manager.dispatch`: the graph decision per step from `-cc.cudagraph_mode`, the capture sizes
   (`--cudagraph-capture-sizes`, else vLLM's default ladder up to min(2 x --max-num-seqs, 512)) and
-  VLLM_USE_BREAKABLE_CUDAGRAPH, as vLLM's table (vllm-0.33.md §1.1);
+  VLLM_USE_BREAKABLE_CUDAGRAPH, as vLLM's table (docs/engines/vllm-0.33.md §1.1);
 - `ModelState.prepare_inputs_embeds`: one step, which hands image steps' DeepStack to
 - `Model._set_deepstack_input_embeds`: persistent per-level buffers, a row counter, and a clear
   that runs after the language model only when the step was not replayed whole (FULL, breakable).

@@ -13,7 +13,7 @@ class Placement:
     """Where one server runs: its GPUs (None: inherit) and its share of GPU memory.
 
     `share` is set when the server shares its GPUs with one started before it. An engine that
-    sizes its memory from what is free when it starts (SGLang 0.5.23, sglang-0.5.23.md §8) works
+    sizes its memory from what is free when it starts (SGLang 0.5.23, docs/engines/sglang-0.5.23.md §8) works
     out its fraction then, from the memory the first one left, to get `share` of the GPU's total;
     an engine whose fraction is of the total (vLLM's --gpu-memory-utilization) uses `mem_fraction`.
     """

@@ -1,7 +1,7 @@
-"""The native `/generate` API (sglang-0.5.23.md §2): request bodies and response parsing.
+"""The native `/generate` API (docs/engines/sglang-0.5.23.md §2): request bodies and response parsing.
 
 Native rather than OpenAI-compatible because only `/generate` returns the exact generated token
-ids next to their logprobs (§2.4) and scores given tokens (teacher forcing, §2.3).
+ids next to their logprobs (docs/engines/sglang-0.5.23.md §2.4) and scores given tokens (teacher forcing, docs/engines/sglang-0.5.23.md §2.3).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TOP_LOGPROBS = 5
 
 
 def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -> dict[str, Any]:
-    """Greedy generation with output logprobs; `text` is already chat-templated (§2.1). The answer
+    """Greedy generation with output logprobs; `text` is already chat-templated (docs/engines/sglang-0.5.23.md §2.1). The answer
     also carries the prompt as the server expanded it (image tokens included), for scoring."""
     body: dict[str, Any] = {
         "text": text,
@@ -27,13 +27,13 @@ def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -
         "return_prompt_token_ids": True,
     }
     if image is not None:
-        body["image_data"] = image  # an absolute path or a data URI; relative paths fail (§2.1)
+        body["image_data"] = image  # an absolute path or a data URI; relative paths fail (docs/engines/sglang-0.5.23.md §2.1)
     return body
 
 
 def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length: int, image: str | None,
                rid: str) -> dict[str, Any]:
-    """Teacher forcing (§2.3): the logprob of each of `tokens` after the prompt and the tokens before it.
+    """Teacher forcing (docs/engines/sglang-0.5.23.md §2.3): the logprob of each of `tokens` after the prompt and the tokens before it.
 
     `prompt_ids` hold one image placeholder per image, as a prompt is sent (the server's processor
     expands it, as it did for the generation: already expanded ids would each count as an image);
@@ -53,7 +53,7 @@ def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length
 
 
 def parse_completion(doc: Mapping[str, Any]) -> Completion:
-    """Token ids, text, logprobs and prompt ids from a /generate answer (§2.2); malformed → ServerRejected."""
+    """Token ids, text, logprobs and prompt ids from a /generate answer (docs/engines/sglang-0.5.23.md §2.2); malformed → ServerRejected."""
     try:
         meta = doc["meta_info"]
         chosen = meta["output_token_logprobs"]  # [[logprob, token_id, text|null], ...]
@@ -75,7 +75,7 @@ def parse_completion(doc: Mapping[str, Any]) -> Completion:
 
 
 def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...]:
-    """The forced tokens' logprobs from a scoring answer (§2.2: entry 0 is the position before
+    """The forced tokens' logprobs from a scoring answer (docs/engines/sglang-0.5.23.md §2.2: entry 0 is the position before
     the first forced token and has no logprob; entry k scores token k-1). The ids the server
     scored must be exactly `tokens`, or the positions were misaligned."""
     try:

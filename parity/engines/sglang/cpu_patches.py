@@ -1,4 +1,4 @@
-"""What parity changes, in-process, in the SGLang 0.5.23 servers it starts on a CPU (sglang-cpu.md).
+"""What parity changes, in-process, in the SGLang 0.5.23 servers it starts on a CPU (docs/engines/sglang-cpu.md).
 
 Installed by parity's stand-in `sitecustomize` (parity/engines/sglang/standin/) in every server process,
 only when parity sets `PARITY_SGLANG_CPU`; no SGLang file is edited. Always:

@@ -3,7 +3,7 @@
 SGLang 0.5.23's `PrefillCudaGraphRunner` captures the language-model body with only
 `input_embeds` bound (`_build_layer_model_forward_kwargs`), so Qwen3-VL's layers take their
 "no DeepStack" branch at capture and the graph has no DeepStack add; at replay the live tensor
-reaches `replay_layer_forward` and is ignored (sglang-0.5.23.md §6, the bug of PR #33726). This
+reaches `replay_layer_forward` and is ignored (docs/engines/sglang-0.5.23.md §6, the bug of PR #33726). This
 plugin adds the slot of design §6 to the real runner, through SGLang's own hook registry:
 
 - allocated before capture, next to the runner's other static buffers, `[max_tokens, hidden × n]`

@@ -1,7 +1,7 @@
 """A stand-in for SGLang's compiled `sgl_kernel` package, for the servers parity starts on a CPU.
 
 The registry's `sglang-kernel` wheels are CUDA-only: importing them needs `libcuda.so.1`, and they
-hold no `*_cpu` op (sglang-cpu.md). On a CPU without AMX, SGLang never calls a CPU kernel (every
+hold no `*_cpu` op (docs/engines/sglang-cpu.md). On a CPU without AMX, SGLang never calls a CPU kernel (every
 layer falls back to plain torch), but modules look the ops up at import time. The stand-in answers
 those look-ups with stubs that, if called after all, write the call where parity reads it
 (`PARITY_SGLANG_STANDIN_CALLS`) and raise, so a run that needed a compiled kernel is an `ERROR`
@@ -34,7 +34,7 @@ from parity.engines import standin_calls
 ENV_CALLS = "PARITY_SGLANG_STANDIN_CALLS"  # a file: one JSON line per stub call
 PACKAGE = "sgl_kernel"
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"  # what goes on the server's PYTHONPATH
-# Names SGLang 0.5.23 probes with hasattr(torch.ops.sgl_kernel, ...) to pick a path (sglang-cpu.md).
+# Names SGLang 0.5.23 probes with hasattr(torch.ops.sgl_kernel, ...) to pick a path (docs/engines/sglang-cpu.md).
 PROBED_ABSENT = frozenset({
     "convert_weight_packed", "fused_qk_norm_cpu", "fused_qk_norm_rope_cpu", "shm_group_initialize",
     "gdn_attention", "get_device_accessible_ptr",

@@ -1,11 +1,11 @@
 """parity's tap inside an SGLang server: a general plugin and the channel that steers it.
 
 SGLang loads `register()` through the `sglang.srt.plugins` entry point in every server process
-(sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder (or
+(docs/engines/sglang-0.5.23.md §4.1). It does nothing unless `PARITY_SGLANG_TAP` names a channel folder (or
 `PARITY_SGLANG_FIX` asks for parity's DeepStack slot fix, deepstack_slot.py), so
 installing parity next to a production server changes nothing. When set, it adds an AFTER hook
 on `prepare_mm_inputs`, the last eager point before the language model in both execution modes
-(§3.4), called once per LM entry (prefill, or an eagerly run decode step) in the process that
+(docs/engines/sglang-0.5.23.md §3.4), called once per LM entry (prefill, or an eagerly run decode step) in the process that
 runs the model. For a tagged request the hook records every entry: which process saw it, whether
 it was an extend (prompt) batch, its padded and real token counts, whether BCG replay was active
 (`replay_layer_forward` installed on the LM instance) and, where `input_deepstack_embeds` is

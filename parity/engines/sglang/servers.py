@@ -1,7 +1,7 @@
 """What each mode's SGLang server is: its settings, command-line flags, GPU placement and environment.
 
 Eager and bcg servers differ only in the arms' `--cuda-graph-backend-prefill` value; everything
-else is the determinism set of sglang-0.5.23.md §7 plus the user's `--sglang-arg`s. The facts
+else is the determinism set of docs/engines/sglang-0.5.23.md §7 plus the user's `--sglang-arg`s. The facts
 parity needs from those user flags (prefill buckets, GPUs per server, context length, dtype) are
 read here once, the way SGLang 0.5.23 resolves them.
 """
@@ -24,14 +24,14 @@ from parity.engines.settings import ServerSettings
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
-# Same kernels, same seed, no prefix reuse (a cached image prefix would skip DeepStack), §7.
+# Same kernels, same seed, no prefix reuse (a cached image prefix would skip DeepStack), docs/engines/sglang-0.5.23.md §7.
 DETERMINISM_FLAGS = (
     "--attention-backend", "fa3",
     "--enable-deterministic-inference",
     "--random-seed", "0",
     "--disable-radix-cache",
 )
-# On a CPU (sglang-cpu.md): SGLang's CPU engine with torch_native attention, which refuses the
+# On a CPU (docs/engines/sglang-cpu.md): SGLang's CPU engine with torch_native attention, which refuses the
 # deterministic flag (its eager path is deterministic on a CPU without it); a bounded KV pool
 # (--mem-fraction-static applies to RAM there: the defaults reserve 14 GB).
 CPU_FLAGS = (
@@ -71,7 +71,7 @@ def _int_flag(args: Sequence[str], *names: str) -> int | None:
 class ServerFacts:
     """What the user's `--sglang-arg`s decide for parity, resolved as SGLang 0.5.23 does."""
 
-    prefill_buckets: tuple[int, ...]  # what the bcg server captures (sglang-0.5.23.md §1.1)
+    prefill_buckets: tuple[int, ...]  # what the bcg server captures (docs/engines/sglang-0.5.23.md §1.1)
     max_replay_tokens: int | None  # --cuda-graph-max-seq-len-prefill: longer prefills run eager
     gpus_per_server: int  # tp x pp x dp
     context_length: int | None
@@ -140,7 +140,7 @@ class SglangSettings(ServerSettings):
     launch_command: tuple[str, ...] = (sys.executable, *LAUNCH_MODULE)
     sglang_args: tuple[str, ...] = ()
     gpu_memory: GpuMemory | None = None  # (free, total) of a server's GPUs; tests substitute it
-    device: str = "cuda"  # "cpu": SGLang's CPU engine with parity's kernel stand-in (sglang-cpu.md)
+    device: str = "cuda"  # "cpu": SGLang's CPU engine with parity's kernel stand-in (docs/engines/sglang-cpu.md)
     graph_backend: str = "cuda"  # "emulated": the prefill graph replays through parity's emulation (CPU)
     fix: str | None = None  # parity's DeepStack slot fix in the servers (deepstack_slot.py VARIANTS)
     threads: int | None = None  # CPU threads of each server process (CPU only)

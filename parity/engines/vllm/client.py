@@ -1,4 +1,4 @@
-"""vLLM's OpenAI chat API (vllm-0.33.md §7.1): request bodies and response parsing.
+"""vLLM's OpenAI chat API (docs/engines/vllm-0.33.md §7.1): request bodies and response parsing.
 
 Generation is greedy with `logprobs` and `top_logprobs`; `return_token_ids` gives the prompt and
 generated ids, and `return_tokens_as_token_ids` names every logprob entry by id ("token_id:N"),

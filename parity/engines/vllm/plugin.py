@@ -1,7 +1,7 @@
 """parity's vLLM plugin: the `vllm.general_plugins` entry point that installs the tap (`tap.py`).
 
 vLLM calls `register()` in every process that loads plugins: the API server, the engine core and
-each worker (vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder,
+each worker (docs/engines/vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder,
 so installing parity next to a production server changes nothing. When set, it arranges for three
 vLLM classes to be wrapped when their modules are imported, not before (parity/engines/after_import.py):
 importing a model module may initialise CUDA, and only the process that runs the model imports these

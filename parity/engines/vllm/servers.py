@@ -3,11 +3,11 @@
 The eager and graph servers differ only in `-cc.cudagraph_mode`: NONE for eager (torch.compile
 stays on, the same kernels; `--enforce-eager` would also change kernels and skip JIT warm-up),
 the mode under test for graph. Breakable graphs are an environment switch, set alike in both
-servers (it also turns torch.compile off, vllm-0.33.md §6). Everything else is explicit: a fixed
+servers (it also turns torch.compile off, docs/engines/vllm-0.33.md §6). Everything else is explicit: a fixed
 seed, no prefix caching (a cached image prefix skips DeepStack), `--generation-config vllm` (the
-checkpoint's repetition and presence penalties would apply even at temperature 0, §1.7), a
+checkpoint's repetition and presence penalties would apply even at temperature 0, docs/engines/vllm-0.33.md §1.7), a
 bounded context, and capture sizes that cover every prompt of the run (vLLM's default ceiling
-follows `--max-num-seqs`; with `--max-num-seqs 1` every image prefill silently runs eager, §0).
+follows `--max-num-seqs`; with `--max-num-seqs 1` every image prefill silently runs eager, docs/engines/vllm-0.33.md §0).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ READY_PATH = "/health"
 BREAKABLE_ENV = "VLLM_USE_BREAKABLE_CUDAGRAPH"
 PLUGINS_ENV = "VLLM_PLUGINS"
 EAGER_CUDAGRAPH_MODE = "NONE"
-# The API server's default on an H100/H200 (vllm-0.33.md §6); raised when a prompt needs more.
+# The API server's default on an H100/H200 (docs/engines/vllm-0.33.md §6); raised when a prompt needs more.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 8192
 DETERMINISM_FLAGS = ("--seed", "0", "--no-enable-prefix-caching", "--generation-config", "vllm")

@@ -1,6 +1,6 @@
 """parity's tap inside vLLM's model process: one record per engine step, with the DeepStack it saw.
 
-Three points of vLLM 0.33's Model Runner V2 are wrapped (vllm-0.33.md §5.2); all of them run
+Three points of vLLM 0.33's Model Runner V2 are wrapped (docs/engines/vllm-0.33.md §5.2); all of them run
 eagerly, before the step's forward, in every graph mode:
 
 - `CudaGraphManager.dispatch` returns the step's execution decision (FULL, PIECEWISE or NONE,

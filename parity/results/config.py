@@ -10,7 +10,7 @@ from __future__ import annotations
 from parity.buckets import AUTO
 from parity.metrics import NOISE_FLOOR
 from parity.presets import PRESETS
-from parity.results_json import Invalid, get, integer, ints, non_negative_int, number, positive
+from parity.results.fields import Invalid, get, integer, ints, non_negative_int, number, positive
 
 # The smallest --logprob-tol a run may ask for: a smaller one cannot be met by a correct run on every
 # CPU. Files written before v3 may hold tolerances down to 1e-6 and are read as written.

@@ -22,13 +22,13 @@ from parity.results import (
     FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, ArmResult, CaseResult,
     LayerError, Localization, RequestResult, RunResult,
 )
-from parity.results_arms import read_arms, read_fixture
-from parity.results_config import MIN_LOGPROB_TOL, config_from_json  # noqa: F401 (the CLI's floor too)
-from parity.results_consistency import Contradiction
-from parity.results_json import Invalid, get, non_negative_int, number, parse_unique_keys, positive
-from parity.results_plan import planned_but_absent
-from parity.results_requirements import check_all
-from parity.results_sequences import completed, read_requests
+from parity.results.arms import read_arms, read_fixture
+from parity.results.config import MIN_LOGPROB_TOL, config_from_json  # noqa: F401 (the CLI's floor too)
+from parity.results.consistency import Contradiction
+from parity.results.fields import Invalid, get, non_negative_int, number, parse_unique_keys, positive
+from parity.results.plan import planned_but_absent
+from parity.results.requirements import check_all
+from parity.results.sequences import completed, read_requests
 from parity.textfiles import TooLarge, read_text_capped
 
 # A run's file is tens of KB per case; a merged sweep of 5,000 cases at 64 new tokens is a few hundred
@@ -37,7 +37,7 @@ MAX_FILE_BYTES = 1024 * 1024 * 1024
 
 
 def _localization(raw: Any, where: str, n_requests: int) -> Localization | None:
-    """Design §7: a bcg arm against the eager arm of the same DeepStack action, per probe point;
+    """design §7: a bcg arm against the eager arm of the same DeepStack action, per probe point;
     `request` is the request's place in its scenario (0 in a four-arm case is null)."""
     if raw is None:
         return None

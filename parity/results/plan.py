@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.plan import PlanEntry, read_plan, text_sha256
 from parity.results import CaseResult
-from parity.results_json import Invalid
+from parity.results.fields import Invalid
 from parity.sharding import ShardRecord, assignment, read_shard
 
 

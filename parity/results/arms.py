@@ -10,7 +10,7 @@ from typing import Any
 from parity.arms import ARM_ORDER, arm_mode_and_deepstack
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
-from parity.results_json import (
+from parity.results.fields import (
     MAX_COUNT, SHA256_HEX, Invalid, get, ints, is_logprob, logprobs, non_negative_int, number, shared_int,
 )
 

@@ -16,7 +16,7 @@ from typing import Callable
 from parity.engines import registry
 from parity.metrics import auto_tolerances
 from parity.results import SCHEMA, FixtureInfo, RunResult
-from parity.results_consistency import RULES, Contradiction, _ran, _requests
+from parity.results.consistency import RULES, Contradiction, _ran, _requests
 
 
 def repeats_as_configured(run: RunResult) -> None:

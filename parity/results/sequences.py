@@ -9,8 +9,8 @@ from dataclasses import replace
 from typing import Any
 
 from parity.results import CASE_IMAGE, SEQUENCE_REQUESTS, CaseResult, FixtureInfo, RequestResult, RequestSpec
-from parity.results_arms import read_arms, read_fixture
-from parity.results_json import Invalid, get
+from parity.results.arms import read_arms, read_fixture
+from parity.results.fields import Invalid, get
 from parity.verdict import SEQUENCE_POWER_ARM
 
 def read_requests(raw: Any, where: str, scenario: str, fixture: FixtureInfo | None, prompt: str
