@@ -10,7 +10,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Sequence
 
-from parity.arms import arm_mode_and_deepstack
+from parity.arms import arm
 from parity.backends.protocol import Answer, Session
 from parity.errors import ArmFailure
 from parity.planning import PlannedRequest
@@ -23,7 +23,8 @@ class ArmRun:
 
     def __init__(self, name: str, request: PlannedRequest) -> None:
         self.name, self.request = name, request
-        self.mode, self.deepstack = arm_mode_and_deepstack(name)
+        known = arm(name)
+        self.mode, self.deepstack = known.mode, known.deepstack
         self.pending: Answer | ArmFailure | None = None
         self.result: ArmResult | None = None
         self.seconds = 0.0
@@ -90,6 +91,6 @@ def _stored(logprobs: Sequence[float]) -> tuple[float, ...]:
 
 
 def failed_arm(name: str, failure: ArmFailure, seconds: float = 0.0) -> ArmResult:
-    mode, deepstack = arm_mode_and_deepstack(name)
+    known = arm(name)
     message = str(failure) + (f"\n--- log tail ---\n{failure.log_tail}" if failure.log_tail else "")
-    return ArmResult(name=name, mode=mode, deepstack=deepstack, error=message, seconds=round(seconds, 4))
+    return ArmResult(name=name, mode=known.mode, deepstack=known.deepstack, error=message, seconds=round(seconds, 4))

@@ -2,19 +2,51 @@
 
 from __future__ import annotations
 
-import functools
+import enum
 import json
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal, Mapping
+from typing import Mapping
 
 from parity.data import data_dir
 from parity.errors import UsageError
 
-Mode = Literal["eager", "bcg"]
-DeepStack = Literal["normal", "zero"]
-MODES: tuple[Mode, ...] = ("eager", "bcg")
-DEEPSTACK_ACTIONS: tuple[DeepStack, ...] = ("normal", "zero")
+class _Named(str, enum.Enum):
+    """A name that reads, prints and serializes as its value ("bcg", not "Mode.BCG")."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Mode(_Named):
+    EAGER = "eager"
+    BCG = "bcg"  # the engine's graph mode under test
+
+
+class DeepStack(_Named):
+    """What an arm does with DeepStack at the language model's entry."""
+
+    NORMAL = "normal"
+    ZERO = "zero"
+
+    @property
+    def tap_mode(self) -> str:
+        """What it asks of the tap: pass DeepStack on and fingerprint it, or hand the model zeros."""
+        return "record" if self is DeepStack.NORMAL else "zero"
+
+
+MODES: tuple[Mode, ...] = tuple(Mode)
+DEEPSTACK_ACTIONS: tuple[DeepStack, ...] = tuple(DeepStack)
+
+
+@dataclass(frozen=True)
+class Arm:
+    """An arm of the experiment: one execution mode and one DeepStack action."""
+
+    name: str
+    mode: Mode
+    deepstack: DeepStack
+
 
 # The canonical order of the experiment (design §1); reports and verdicts rely on these names.
 EAGER_NORMAL = "eager_normal"
@@ -22,6 +54,8 @@ EAGER_ZERO = "eager_zero_deepstack"
 BCG_NORMAL = "bcg_normal"
 BCG_ZERO = "bcg_zero_deepstack"
 ARM_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO)
+_ARMS = {a.name: a for a in (Arm(EAGER_NORMAL, Mode.EAGER, DeepStack.NORMAL), Arm(EAGER_ZERO, Mode.EAGER, DeepStack.ZERO),
+                             Arm(BCG_NORMAL, Mode.BCG, DeepStack.NORMAL), Arm(BCG_ZERO, Mode.BCG, DeepStack.ZERO))}
 # The order arms run in within a case: each comparison's reference runs before the arm compared with it.
 RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 
@@ -41,34 +75,29 @@ class ArmSpec:
 
 def _parse(path) -> ArmSpec:
     raw = json.loads(path.read_text())
+    if raw.get("mode") not in MODES or raw.get("deepstack") not in DEEPSTACK_ACTIONS or raw.get("name") != path.stem:
+        raise ValueError(f"arm file {path} is inconsistent: {raw}")
     spec = ArmSpec(
         name=raw["name"],
-        mode=raw["mode"],
-        deepstack=raw["deepstack"],
+        mode=Mode(raw["mode"]),
+        deepstack=DeepStack(raw["deepstack"]),
         description=raw["description"],
         backends=MappingProxyType({k: MappingProxyType(v) for k, v in raw.get("backends", {}).items()}),
     )
-    if spec.mode not in MODES or spec.deepstack not in DEEPSTACK_ACTIONS or spec.name != path.stem:
-        raise ValueError(f"arm file {path} is inconsistent: {raw}")
+    if _ARMS.get(spec.name) != Arm(spec.name, spec.mode, spec.deepstack):
+        raise ValueError(f"arm file {path} says {spec.name} is {spec.mode} {spec.deepstack}; parity's design "
+                         "(parity.arms) says otherwise")
     return spec
 
 
-@functools.lru_cache(maxsize=None)
-def _known_arms() -> tuple[ArmSpec, ...]:
-    return tuple(load_arms().values())
+def arm(name: str) -> Arm:
+    """The arm of that name; KeyError for a name parity does not know."""
+    return _ARMS[name]
 
 
-def arm_mode_and_deepstack(name: str) -> tuple[str, str]:
-    """(mode, deepstack) of a known arm; KeyError for an unknown name."""
-    spec = next((s for s in _known_arms() if s.name == name), None)
-    if spec is None:
-        raise KeyError(name)
-    return spec.mode, spec.deepstack
-
-
-def arm_named(mode: str, deepstack: str) -> str:
-    """The known arm that runs `mode` with DeepStack `deepstack`."""
-    return next(s.name for s in _known_arms() if (s.mode, s.deepstack) == (mode, deepstack))
+def arm_for(mode: str, deepstack: str) -> Arm:
+    """The arm that runs `mode` with DeepStack `deepstack`."""
+    return next(a for a in _ARMS.values() if (a.mode, a.deepstack) == (mode, deepstack))
 
 
 def load_arms() -> dict[str, ArmSpec]:

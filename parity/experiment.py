@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from parity import __version__
 from parity.arm_run import ArmRun, failed_arm
-from parity.arms import ARM_ORDER, MODES, arm_mode_and_deepstack, arm_named
+from parity.arms import ARM_ORDER, MODES, Mode, arm, arm_for
 from parity.backends.protocol import Backend, Session
 from parity.engines import registry
 from parity.errors import ArmFailure
@@ -174,7 +174,7 @@ def _run_sequence(spec: RunSpec, session: Session, case: PlannedCase, mode: str,
                   announce: Callable[[str, str], object]) -> None:
     """The sequence's requests back to back, as a server would see them; then (eager session) its
     power arm; then the scoring of every answer. Each repeat is the whole sequence again."""
-    runs = [ArmRun(arm_named(mode, req.deepstack), req) for req in case.requests]
+    runs = [ArmRun(arm_for(mode, req.deepstack).name, req) for req in case.requests]
     for run in runs:
         announce(case.id, f"{run.name} · {run.request.label}")
         run.answer(session)
@@ -198,8 +198,8 @@ def _references(case: PlannedCase, request: int, name: str, collected: _Collecte
     elif case.requests[request].power and name == SEQUENCE_POWER_ARM:
         names = [POWER_CHECK.b]
     else:
-        mode, deepstack = arm_mode_and_deepstack(name)
-        names = [arm_named("eager", deepstack)] if mode == "bcg" else []
+        known = arm(name)
+        names = [arm_for(Mode.EAGER, known.deepstack).name] if known.mode is Mode.BCG else []
     refs = [collected.get(case.id, request, n) for n in names]
     return [r for r in refs if r is not None and not r.failed]
 
@@ -221,7 +221,7 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
         return CaseResult(case.id, info, case.spec.prompt.text, arms=arms_of(0, names), scenario=FOUR_ARM)
     requests = tuple(
         RequestResult(req.label, _fixture_info(req.request.fixture), req.request.prompt,
-                      arms_of(i, [arm_named(m, req.deepstack) for m in MODES] + [SEQUENCE_POWER_ARM] * req.power),
+                      arms_of(i, [arm_for(m, req.deepstack).name for m in MODES] + [SEQUENCE_POWER_ARM] * req.power),
                       req.deepstack)
         for i, req in enumerate(case.requests)
     )

@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, arm_mode_and_deepstack, arm_named
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, Mode, arm_for
+from parity.arms import arm as arm_of
 from parity.errors import UsageError
 from parity.results import CaseResult, LayerError, Localization, RunResult
 from parity.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_STALE_STATE
@@ -105,16 +106,16 @@ def target_of(case: CaseResult) -> Target | None:
     arm, reference = FOUR_ARM_TARGETS[code]
     ran = {a.name for a in case.arms}
     # The bcg arms that ran before it in the case, in the experiment's order.
-    before = [n for n in RUN_ORDER[:RUN_ORDER.index(arm)] if n in ran and arm_mode_and_deepstack(n)[0] == "bcg"]
-    prefix = tuple(Step(0, arm_mode_and_deepstack(name)[1]) for name in before)
-    return Target(arm, reference, None, Step(0, arm_mode_and_deepstack(arm)[1]), prefix)
+    before = [n for n in RUN_ORDER[:RUN_ORDER.index(arm)] if n in ran and arm_of(n).mode is Mode.BCG]
+    prefix = tuple(Step(0, arm_of(name).deepstack) for name in before)
+    return Target(arm, reference, None, Step(0, arm_of(arm).deepstack), prefix)
 
 
 def _sequence_target(case: CaseResult) -> Target | None:
     """The first request whose bcg answer differs from the eager one, after every request before it."""
     steps = tuple(Step(i, r.arms[0].deepstack if r.arms else "normal") for i, r in enumerate(case.requests))
     for step in steps:
-        arm, reference = arm_named("bcg", step.deepstack), arm_named("eager", step.deepstack)
+        arm, reference = arm_for(Mode.BCG, step.deepstack).name, arm_for(Mode.EAGER, step.deepstack).name
         comparison = case.comparison(arm, reference, step.request)
         if comparison is not None and not comparison.match:
             return Target(arm, reference, step.request, step, steps[:step.request])

@@ -21,7 +21,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from parity.arms import arm_mode_and_deepstack
+from parity.arms import arm
 from parity.results import FOUR_ARM, SCENARIOS
 from parity.results.fields import SHA256_HEX
 
@@ -76,7 +76,7 @@ def read_plan(config: Mapping[str, Any]) -> tuple[PlanEntry, ...]:
         raise ValueError("needs config.arms, the arms the run selected (its cases' costs)")
     for name in arms:
         try:
-            arm_mode_and_deepstack(name)
+            arm(name)
         except KeyError:
             raise ValueError(f"config.arms names unknown arm {name!r}") from None
     return entries

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from parity.arms import MODES, RUN_ORDER, ArmSpec, arm_named
+from parity.arms import MODES, RUN_ORDER, ArmSpec, arm_for
 from parity.backends.protocol import Backend, Request
 from parity.errors import UsageError
 from parity.fixtures import Fixture, Prompt
@@ -169,5 +169,5 @@ def in_shard(spec: RunSpec, planned: Sequence[PlannedCase], plan: Sequence[PlanE
 def arms_for(case: PlannedCase, mode: str, req: PlannedRequest) -> list[str]:
     if case.scenario == FOUR_ARM:
         return [a.name for a in case.arms if a.mode == mode]
-    arm = arm_named(mode, req.deepstack)
+    arm = arm_for(mode, req.deepstack).name
     return [arm, SEQUENCE_POWER_ARM] if req.power and mode == "eager" else [arm]

@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from parity.arms import arm_mode_and_deepstack
+from parity.arms import arm
 from parity.errors import UsageError
 from parity.plan import PlanEntry
 from parity.results import FOUR_ARM, SEQUENCE_REQUESTS, RunResult
@@ -70,7 +70,7 @@ def case_cost(scenario: str, arms: Sequence[str]) -> int:
     every mode, and a sequence's eager power arm."""
     if scenario == FOUR_ARM:
         return len(arms)
-    modes = {arm_mode_and_deepstack(a)[0] for a in arms}
+    modes = {arm(a).mode for a in arms}
     return len(SEQUENCE_REQUESTS[scenario]) * len(modes) + ("eager" in modes)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_named
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, Mode, arm_for
 from parity.evidence_rules import Rules, bucket_fault, not_replayed_reason, runs_of, tap_fired
 from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
@@ -92,7 +92,7 @@ class Group:
 
 
 def sequence_check(deepstack: str) -> Check:
-    return Check(arm_named("bcg", deepstack), arm_named("eager", deepstack), True,
+    return Check(arm_for(Mode.BCG, deepstack).name, arm_for(Mode.EAGER, deepstack).name, True,
                  "the graph sequence answers as the eager one")
 
 

@@ -12,7 +12,8 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
-from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, arm_mode_and_deepstack
+from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
+from parity.arms import arm as arm_of
 from parity.errors import UsageError
 from parity.fixtures import builtin_fixture
 from parity.plan import PlanEntry, plan_json, text_sha256
@@ -63,7 +64,7 @@ def make_arm(
     A repeat may be a `Repeat` or a bare id list (then it reuses the arm's logprobs, so only the
     ids decide whether the arm reproduced itself).
     """
-    mode, deepstack = arm_mode_and_deepstack(name)
+    mode, deepstack = arm_of(name).mode, arm_of(name).deepstack
     lps = tuple(float(x) for x in logprobs) if logprobs is not None else tuple(-0.1 for _ in ids)
     reps = tuple(r if isinstance(r, Repeat) else Repeat(tuple(r), lps[: len(r)]) for r in repeats)
     if evidence is _DEFAULT:

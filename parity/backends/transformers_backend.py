@@ -18,6 +18,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from parity.arms import DeepStack
 from parity.backends.options import BackendOptions, apply_thread_policy
 from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
@@ -72,7 +73,7 @@ class TransformersSession(Generates):
         self._backend = backend
 
     def answer(self, request: Request, deepstack: str) -> Answer:
-        return self._failing_as_arm(self._answer, request, "record" if deepstack == "normal" else "zero")
+        return self._failing_as_arm(self._answer, request, DeepStack(deepstack).tap_mode)
 
     def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
         return self._failing_as_arm(self._score, answer, force)
@@ -280,7 +281,7 @@ class TransformersBackend:
 
     def _tapped(self, request: Request, deepstack: str) -> torch.Tensor | None:
         # The same tap as the arm's (`record` passes DeepStack through, `zero` hands on zeros).
-        return apply_tap("record" if deepstack == "normal" else "zero", self.prepared(request).deepstack)[0]
+        return apply_tap(DeepStack(deepstack).tap_mode, self.prepared(request).deepstack)[0]
 
     def prompt_length(self, request: Request) -> int:
         # Planning asks for the same image request's length several times (each scenario, each check).

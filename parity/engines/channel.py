@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
+from parity.arms import DEEPSTACK_ACTIONS, DeepStack
 from parity.errors import UsageError
 
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
@@ -28,16 +29,14 @@ if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in 
 CONTROL_FILE = "control.json"
 RECORDS_FILE = "records.jsonl"
 CONTROL_MODES = ("record", "zero")
-# What an arm's DeepStack action asks of the tap in the server: "normal" passes DeepStack on and
-# records its fingerprint, "zero" hands the model zeros.
-_TAP_MODE_OF = {"normal": "record", "zero": "zero"}
 
 
 def tap_mode(deepstack: str) -> str:
-    """The control mode for an arm's DeepStack action; UsageError for an unknown action."""
-    if deepstack not in _TAP_MODE_OF:
-        raise UsageError(f"unknown deepstack action {deepstack!r}; known: {', '.join(_TAP_MODE_OF)}")
-    return _TAP_MODE_OF[deepstack]
+    """The control mode for an arm's DeepStack action (`arms.DeepStack.tap_mode`); UsageError for an
+    unknown action."""
+    if deepstack not in DEEPSTACK_ACTIONS:
+        raise UsageError(f"unknown deepstack action {deepstack!r}; known: {', '.join(DEEPSTACK_ACTIONS)}")
+    return DeepStack(deepstack).tap_mode
 
 
 class TapChannelError(RuntimeError):

@@ -7,7 +7,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from parity.arms import ARM_ORDER, arm_mode_and_deepstack
+from parity.arms import ARM_ORDER
+from parity.arms import arm as arm_of
 from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
 from parity.results.fields import (
@@ -114,10 +115,10 @@ def _arm(name: str, raw: Any, where: str, v2: bool) -> ArmResult:
         raise Invalid(f"{where}: unknown arm {name!r}; known arms: {', '.join(ARM_ORDER)}")
     mode = get(raw, "mode", str, where)
     deepstack = get(raw, "deepstack", str, where)
-    if (mode, deepstack) != arm_mode_and_deepstack(name):
-        expected = arm_mode_and_deepstack(name)
+    expected = arm_of(name)
+    if (mode, deepstack) != (expected.mode, expected.deepstack):
         raise Invalid(f"{where} has mode {mode!r} / deepstack {deepstack!r}, but arm {name} is "
-                      f"{expected[0]!r} / {expected[1]!r}")
+                      f"{expected.mode.value!r} / {expected.deepstack.value!r}")
     error = get(raw, "error", str, where, optional=True)
     token_ids = ints(get(raw, "token_ids", list, where), f"{where}.token_ids")
     lps = logprobs(get(raw, "token_logprobs", list, where), f"{where}.token_logprobs")

@@ -15,7 +15,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from parity.arms import ARM_ORDER, arm_mode_and_deepstack
+from parity.arms import ARM_ORDER
+from parity.arms import arm as arm_of
 from parity.errors import ResultsFileError
 from parity.plan import PlanEntry, read_plan
 from parity.results import (
@@ -43,9 +44,9 @@ def _localization(raw: Any, where: str, n_requests: int) -> Localization | None:
         return None
     arm, reference = get(raw, "arm", str, where), get(raw, "reference", str, where)
     for key, name, mode in (("arm", arm, "bcg"), ("reference", reference, "eager")):
-        if name not in ARM_ORDER or arm_mode_and_deepstack(name)[0] != mode:
+        if name not in ARM_ORDER or arm_of(name).mode != mode:
             raise Invalid(f"{where}.{key} must be {'a bcg' if mode == 'bcg' else 'an eager'} arm, got {name!r}")
-    if arm_mode_and_deepstack(arm)[1] != arm_mode_and_deepstack(reference)[1]:
+    if arm_of(arm).deepstack != arm_of(reference).deepstack:
         raise Invalid(f"{where} compares {arm} with {reference}: a localization compares one DeepStack action")
     request = get(raw, "request", int, where, optional=True)
     if (request is None) != (not n_requests) or (request is not None and not 0 <= request < n_requests):
