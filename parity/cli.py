@@ -314,8 +314,10 @@ def compare(before_file: str, after_file: str, fmt: str) -> None:
     """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
     from parity.reporting.before_after import compare_runs, render_markdown, render_table
     from parity.results.loader import load_results
+    from parity.verdict import judge_run
 
-    result = compare_runs(load_results(before_file), load_results(after_file))
+    # Judged here, where the files are loaded: what they store about themselves is not trusted.
+    result = compare_runs(judge_run(load_results(before_file)), judge_run(load_results(after_file)))
     if fmt == "table":
         render_table(result, _console())
     else:

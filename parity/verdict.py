@@ -301,6 +301,18 @@ def overall_verdict(cases: tuple[CaseResult, ...]) -> Verdict:
     return Verdict(first.code, f"{case_id}: {first.reason}")
 
 
+class NotJudged(ValueError):
+    """A renderer was handed a run nobody judged: renderers show verdicts, only loading judges."""
+
+
+def judged(run: RunResult) -> RunResult:
+    """`run`, which must already be judged (`judge_run`): renderers take judged runs and never judge
+    again, so a report cannot disagree with the verdict the run or the loader gave (design §3)."""
+    if run.verdict is None or any(case.verdict is None for case in run.cases):
+        raise NotJudged("a report was asked of a run that was not judged; judge_run() it where it is loaded")
+    return run
+
+
 def judge_run(run: RunResult) -> RunResult:
     rules = Rules.of(run)
     cases = tuple(judge_case(c, rules) for c in run.cases)

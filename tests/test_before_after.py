@@ -10,8 +10,13 @@ from rich.console import Console
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL
 from parity.reporting.before_after import compare_runs, render_markdown, render_table
 from parity.results import FixtureInfo, Verdict
-from parity.verdict import exit_code
+from parity.verdict import exit_code, judge_run
 from tests.helpers_runs import fixed_arms, legacy_arms, make_arm, make_case, make_run
+
+
+def _compare(before, after):
+    """As `parity compare` does: each file judged where it is loaded, then paired."""
+    return compare_runs(judge_run(before), judge_run(after))
 
 
 def _legacy_and_fixed():
@@ -20,7 +25,7 @@ def _legacy_and_fixed():
 
 def test_deepstack_dropped_to_pass():
     before, after = _legacy_and_fixed()
-    ba = compare_runs(before, after)
+    ba = _compare(before, after)
     assert (ba.before_verdict.code, ba.after_verdict.code) == ("FAIL_DEEPSTACK_DROPPED", "PASS")
     assert exit_code(ba.after_verdict) == 0
     assert ba.notes == () and ba.comparable  # negative control: same experiment, nothing to warn about
@@ -35,7 +40,7 @@ def test_deepstack_dropped_to_pass():
 
 def test_reverse_direction_is_a_regression():
     before, after = _legacy_and_fixed()
-    ba = compare_runs(after, before)
+    ba = _compare(after, before)
     assert (ba.before_verdict.code, ba.after_verdict.code) == ("PASS", "FAIL_DEEPSTACK_DROPPED")
     assert exit_code(ba.after_verdict) == 1
 
@@ -44,13 +49,13 @@ def test_stored_verdicts_are_recomputed():
     before, after = _legacy_and_fixed()
     forged = replace(after, verdict=Verdict("FAIL_GRAPH_DIVERGES", "forged"),
                      cases=tuple(replace(c, comparisons=(), verdict=None) for c in after.cases))
-    ba = compare_runs(before, forged)
+    ba = _compare(before, forged)
     assert ba.after_verdict.code == "PASS"
     assert all(r.after is not None for r in ba.rows)
 
 
 def test_markdown_table_and_verdict_row():
-    md = render_markdown(compare_runs(*_legacy_and_fixed()))
+    md = render_markdown(_compare(*_legacy_and_fixed()))
     assert "| case | comparison | expected | before fix | after fix |" in md
     assert ("| rgb-stripes/describe | bcg_normal vs bcg_zero_deepstack | differ | "
             "(19, True, 0.000) ✗ | (1, False, 0.000) [tf Δ 1.900] |") in md
@@ -66,7 +71,7 @@ def test_mismatches_are_reported():
     after = make_run([make_case(fixed_arms(), prompt="What is shown?", fixture=other_fixture),
                       make_case(fixed_arms(), "gradient-circle/describe")],
                      model="Qwen/Qwen3-VL-8B-Instruct", logprob_tol=0.5)
-    ba = compare_runs(before, after)
+    ba = _compare(before, after)
     text = "\n".join(ba.notes)
     assert "different model: before 'tiny-qwen3-vl', after 'Qwen/Qwen3-VL-8B-Instruct'" in text
     assert "different logprob_tol: before 0.25, after 0.5" in text
@@ -86,7 +91,7 @@ def test_mismatches_are_reported():
 
 def test_failed_arm_shows_as_missing_cell():
     arms = [a for a in fixed_arms() if a.name != BCG_ZERO] + [make_arm(BCG_ZERO, (), error="boom")]
-    ba = compare_runs(make_run([make_case(legacy_arms())]), make_run([make_case(arms)]))
+    ba = _compare(make_run([make_case(legacy_arms())]), make_run([make_case(arms)]))
     assert ba.after_verdict.code == "ERROR"
     by_label = {r.label: r for r in ba.rows}
     assert by_label[f"{BCG_NORMAL} vs {BCG_ZERO}"].after is None
@@ -94,14 +99,14 @@ def test_failed_arm_shows_as_missing_cell():
 
 
 def test_pipe_in_case_id_does_not_break_the_table():
-    ba = compare_runs(make_run([make_case(legacy_arms(), "a|b/describe")]),
+    ba = _compare(make_run([make_case(legacy_arms(), "a|b/describe")]),
                       make_run([make_case(fixed_arms(), "a|b/describe")]))
     row = next(line for line in render_markdown(ba).splitlines() if line.startswith("| a"))
     assert row.startswith("| a\\|b/describe |") and row.count(" | ") == 4
 
 
 def test_rich_table_renders():
-    ba = compare_runs(make_run([make_case(legacy_arms(), "rgb[x]/describe")]),
+    ba = _compare(make_run([make_case(legacy_arms(), "rgb[x]/describe")]),
                       make_run([make_case(fixed_arms(), "rgb[x]/describe")], model="other"))
     out = io.StringIO()
     render_table(ba, Console(file=out, width=200, color_system=None))

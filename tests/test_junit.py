@@ -5,9 +5,12 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from dataclasses import replace
 
+import pytest
+
 from parity.arms import BCG_NORMAL, EAGER_ZERO
 from parity.reporting.junit import junit_xml, write_junit
 from parity.results import Verdict
+from parity.verdict import NotJudged, judge_run
 from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, fixed_arms, four_arms, legacy_arms, make_arm, make_case, make_run
 
 
@@ -23,7 +26,7 @@ def _mixed_run():
 
 
 def _parse(run):
-    root = ET.fromstring(junit_xml(run))
+    root = ET.fromstring(junit_xml(judge_run(run)))
     return root, root.find("testsuite"), {tc.get("name"): tc for tc in root.iter("testcase")}
 
 
@@ -74,18 +77,20 @@ def test_system_out_lists_comparison_tuples():
     assert "bcg_normal vs bcg_zero_deepstack (19, True, 0.000) match=True expected differ [UNEXPECTED]" in out
 
 
-def test_stored_verdicts_are_ignored():
+def test_stored_verdicts_are_judged_again_and_an_unjudged_run_is_refused():
     run = make_run([make_case(legacy_arms())])
+    with pytest.raises(NotJudged):  # a renderer shows verdicts; it never makes them up
+        junit_xml(replace(run, verdict=None))
     forged = replace(run, cases=(replace(run.cases[0], verdict=Verdict("PASS", "forged")),),
                      verdict=Verdict("PASS", "forged"))
-    _, suite, _ = _parse(forged)
+    _, suite, _ = _parse(forged)  # judged where loaded: the forged PASS is gone
     assert suite.get("failures") == "1"
 
 
 def test_special_characters_are_escaped_and_invalid_ones_dropped(tmp_path):
     nasty = 'bad <tag> & "quote" \x1b[31mred\x1b[0m \x00'
     arms = [a for a in fixed_arms() if a.name != BCG_NORMAL] + [make_arm(BCG_NORMAL, (), error=nasty)]
-    path = write_junit(make_run([make_case(arms, 'a&b/<p>"q"')]), tmp_path / "junit.xml")
+    path = write_junit(judge_run(make_run([make_case(arms, 'a&b/<p>"q"')])), tmp_path / "junit.xml")
     raw = path.read_text(encoding="utf-8")
     assert "\x1b" not in raw and "\x00" not in raw
     assert "&lt;tag&gt; &amp; " in raw

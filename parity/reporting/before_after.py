@@ -1,7 +1,7 @@
 """Before/after a fix: two results files side by side, comparison by comparison.
 
-Both runs are re-judged from their arms (stored comparisons and verdicts are ignored, as in
-`parity verdict`), then paired by case id and comparison. What makes the two files not comparable
+Both runs come judged from their arms (the command re-judges each file as it loads it, as `parity
+verdict` does: stored comparisons and verdicts are ignored), then are paired by case id and comparison. What makes the two files not comparable
 as-is (another model, another fixture image, another prompt, another tolerance, a case missing on
 one side) is collected as notes that every renderer shows prominently: a "before" and "after" of
 different experiments prove nothing about the fix.
@@ -20,7 +20,7 @@ from parity.results import CaseResult, Comparison, RunResult, Verdict
 from parity.metrics import tuple_text
 from parity.reporting.report import check_label
 from parity.reporting.text import visible
-from parity.verdict import ERROR, PASS, Check, Group, checks_for, judge_run
+from parity.verdict import ERROR, PASS, Check, Group, checks_for, judged
 
 # Config keys whose difference changes what the comparisons mean. logprob_tol changes `match`;
 # max_new_tokens and dtype change the arms' answers themselves.
@@ -62,7 +62,7 @@ class BeforeAfter:
 
 
 def compare_runs(before: RunResult, after: RunResult) -> BeforeAfter:
-    before, after = judge_run(before), judge_run(after)
+    before, after = judged(before), judged(after)
     b_cases = {c.id: c for c in before.cases}
     a_cases = {c.id: c for c in after.cases}
     # Before's order first (the reader knows that file), then cases only the after file has.

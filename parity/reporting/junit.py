@@ -29,7 +29,7 @@ from typing import Sequence
 from parity.results import CaseResult, RunResult, Verdict, write_atomically
 from parity.metrics import tuple_text
 from parity.reporting.report import arm_evidence_text, arms_with_labels, check_label, rows
-from parity.verdict import ERROR, PASS, judge_run
+from parity.verdict import ERROR, PASS, judged
 
 SUITE_PREFIX = "parity"
 
@@ -43,18 +43,18 @@ def xml_safe(text: str) -> str:
 
 
 def junit_xml(run: RunResult | Sequence[RunResult]) -> str:
-    """The run as a JUnit XML document (verdicts recomputed from the arms, as every report is);
-    several runs (the experiments of a matrix report) are one `<testsuite>` each."""
+    """The judged run as a JUnit XML document; several runs (the experiments of a matrix report) are
+    one `<testsuite>` each."""
     runs = [run] if isinstance(run, RunResult) else list(run)
     root = ET.Element("testsuites", name=SUITE_PREFIX)
     suites = []
-    for judged in map(judge_run, runs):
-        suite = ET.SubElement(root, "testsuite", _suite_attributes(judged))
-        _add_properties(suite, judged)
-        for case in judged.cases:
-            _add_testcase(suite, case, _classname(judged), judged.logprob_tol)
-        if _run_verdict_unshown(judged):
-            _add_run_testcase(suite, judged)
+    for run in map(judged, runs):
+        suite = ET.SubElement(root, "testsuite", _suite_attributes(run))
+        _add_properties(suite, run)
+        for case in run.cases:
+            _add_testcase(suite, case, _classname(run), run.logprob_tol)
+        if _run_verdict_unshown(run):
+            _add_run_testcase(suite, run)
         suites.append(suite)
     # The root repeats the totals: some consumers (GitLab) read only the outermost element.
     for key in ("tests", "failures", "errors", "skipped"):
