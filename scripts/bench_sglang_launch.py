@@ -11,7 +11,7 @@ warm-up), so the figure that matters is how many start-ups a verdict waits for. 
 
 The naive way's verdict is taken from one extra four-arm run (its time is not counted).
 
-The stand-in (tests/sglang_standin.py) sleeps `--startup-delay` seconds before it is ready.
+The stand-in (tests/engines/sglang_standin.py) sleeps `--startup-delay` seconds before it is ready.
 
     PYTHONPATH=. python scripts/bench_sglang_launch.py --startup-delay 5
 """
@@ -32,7 +32,7 @@ from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import Prompt, builtin_fixture
 from parity.engines.sglang.backend import SglangBackend, create_sglang_backend
 
-STANDIN = Path(__file__).resolve().parent.parent / "tests" / "sglang_standin.py"
+STANDIN = Path(__file__).resolve().parent.parent / "tests" / "engines" / "sglang_standin.py"
 PROMPT = "Describe the image."
 
 

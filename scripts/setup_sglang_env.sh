@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # An environment with the real SGLang 0.5.23 and parity, on a CPU machine (no GPU needed), for the
 # tests marked real_sglang: SGLang's own argument parser, plugin loader and request handling
-# (tests/test_sglang_real.py), and real SGLang servers on the CPU (tests/test_sglang_real_server.py).
+# (tests/engines/test_sglang_real.py), and real SGLang servers on the CPU (tests/engines/test_sglang_real_server.py).
 #
 #   bash scripts/setup_sglang_env.sh [VENV]
 #   VENV/bin/python -m pytest -q -m real_sglang

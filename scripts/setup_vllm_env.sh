@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # An environment with the real vLLM 0.33.0 and parity, on a CPU machine (no GPU needed), for
-# tests/test_vllm_real.py: vLLM's own argument parser and config, plugin loader, Qwen3-VL
+# tests/engines/test_vllm_real.py: vLLM's own argument parser and config, plugin loader, Qwen3-VL
 # DeepStack set/get/clear methods and CUDA-graph dispatcher, run against parity with
 # VLLM_TARGET_DEVICE=cpu. It cannot serve a model: the wheel has no CPU kernels.
 #
 #   bash scripts/setup_vllm_env.sh [VENV]
-#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest -q -m real_vllm tests/test_vllm_real.py
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest -q -m real_vllm tests/engines/test_vllm_real.py
 #
 # VENV defaults to $PARITY_VLLM_VENV, else ~/.cache/parity/vllm-0.33.0-torch-2.14.1: keyed on the
 # pinned versions, outside the repository. An existing VENV with exactly these versions is reused
@@ -101,4 +101,4 @@ assert "parity" in names, f"parity's plugin entry point is missing: {names}"
 assert version("torch") == "2.14.1", f"torch changed to {version('torch')}"
 print(f"vllm {version('vllm')}, torch {version('torch')}, parity plugin registered")
 PY
-echo "done in $((SECONDS - start)) s: VLLM_TARGET_DEVICE=cpu $VENV/bin/python -m pytest -q -m real_vllm tests/test_vllm_real.py"
+echo "done in $((SECONDS - start)) s: VLLM_TARGET_DEVICE=cpu $VENV/bin/python -m pytest -q -m real_vllm tests/engines/test_vllm_real.py"

@@ -29,22 +29,19 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import math
 import os
-import random
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, replace
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # parity from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stand-in core beside it
 
+import standin_core as core  # noqa: E402
+from standin_core import Rejected, add_common_args  # noqa: E402
 from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
 from parity.engines import standin_calls  # noqa: E402
 from parity.engines.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
@@ -57,29 +54,19 @@ BYTE_OFFSET = 1000  # text token = byte + offset; generated tokens are below it
 VOCAB = range(3, 67)
 
 
-class Rejected(Exception):
-    """A request SGLang would answer with HTTP 400."""
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model-path", required=True)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
+    add_common_args(parser, default_port=30000)
     parser.add_argument("--cuda-graph-backend-prefill", default="breakable")
     parser.add_argument("--cuda-graph-max-bs-prefill", type=int, default=8192)
     parser.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None)
     parser.add_argument("--standin-image-token-id", type=int, default=151655)
-    parser.add_argument("--standin-startup-delay", type=float, default=0.0)
     parser.add_argument("--standin-warmup", choices=("image", "text"), default="image")
     parser.add_argument("--standin-never-ready", action="store_true")
-    parser.add_argument("--standin-exit-on-start", type=int, default=None)
     parser.add_argument("--standin-fail-backend", default=None,
                         help="exit on start only when --cuda-graph-backend-prefill has this value")
-    parser.add_argument("--standin-crash-after", type=int, default=None, help="die on request N+1")
     parser.add_argument("--standin-deepstack-replay", action="store_true", help="the upstream fix")
-    parser.add_argument("--standin-no-plugin", action="store_true",
-                        help="the hook is never called (parity not installed, or apply_hooks failed)")
     parser.add_argument("--dtype", default="bfloat16", help="the DeepStack rows are in the served dtype")
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size",
                         help="ranks: each runs the hook on its own copy of the LM inputs, as its own process")
@@ -231,11 +218,8 @@ def rank_calls(hook: plugin.TapHook, args: argparse.Namespace, lm_kwargs: dict) 
 
 def step_logprobs(context: list[int], image: str | None, deepstack: float) -> list[float]:
     """log p(next | context) over VOCAB: a function of the tokens so far, the image and DeepStack."""
-    seed = f"{image_key(image) if image else '-'}|{deepstack:.6f}|{','.join(map(str, context))}"
-    rng = random.Random(hashlib.sha256(seed.encode()).hexdigest())
-    logits = [3.0 * rng.random() for _ in VOCAB]
-    norm = math.log(sum(math.exp(x) for x in logits))
-    return [x - norm for x in logits]
+    return core.step_logprobs(f"{image_key(image) if image else '-'}|{deepstack:.6f}|{','.join(map(str, context))}",
+                              VOCAB)
 
 
 def answer(model: Model, body: dict) -> dict:
@@ -277,59 +261,25 @@ def answer(model: Model, body: dict) -> dict:
 
 # --- the server -----------------------------------------------------------------------------------------
 
-class State:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.model = Model(args)
-        self.ready = threading.Event()
-        self.served = 0
+def routes(state: core.State) -> core.Routes:
+    state.model = Model(state.args)
+
+    def generate(body: dict) -> dict:
+        if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "request":
+            kernel_standin.stub(state.args.standin_kernel_call)()
+        return answer(state.model, body)
+
+    backend = state.args.cuda_graph_backend_prefill
+    return core.Routes(
+        ready_path="/ready",
+        gets={"/ready": lambda: (200 if state.ready.is_set() else 503, {"ready": state.ready.is_set()}),
+              "/server_info": lambda: (200, {"version": VERSION, "cuda_graph_backend_prefill": backend})},
+        post_path="/generate", post=generate,
+        errors={standin_calls.StandinCalled: 500},  # SGLang answers a failed forward with an error
+    )
 
 
-def make_handler(state: State) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt: str, *args: Any) -> None:
-            if self.path != "/ready":  # parity polls it every few ms; it would flood the log tail
-                print("standin: " + fmt % args, flush=True)
-
-        def _send(self, status: int, doc: Any) -> None:
-            payload = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def do_GET(self) -> None:
-            if self.path == "/ready":
-                self._send(200 if state.ready.is_set() else 503, {"ready": state.ready.is_set()})
-            elif self.path == "/server_info":
-                backend = state.args.cuda_graph_backend_prefill
-                self._send(200, {"version": VERSION, "cuda_graph_backend_prefill": backend})
-            else:
-                self._send(404, {"error": self.path})
-
-        def do_POST(self) -> None:
-            if self.path != "/generate":
-                return self._send(404, {"error": self.path})
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            crash_after = state.args.standin_crash_after
-            if crash_after is not None and state.served >= crash_after:
-                print("standin: simulated fatal error in the scheduler", flush=True)
-                os._exit(3)  # abrupt, like a CUDA fault: the scheduler child is orphaned
-            state.served += 1
-            try:
-                if state.args.standin_kernel_call and state.args.standin_kernel_call_on == "request":
-                    kernel_standin.stub(state.args.standin_kernel_call)()
-                self._send(200, answer(state.model, body))
-            except Rejected as err:
-                self._send(400, {"error": {"message": str(err)}})
-            except standin_calls.StandinCalled as err:  # SGLang answers a failed forward with an error
-                self._send(500, {"error": {"message": str(err)}})
-
-    return Handler
-
-
-def start_up(state: State, started: float) -> None:
+def start_up(state: core.State, started: float) -> None:
     """Load, warm up, then report ready, like SGLang's _wait_and_warmup."""
     if state.args.standin_warmup == "image" and not state.args.standin_no_plugin:
         import torch  # noqa: F401  (part of "loading": inside the start-up delay, not after it)
@@ -351,20 +301,9 @@ def start_up(state: State, started: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    started = time.monotonic()
     args = parse_args(argv)
-    print(f"standin: pid {os.getpid()} started at {time.time():.6f} args {argv}", flush=True)
     fails_here = args.standin_fail_backend in (None, args.cuda_graph_backend_prefill)
-    if args.standin_exit_on_start is not None and fails_here:
-        print("standin: simulated start-up failure (e.g. out of memory)", flush=True)
-        sys.exit(args.standin_exit_on_start)
-    # SGLang's scheduler runs in a child process of the same group; a stop must reach it too.
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    print(f"standin: scheduler pid {child.pid}", flush=True)
-    state = State(args)
-    server = HTTPServer((args.host, args.port), make_handler(state))
-    threading.Thread(target=start_up, args=(state, started), daemon=True).start()
-    server.serve_forever()
+    core.serve(argv, args, routes, start_up, "scheduler", fails_here)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ import pytest
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.engines.sglang import deepstack_slot
-from tests.test_sglang_real import SGLANG_VERSION, _FOUND
+from tests.engines.servers import SGLANG_VERSION, installed_sglang
+
+_FOUND = installed_sglang()
 
 pytestmark = [
     pytest.mark.real_sglang,

@@ -16,19 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from parity.arms import select_arms
-from parity.experiment import run_experiment
-from parity.planning import CaseSpec, RunSpec
-from parity.fixtures import Prompt, builtin_fixture
+from parity.engines.vllm import backend as vllm_backend
+from parity.fixtures import builtin_fixture
 from parity.results import FOUR_ARM, REUSE, SCENARIOS, STREAM, RunResult, write_results
 from parity.results.loader import load_results
 from parity.verdict import judge_run
-from parity.engines.vllm import backend as vllm_backend
+from tests.engines.runs import run
+from tests.engines.servers import VLLM_STANDIN as STANDIN
+from tests.engines.servers import assert_nothing_left
+from tests.engines.vllm_standin import ByteProcessor, model_config
 
-from tests.test_sglang_launcher import running
-from tests.vllm_standin import ByteProcessor, model_config
-
-STANDIN = Path(__file__).resolve().parent / "vllm_standin.py"
 MAX_NEW_TOKENS = 4
 
 
@@ -42,29 +39,6 @@ def make_backend(run_dir: Path, *standin_args: str, graph_mode: str = "full_and_
         model="tiny-standin", max_new_tokens=MAX_NEW_TOKENS, run_dir=run_dir, graph_mode_name=graph_mode,
         ready_timeout=60.0, processor=ByteProcessor(), model_config=model_config(), stop_grace=5.0, ready_poll=0.05,
         launch_command=[sys.executable, str(STANDIN), *standin_args], **kwargs)
-
-
-def run(backend, scenarios=(FOUR_ARM,), arms: str = "all") -> RunResult:
-    case = CaseSpec(builtin_fixture("rgb-stripes"), Prompt("describe", "Describe the image."))
-    spec = RunSpec(model="tiny-standin", arms=select_arms(arms), cases=(case,), scenarios=tuple(scenarios),
-                   max_new_tokens=MAX_NEW_TOKENS)
-    warnings: list[str] = []
-    result = run_experiment(spec, backend, warn=warnings.append)
-    assert all("not available on the vllm backend" in w for w in warnings)
-    return result
-
-
-def assert_nothing_left(run_dir: Path) -> None:
-    import re
-    import time
-
-    text = "".join(p.read_text() for p in run_dir.glob("vllm-*.log"))
-    pids = [int(p) for p in re.findall(r"standin: (?:pid|engine core pid) (\d+)", text)]
-    assert pids, "the stand-in never started"
-    deadline = time.monotonic() + 2.0
-    while any(map(running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [p for p in pids if running(p)] == []
 
 
 def by_scenario(result: RunResult) -> dict:
@@ -162,38 +136,7 @@ def test_capture_sizes_too_small_for_the_prompt_are_not_replayed(tmp_path: Path)
     assert_nothing_left(tmp_path)
 
 
-@pytest.mark.parametrize("flag, message", [
-    ("--standin-no-plugin", "the tap never fired"),
-    ("--standin-no-dispatch-hook", "not vLLM's dispatch decision"),
-])
-def test_a_server_without_the_tap_is_an_error(tmp_path: Path, flag: str, message: str) -> None:
-    result = run(make_backend(tmp_path, flag))
-    assert result.verdict.code == "ERROR" and message in result.verdict.reason, result.verdict.reason
-    assert_nothing_left(tmp_path)
-
-
-# --- teacher forcing and server life --------------------------------------------------------------------------
-
-def test_teacher_forcing_scores_references_through_prompt_logprobs(tmp_path: Path) -> None:
-    result = run(make_backend(tmp_path, "--standin-drop-deepstack"))
-    arms = {arm.name: arm for arm in result.cases[0].arms}
-    assert set(arms["bcg_normal"].forced) == {"eager_normal", "bcg_zero_deepstack", "bcg_normal"}
-    # Scoring an arm's own answer as a prefill gives its generation's logprobs (same function, same rows).
-    for arm in arms.values():
-        assert arm.forced[arm.name] == pytest.approx(arm.token_logprobs, abs=1e-9)
-    dropped = arms["bcg_normal"].forced["bcg_zero_deepstack"]
-    assert dropped == pytest.approx(arms["bcg_zero_deepstack"].token_logprobs, abs=1e-9)
-    assert result.cases[0].comparison("bcg_normal", "bcg_zero_deepstack").tf_delta == pytest.approx(0.0, abs=1e-9)
-    assert_nothing_left(tmp_path)
-
-
-def test_a_server_that_dies_mid_run_fails_its_arms_and_nothing_is_left(tmp_path: Path) -> None:
-    result = run(make_backend(tmp_path, "--standin-crash-after", "3"))
-    assert result.verdict.code == "ERROR" and "died mid-run" in result.verdict.reason, result.verdict.reason
-    assert_nothing_left(tmp_path)
-
-
-def test_a_server_that_exits_at_start_fails_its_mode(tmp_path: Path) -> None:
-    result = run(make_backend(tmp_path, "--standin-exit-on-start", "1", concurrent=False))
-    assert result.verdict.code == "ERROR" and "exited during start-up with code 1" in result.verdict.reason
+def test_a_server_whose_dispatch_is_not_wrapped_is_an_error(tmp_path: Path) -> None:
+    result = run(make_backend(tmp_path, "--standin-no-dispatch-hook"))
+    assert result.verdict.code == "ERROR" and "not vLLM's dispatch decision" in result.verdict.reason
     assert_nothing_left(tmp_path)

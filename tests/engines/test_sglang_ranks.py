@@ -24,8 +24,8 @@ from parity.engines.sglang.servers import ServerFacts, check_gpu_count
 from parity.tap import fingerprint
 from parity.verdict import judge_run
 from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, make_arm, make_case, make_run
-from tests.test_sglang_backend import four_arms, make_backend, run, tiny_parts  # noqa: F401  (fixture)
-from tests.test_sglang_launcher import assert_nothing_left
+from tests.engines.servers import assert_nothing_left
+from tests.engines.runs import four_arms, make_backend, run
 
 RAW, BUCKET = 6, 8
 

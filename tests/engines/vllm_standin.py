@@ -35,21 +35,20 @@ from __future__ import annotations
 import argparse
 import base64
 import hashlib
-import json
-import math
 import os
 import random
-import subprocess
 import sys
-import threading
 import time
 from enum import Enum
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # parity from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # parity from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stand-in core beside it
+
+import standin_core as core  # noqa: E402
+from standin_core import Rejected, add_common_args  # noqa: E402
 
 VERSION = "0.33.0+standin"
 LEVELS, HIDDEN = 3, 4
@@ -58,10 +57,6 @@ BYTE_OFFSET = 1000
 SPECIAL = {"<|im_start|>": 1, "<|im_end|>": 2, "<|vision_start|>": 3, "<|vision_end|>": 4, "<|image_pad|>": 5}
 IMAGE_TOKEN_ID = SPECIAL["<|image_pad|>"]
 VOCAB = tuple(BYTE_OFFSET + ord(c) for c in "abcdefghijklmnopqrstuvwxyz .")  # what the "model" generates
-
-
-class Rejected(Exception):
-    """A request vLLM would answer with HTTP 400."""
 
 
 # --- tokenizer and chat template ----------------------------------------------------------------------
@@ -249,11 +244,7 @@ class Engine:
 
 def step_logprobs(context: list[int], image: str | None, deepstack: float) -> list[float]:
     """log p(next | context) over VOCAB: a function of the tokens so far, the image and DeepStack."""
-    seed = f"{image or '-'}|{deepstack:.4f}|{','.join(map(str, context))}"
-    rng = random.Random(hashlib.sha256(seed.encode()).hexdigest())
-    logits = [3.0 * rng.random() for _ in VOCAB]
-    norm = math.log(sum(math.exp(x) for x in logits))
-    return [x - norm for x in logits]
+    return core.step_logprobs(f"{image or '-'}|{deepstack:.4f}|{','.join(map(str, context))}", VOCAB)
 
 
 # --- requests --------------------------------------------------------------------------------------------
@@ -325,16 +316,11 @@ def _scored(prompt: list[int], i: int, image: str | None, deepstack: float) -> f
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    add_common_args(parser, default_port=8000)
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--standin-startup-delay", type=float, default=0.0)
-    parser.add_argument("--standin-exit-on-start", type=int, default=None)
-    parser.add_argument("--standin-crash-after", type=int, default=None, help="die on request N+1")
-    parser.add_argument("--standin-no-plugin", action="store_true", help="parity's tap is not installed")
     parser.add_argument("--standin-no-dispatch-hook", action="store_true", help="dispatch is not wrapped")
     parser.add_argument("--standin-full-prefill-eager", action="store_true",
                         help="FULL graphs for decode only (an attention backend without FULL prefills)")
@@ -349,46 +335,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def make_handler(state: SimpleNamespace) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, fmt: str, *args: Any) -> None:
-            if self.path != "/health":  # parity polls it; it would flood the log tail
-                print("standin: " + fmt % args, flush=True)
-
-        def _send(self, status: int, doc: Any) -> None:
-            payload = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-        def do_GET(self) -> None:
-            if self.path == "/health":
-                self._send(200 if state.ready.is_set() else 503, {})
-            elif self.path == "/version":
-                self._send(200, {"version": VERSION})
-            else:
-                self._send(404, {"error": self.path})
-
-        def do_POST(self) -> None:
-            if self.path != "/v1/chat/completions":
-                return self._send(404, {"error": self.path})
-            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            crash_after = state.args.standin_crash_after
-            if crash_after is not None and state.served >= crash_after:
-                print("standin: simulated fatal error in the engine core", flush=True)
-                os._exit(3)  # abrupt, like a CUDA fault: the engine-core child is orphaned
-            state.served += 1
-            try:
-                self._send(200, answer(state.engine, body, state.served))
-            except Rejected as err:
-                self._send(400, {"error": {"message": str(err), "type": "BadRequestError", "code": 400}})
-
-    return Handler
+def routes(state: core.State) -> core.Routes:
+    return core.Routes(
+        ready_path="/health",
+        gets={"/health": lambda: (200 if state.ready.is_set() else 503, {}),
+              "/version": lambda: (200, {"version": VERSION})},
+        post_path="/v1/chat/completions", post=lambda body: answer(state.engine, body, state.served),
+        error_body=lambda message, status: {"error": {"message": message, "type": "BadRequestError", "code": status}},
+    )
 
 
-def start_up(state: SimpleNamespace, started: float) -> None:
+def start_up(state: core.State, started: float) -> None:
     state.engine = Engine(state.args)
     # vLLM's start-up runs dummy steps (profiling, capture, warm-up) before /health answers 200.
     state.engine.step("warmup", [BYTE_OFFSET + 1] * 8, [], decode=False)
@@ -398,19 +355,7 @@ def start_up(state: SimpleNamespace, started: float) -> None:
 
 
 def main(argv: list[str]) -> None:
-    started = time.monotonic()
-    args = parse_args(argv)
-    print(f"standin: pid {os.getpid()} started at {time.time():.6f} args {argv}", flush=True)
-    if args.standin_exit_on_start is not None:
-        print("standin: simulated start-up failure (e.g. out of memory)", flush=True)
-        sys.exit(args.standin_exit_on_start)
-    # vLLM's engine core runs in a child process of the same group; a stop must reach it too.
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    print(f"standin: engine core pid {child.pid}", flush=True)
-    state = SimpleNamespace(args=args, engine=None, ready=threading.Event(), served=0)
-    server = HTTPServer((args.host, args.port), make_handler(state))
-    threading.Thread(target=start_up, args=(state, started), daemon=True).start()
-    server.serve_forever()
+    core.serve(argv, parse_args(argv), routes, start_up, "engine core")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from parity.engines.http import ServerRejected
 from parity.verdict import judge_run
 from parity.engines.vllm import client, plugin, servers, tap as taps
 
+from tests.engines.servers import REPO
 from tests.helpers_runs import make_evidence, make_run, stream_case
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 # --- command lines and capture sizes ---------------------------------------------------------------------

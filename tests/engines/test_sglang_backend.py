@@ -9,63 +9,15 @@ one-GPU `--concurrent` starts in the order and with the memory settings SGLang 0
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from parity.arms import select_arms
-from parity.experiment import run_experiment
-from parity.planning import CaseSpec, RunSpec
-from parity.fixtures import Prompt, builtin_fixture
-from parity.results import FOUR_ARM, REUSE, SCENARIOS, STREAM, RunResult, write_results
+from parity.results import REUSE, SCENARIOS, STREAM, write_results
 from parity.results.loader import load_results
-from parity.engines.sglang import backend as sglang_backend
 from parity.verdict import judge_run
-
-from tests.test_sglang_launcher import STANDIN, assert_nothing_left
-
-MAX_NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def tiny_parts():
-    from parity.models.tiny import build_config, build_processor, build_tokenizer
-    from parity.presets import PRESETS
-
-    tokenizer = build_tokenizer()
-    return build_processor(tokenizer), build_config(PRESETS["tiny-qwen3-vl"], tokenizer)
-
-
-def make_backend(run_dir: Path, tiny_parts, *standin_args: str, concurrent: bool = True,
-                 **kwargs) -> sglang_backend.SglangBackend:
-    """Two servers on their own (pretend) GPUs by default: their start-ups overlap, the suite stays fast."""
-    if concurrent:
-        kwargs.setdefault("gpus", (0, 1))
-    processor, config = tiny_parts
-    image_token = str(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
-    kwargs.setdefault("ready_timeout", 30.0)
-    return sglang_backend.create_sglang_backend(
-        model="tiny-standin", max_new_tokens=MAX_NEW_TOKENS, run_dir=run_dir, concurrent=concurrent,
-        processor=processor, model_config=config, stop_grace=5.0, ready_poll=0.05,
-        launch_command=[sys.executable, str(STANDIN), "--standin-image-token-id", image_token, *standin_args],
-        **kwargs)
-
-
-def run(backend, scenarios=(FOUR_ARM,), arms: str = "all") -> RunResult:
-    case = CaseSpec(builtin_fixture("rgb-stripes"), Prompt("describe", "Describe the image."))
-    spec = RunSpec(model="tiny-standin", arms=select_arms(arms), cases=(case,), scenarios=tuple(scenarios),
-                   max_new_tokens=MAX_NEW_TOKENS)
-    warnings: list[str] = []
-    result = run_experiment(spec, backend, warn=warnings.append)
-    # Localization probes a graph parity captures itself: on SGLang a failing case says so and stays.
-    assert all("not available on the sglang backend" in w for w in warnings)
-    assert all(case.localization is None for case in result.cases)
-    return result
-
-
-def four_arms(result: RunResult) -> dict:
-    return {arm.name: arm for arm in result.cases[0].arms}
+from tests.engines.servers import assert_nothing_left
+from tests.engines.runs import four_arms, make_backend, run
 
 
 # --- the drop, the fix, and the evidence ------------------------------------------------------------------
@@ -101,29 +53,6 @@ def test_the_fix_passes_and_the_file_rejudges_the_same(tmp_path: Path, tiny_part
     assert_nothing_left(tmp_path)
 
 
-def test_teacher_forcing_scores_the_reference_on_the_other_server(tmp_path: Path, tiny_parts) -> None:
-    result = run(make_backend(tmp_path, tiny_parts))
-    arms = four_arms(result)
-    # bcg_normal is scored on both of its references; the stand-in's scoring of a token list is the
-    # same function as its generation, so forcing an arm's own answer gives its own logprobs.
-    # Every arm also scores its own answer, so a teacher-forced delta compares scores with scores.
-    assert set(arms["bcg_normal"].forced) == {"eager_normal", "bcg_zero_deepstack", "bcg_normal"}
-    assert set(arms["eager_normal"].forced) == {"eager_normal"}
-    dropped = arms["bcg_normal"].forced["bcg_zero_deepstack"]
-    assert dropped == pytest.approx(arms["bcg_zero_deepstack"].token_logprobs, abs=1e-9)
-    assert arms["eager_normal"].forced["eager_normal"] == pytest.approx(arms["eager_normal"].token_logprobs, abs=1e-9)
-    assert len(arms["bcg_normal"].forced["eager_normal"]) == MAX_NEW_TOKENS
-    assert arms["bcg_normal"].forced_seconds > 0
-    comparison = result.cases[0].comparison("bcg_normal", "bcg_zero_deepstack")
-    assert comparison.tf_delta == pytest.approx(0.0, abs=1e-9)
-    # A forced request is another prefill of the arm: its entries count in the arm's evidence.
-    plain, forced = arms["eager_zero_deepstack"].evidence, arms["bcg_normal"].evidence
-    assert forced.tap_calls == 4 and plain.tap_calls == 3  # generation + 2 forced + own; generation + 1 + own
-    assert_nothing_left(tmp_path)
-
-
-# --- INCONCLUSIVE_NOT_REPLAYED ------------------------------------------------------------------------------
-
 def test_a_bcg_server_that_never_replays_is_not_replayed(tmp_path: Path, tiny_parts) -> None:
     result = run(make_backend(tmp_path, tiny_parts, "--standin-no-replay"))
     assert result.verdict.code == "INCONCLUSIVE_NOT_REPLAYED", result.verdict.reason
@@ -148,15 +77,6 @@ def test_a_prompt_over_the_largest_bucket_is_not_replayed(tmp_path: Path, tiny_p
 
 
 # --- ERROR ----------------------------------------------------------------------------------------------------
-
-def test_a_server_whose_hook_never_fires_is_an_error(tmp_path: Path, tiny_parts) -> None:
-    result = run(make_backend(tmp_path, tiny_parts, "--standin-no-plugin"))
-    assert result.verdict.code == "ERROR", result.verdict.reason
-    assert "the tap never fired" in result.verdict.reason
-    error = four_arms(result)["eager_normal"].error
-    assert "--- log tail ---" in error and "standin: pid" in error
-    assert_nothing_left(tmp_path)
-
 
 def test_an_image_prefill_without_deepstack_rows_is_an_error(tmp_path: Path, tiny_parts) -> None:
     # The hook fires (text requests are recorded) but never sees DeepStack on an image prefill.

@@ -8,8 +8,6 @@ child it spawns in the same process group.
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
 import signal
 import subprocess
 import sys
@@ -23,40 +21,12 @@ from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines import gpus, launcher
 from parity.engines.sglang import servers
+from tests.engines.servers import REPO, SGLANG_STANDIN, assert_nothing_left, running
 
-STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
-REPO = STANDIN.parent.parent
+STANDIN = SGLANG_STANDIN
 
 
 # --- helpers ---------------------------------------------------------------------------------------------
-
-def running(pid: int) -> bool:
-    """True while `pid` runs; a zombie nobody reaped (PID 1 here may not) has stopped running."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
-def pids_in_logs(run_dir: Path) -> list[int]:
-    """Leader and scheduler pids of every stand-in launched into `run_dir`."""
-    text = "".join(p.read_text() for p in run_dir.glob("sglang-*.log"))
-    return [int(p) for p in re.findall(r"standin: (?:pid|scheduler pid) (\d+)", text)]
-
-
-def assert_nothing_left(run_dir: Path) -> None:
-    pids = pids_in_logs(run_dir)
-    assert pids, "the stand-in never started"
-    deadline = time.monotonic() + 2.0
-    while any(map(running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [p for p in pids if running(p)] == []
-
 
 @pytest.fixture(scope="module")
 def processor():

@@ -16,8 +16,6 @@ wheel contract (test_sglang_contract.py) cover CI. What runs here is SGLang's ow
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -30,20 +28,9 @@ import pytest
 
 from parity.arms import MODES
 from parity.engines.sglang import client, plugin, servers
+from tests.engines.servers import SGLANG_VERSION, installed_sglang
 
-SGLANG_VERSION = "0.5.23"
-
-
-def _installed() -> str | None:
-    if importlib.util.find_spec("sglang") is None:
-        return None
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-_FOUND = _installed()
+_FOUND = installed_sglang()
 pytestmark = [
     pytest.mark.real_sglang,
     pytest.mark.skipif(
@@ -52,7 +39,6 @@ pytestmark = [
                 "scripts/setup_sglang_env.sh sets up an environment that has it"),
     ),
 ]
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,9 @@ from parity.engines import after_import, standin_calls
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.engines.sglang.plugin import TapChannel
-from tests.test_sglang_backend import four_arms, make_backend, run
-from tests.test_sglang_launcher import assert_nothing_left
+from tests.engines.servers import REPO, SGLANG_STANDIN, assert_nothing_left
+from tests.engines.runs import four_arms, make_backend, run
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 # --- the kernel stand-in ------------------------------------------------------------------------------
@@ -317,10 +316,9 @@ def test_a_fix_that_refuses_to_install_in_the_server_is_an_error(tmp_path: Path,
 
 def test_another_launch_command_through_the_variable_skips_the_sglang_checks(parity_cli, tmp_path: Path, tiny) -> None:
     # No SGLang needed: the variable names the stand-in server, the preset is served from its folder.
-    from tests.test_sglang_launcher import STANDIN
 
     image_token = tiny.adapter.processor.tokenizer.convert_tokens_to_ids(tiny.adapter.processor.image_token)
-    launch = f"{sys.executable} {STANDIN} --standin-image-token-id {image_token} --standin-deepstack-replay"
+    launch = f"{sys.executable} {SGLANG_STANDIN} --standin-image-token-id {image_token} --standin-deepstack-replay"
     result = parity_cli("run", "--backend", "sglang", "--device", "cpu", "--max-new-tokens", "4", "--no-plot",
                         "--out", str(tmp_path / "run"), "--sglang-arg", "--cuda-graph-max-bs-prefill 256",
                         env={sglang_backend.LAUNCH_COMMAND_ENV: launch, "PARITY_CACHE_DIR": str(tmp_path / "cache")})

@@ -1,0 +1,57 @@
+"""What the engine tests share about the servers they start (a helper module, not a test module):
+where each stand-in is, and whether a stopped server left a process behind."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+SGLANG_STANDIN = HERE / "sglang_standin.py"
+VLLM_STANDIN = HERE / "vllm_standin.py"
+
+
+def running(pid: int) -> bool:
+    """True while `pid` runs; a zombie nobody reaped (PID 1 here may not) has stopped running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def pids_in_logs(run_dir: Path) -> list[int]:
+    """The leader and child pids of every stand-in (either engine) launched into `run_dir`."""
+    text = "".join(p.read_text() for p in run_dir.glob("*.log"))
+    return [int(p) for p in re.findall(r"standin: (?:pid|scheduler pid|engine core pid) (\d+)", text)]
+
+
+def assert_nothing_left(run_dir: Path) -> None:
+    pids = pids_in_logs(run_dir)
+    assert pids, "the stand-in never started"
+    deadline = time.monotonic() + 2.0
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if running(p)] == []
+
+
+SGLANG_VERSION = "0.5.23"
+
+
+def installed_sglang() -> str | None:
+    """The SGLang version this Python environment has (None: not installed)."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
