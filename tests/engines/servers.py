@@ -47,11 +47,11 @@ def assert_nothing_left(run_dir: Path) -> None:
 SGLANG_VERSION = "0.5.23"
 
 
-def installed_sglang() -> str | None:
-    """The SGLang version this Python environment has (None: not installed)."""
-    if importlib.util.find_spec("sglang") is None:
+def installed(package: str) -> str | None:
+    """The version of `package` this Python environment has (None: not installed)."""
+    if importlib.util.find_spec(package) is None:
         return None
     try:
-        return importlib.metadata.version("sglang")
+        return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None

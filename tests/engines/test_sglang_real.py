@@ -28,9 +28,9 @@ import pytest
 
 from parity.arms import MODES
 from parity.engines.sglang import client, plugin, servers
-from tests.engines.servers import SGLANG_VERSION, installed_sglang
+from tests.engines.servers import SGLANG_VERSION, installed
 
-_FOUND = installed_sglang()
+_FOUND = installed("sglang")
 pytestmark = [
     pytest.mark.real_sglang,
     pytest.mark.skipif(

@@ -17,9 +17,9 @@ import pytest
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.engines.sglang import deepstack_slot
-from tests.engines.servers import SGLANG_VERSION, installed_sglang
+from tests.engines.servers import SGLANG_VERSION, installed
 
-_FOUND = installed_sglang()
+_FOUND = installed("sglang")
 
 pytestmark = [
     pytest.mark.real_sglang,

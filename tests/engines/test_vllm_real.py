@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import importlib.util
 import json
 import os
 import subprocess
@@ -35,23 +34,18 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's config code needs a
 
 from parity.engines.channel import TapChannel  # noqa: E402
 from parity.engines.vllm import plugin, servers, tap as taps  # noqa: E402
+from tests.engines.servers import installed  # noqa: E402
 
 VERSION = "0.33.0"
 
 
-def _vllm_version() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return None
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
+_FOUND = installed("vllm")
 pytestmark = [
     pytest.mark.real_vllm,
-    pytest.mark.skipif(_vllm_version() != VERSION,
-                       reason=f"needs vllm=={VERSION} (found {_vllm_version()}); scripts/setup_vllm_env.sh "
+    pytest.mark.skipif(_FOUND != VERSION,
+                       reason=f"needs vllm=={VERSION} (found {_FOUND}); scripts/setup_vllm_env.sh "
                               "sets up an environment that has it"),
 ]
 LEVELS, HIDDEN, ROWS = 3, 8, 64
