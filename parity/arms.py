@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from parity.data import data_dir
+from parity.design import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER  # noqa: F401
 from parity.errors import UsageError
 
 class _Named(str, enum.Enum):
@@ -48,16 +49,8 @@ class Arm:
     deepstack: DeepStack
 
 
-# The canonical order of the experiment (design §1); reports and verdicts rely on these names.
-EAGER_NORMAL = "eager_normal"
-EAGER_ZERO = "eager_zero_deepstack"
-BCG_NORMAL = "bcg_normal"
-BCG_ZERO = "bcg_zero_deepstack"
-ARM_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO)
 _ARMS = {a.name: a for a in (Arm(EAGER_NORMAL, Mode.EAGER, DeepStack.NORMAL), Arm(EAGER_ZERO, Mode.EAGER, DeepStack.ZERO),
                              Arm(BCG_NORMAL, Mode.BCG, DeepStack.NORMAL), Arm(BCG_ZERO, Mode.BCG, DeepStack.ZERO))}
-# The order arms run in within a case: each comparison's reference runs before the arm compared with it.
-RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator, Mapping
 
-from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, Mode, arm_for
+from parity.arms import Mode, arm_for
+from parity.design import (  # noqa: F401  (the comparisons, as verdict readers import them)
+    BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, FOUR_ARM_CHECKS, FOUR_ARMS, POWER_CHECK, SEQUENCE_POWER_ARM, Check,
+)
 from parity.evidence_rules import Rules, bucket_fault, not_replayed_reason, runs_of, tap_fired
 from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
@@ -50,30 +53,6 @@ SETUP_FAULTS = (INCOMPLETE, INCONCLUSIVE_NONDETERMINISTIC, INCONCLUSIVE_NOT_REPL
 REPEAT_TOL = NOISE_FLOOR
 # The runner variant that leaves the DeepStack slot uncleared between requests (graph_runner.py).
 NO_CLEAR_RUNNER = "no-clear"
-
-
-@dataclass(frozen=True)
-class Check:
-    """One comparison of the experiment, what a correct runtime gives, and what it tests."""
-
-    a: str
-    b: str  # the reference
-    expect_match: bool
-    meaning: str
-
-
-POWER_CHECK = Check(EAGER_ZERO, EAGER_NORMAL, False, "power: DeepStack changes the eager answer")
-FOUR_ARM_CHECKS = (
-    Check(BCG_NORMAL, EAGER_NORMAL, True, "graph replay preserves semantics"),
-    Check(BCG_NORMAL, BCG_ZERO, False, "graph replay sees DeepStack"),
-    Check(BCG_ZERO, EAGER_ZERO, True, "control: graph and eager agree with DeepStack ablated"),
-    POWER_CHECK,
-)
-FOUR_ARMS = (EAGER_NORMAL, EAGER_ZERO, BCG_NORMAL, BCG_ZERO)
-# A sequence's first request (its image, DeepStack normal) is also run eagerly with DeepStack zeroed,
-# in the eager session: the sequence's power (design §3 v3). No graph arm runs it, so the graph
-# sequence is exactly the requests a server would see.
-SEQUENCE_POWER_ARM = EAGER_ZERO
 
 
 @dataclass(frozen=True)

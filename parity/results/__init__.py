@@ -15,41 +15,14 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from parity.design import (  # noqa: F401  (the scenario names, read by every module that reads a file)
+    CASE_IMAGE, FOUR_ARM, REUSE, SCENARIOS, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, STREAM, TWIN_IMAGE, RequestSpec,
+)
 from parity.evidence import DeepStackRecord, Evidence
 
 SCHEMA = "parity.results/2"
 SCHEMA_V1 = "parity.results/1"
-FOUR_ARM = "four-arm"
-REUSE = "reuse"
-STREAM = "stream"
-SCENARIOS = (FOUR_ARM, REUSE, STREAM)
-SEQUENCE_SCENARIOS = (REUSE, STREAM)
-CASE_IMAGE = "case"  # a request with the case's own image
-TWIN_IMAGE = "twin"  # a request with the twin of the case's image: same size and tokens, other pixels
 
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """One request of a sequence scenario: what the experiment sends and what a complete file holds."""
-
-    label: str
-    image: str | None  # CASE_IMAGE, TWIN_IMAGE, or None for a text-only request
-    deepstack: str  # the DeepStack action at the LM entry, the same in both modes
-    # Also answered eagerly with DeepStack zeroed (the `eager_zero_deepstack` power arm, in the eager
-    # session only): the sequence's power (design §3 v3). The first request of every sequence.
-    power: bool = False
-
-
-# The requests of each sequence scenario, in the order a session serves them (design §6).
-SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
-    REUSE: (RequestSpec("primer (image)", CASE_IMAGE, "normal", power=True),
-            RequestSpec("follow-up (text only)", None, "normal")),
-    STREAM: (RequestSpec("image", CASE_IMAGE, "normal", power=True),
-             RequestSpec("image, DeepStack zeroed", CASE_IMAGE, "zero"),
-             RequestSpec("twin image (same size, other pixels)", TWIN_IMAGE, "normal"),
-             RequestSpec("text only", None, "normal"),
-             RequestSpec("image again", CASE_IMAGE, "normal")),
-})
 
 TopLogprobs = tuple[tuple[tuple[int, float], ...], ...]
 
