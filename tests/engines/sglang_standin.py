@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # parity from this
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stand-in core beside it
 
 import standin_core as core  # noqa: E402
-from standin_core import Rejected, add_common_args  # noqa: E402
+from standin_core import Rejected, add_common_args, add_switches  # noqa: E402
 from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
 from parity.engines import standin_calls  # noqa: E402
 from parity.engines.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
@@ -63,22 +63,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None)
     parser.add_argument("--standin-image-token-id", type=int, default=151655)
     parser.add_argument("--standin-warmup", choices=("image", "text"), default="image")
-    parser.add_argument("--standin-never-ready", action="store_true")
     parser.add_argument("--standin-fail-backend", default=None,
                         help="exit on start only when --cuda-graph-backend-prefill has this value")
-    parser.add_argument("--standin-deepstack-replay", action="store_true", help="the upstream fix")
     parser.add_argument("--dtype", default="bfloat16", help="the DeepStack rows are in the served dtype")
     parser.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=1, dest="tp_size",
                         help="ranks: each runs the hook on its own copy of the LM inputs, as its own process")
     parser.add_argument("--standin-silent-rank", type=int, default=None, help="this rank's hook never runs")
     parser.add_argument("--standin-disagreeing-rank", type=int, default=None,
                         help="this rank is handed other DeepStack rows than the others")
-    parser.add_argument("--standin-no-deepstack-key", action="store_true",
-                        help="the hook is called, but image prefills never carry input_deepstack_embeds")
-    parser.add_argument("--standin-no-replay", action="store_true",
-                        help="a breakable server whose prefills all run eager")
-    parser.add_argument("--standin-replay-image-fault", action="store_true",
-                        help="replaying an image prefill kills the process (the fault 0.5.23's comment names)")
+    add_switches(parser, {
+        "--standin-never-ready": "start, but never answer /ready",
+        "--standin-deepstack-replay": "the upstream fix",
+        "--standin-no-deepstack-key": "the hook is called, but image prefills never carry input_deepstack_embeds",
+        "--standin-no-replay": "a breakable server whose prefills all run eager",
+        "--standin-replay-image-fault": "replaying an image prefill kills the process (the fault 0.5.23's comment names)",
+    })
     parser.add_argument("--standin-kernel-call", default=None,
                         help="call this sgl_kernel op through parity's CPU kernel stand-in (a path that needs it)")
     parser.add_argument("--standin-kernel-call-on", choices=("startup", "request"), default="startup")

@@ -45,6 +45,12 @@ def add_common_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--standin-no-plugin", action="store_true", help="parity's tap is not installed")
 
 
+def add_switches(parser: argparse.ArgumentParser, switches: Mapping[str, str]) -> None:
+    """On/off behaviours of a stand-in (a bug it plants, a part it leaves out), flag -> what it does."""
+    for flag, meaning in switches.items():
+        parser.add_argument(flag, action="store_true", help=meaning)
+
+
 @dataclass
 class Routes:
     """What one engine's server answers."""

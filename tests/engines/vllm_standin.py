@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # parity from this
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stand-in core beside it
 
 import standin_core as core  # noqa: E402
-from standin_core import Rejected, add_common_args  # noqa: E402
+from standin_core import Rejected, add_common_args, add_switches  # noqa: E402
 
 VERSION = "0.33.0+standin"
 LEVELS, HIDDEN = 3, 4
@@ -321,13 +321,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=1024)
     parser.add_argument("--max-model-len", type=int, default=32768)
-    parser.add_argument("--standin-no-dispatch-hook", action="store_true", help="dispatch is not wrapped")
-    parser.add_argument("--standin-full-prefill-eager", action="store_true",
-                        help="FULL graphs for decode only (an attention backend without FULL prefills)")
-    parser.add_argument("--standin-drop-deepstack", action="store_true",
-                        help="replayed graphs ignore DeepStack (the #43617 class of bug)")
-    parser.add_argument("--standin-fixed-clear", action="store_true",
-                        help="the buffers are cleared after every step, replayed or not (a fixed engine)")
+    add_switches(parser, {
+        "--standin-no-dispatch-hook": "dispatch is not wrapped",
+        "--standin-full-prefill-eager": "FULL graphs for decode only (an attention backend without FULL prefills)",
+        "--standin-drop-deepstack": "replayed graphs ignore DeepStack (the #43617 class of bug)",
+        "--standin-fixed-clear": "the buffers are cleared after every step, replayed or not (a fixed engine)",
+    })
     # vLLM's dotted compilation flags: -cc.cudagraph_mode=FULL
     dotted = [a for a in argv if a.startswith("-cc.cudagraph_mode=")]
     args, _ = parser.parse_known_args([a for a in argv if a not in dotted])  # other vLLM flags are ignored
