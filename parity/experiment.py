@@ -103,7 +103,7 @@ def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
     if spec.shard is not None and plan is not None:
         config["shard"] = shard_config(spec.shard, shard_assignment(spec, plan))
         planned = in_shard(spec, planned, plan)
-    localizes = isinstance(backend, CanLocalize)
+    localizes = registry.info(backend.name).localizes and isinstance(backend, CanLocalize)
     if localizes:
         config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
     run = _run_result(spec, backend, planned, collected, config, stop is not None)
