@@ -210,6 +210,7 @@ USED_BY = {
     ("--sglang-fix", "deepstack-slot"): {"sglang"},
     ("--vllm-arg", "--enable-prefix-caching"): {"vllm"},
     ("--graph-mode", "full"): {"vllm"},
+    ("--vllm-fix", "deepstack-clear"): {"vllm"},
     ("--concurrent", None): {"sglang", "vllm"},
     ("--gpus", "0"): {"sglang", "vllm"},
     ("--ready-timeout", "5"): {"sglang", "vllm"},

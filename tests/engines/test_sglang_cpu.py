@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from parity.errors import BackendUnavailableError, UsageError
-from parity.engines import after_import, standin_calls
+from parity.engines import after_import, fix_records, standin_calls
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.engines.sglang.plugin import TapChannel
@@ -248,11 +248,11 @@ def test_presets_are_saved_once_as_checkpoint_folders(tmp_path: Path, tiny) -> N
 # --- the fix in the server -------------------------------------------------------------------------------
 
 def test_the_fix_is_off_unless_asked_and_refuses_other_versions(tmp_path: Path, monkeypatch) -> None:
-    assert deepstack_slot.activate({}, tmp_path) is None and not deepstack_slot.read_records(tmp_path)
+    assert deepstack_slot.activate({}, tmp_path) is None and not fix_records.read_records(tmp_path)
     monkeypatch.setattr(deepstack_slot, "installed_sglang", lambda: "0.5.24")
     assert deepstack_slot.activate({deepstack_slot.ENV_FIX: deepstack_slot.FIX}, tmp_path) is None
     assert deepstack_slot.activate({deepstack_slot.ENV_FIX: "slot"}, tmp_path) is None
-    refused = deepstack_slot.read_records(tmp_path)
+    refused = fix_records.read_records(tmp_path)
     assert [r.refused for r in refused] == [True, True]
     assert "this is SGLang 0.5.24" in refused[0].note and "unknown variant 'slot'" in refused[1].note
     problem, _ = server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "eager")
@@ -263,15 +263,15 @@ def test_the_fix_is_off_unless_asked_and_refuses_other_versions(tmp_path: Path, 
 
 
 def test_a_bcg_server_without_a_slot_fails_the_fix_check(tmp_path: Path) -> None:
-    record = deepstack_slot.FixRecord(1, deepstack_slot.FIX, None, None, "no slot: the model has 0 DeepStack blocks")
-    deepstack_slot.append_record(tmp_path, record)
+    record = fix_records.FixRecord(1, deepstack_slot.FIX, None, None, "no slot: the model has 0 DeepStack blocks")
+    fix_records.append_record(tmp_path, record)
     problem, records = server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")
     assert "has no DeepStack slot: no slot: the model has 0 DeepStack blocks" in problem and len(records) == 1
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "eager")[0] is None
     assert server_checks.fix_problem(tmp_path, None, "bcg") == (None, [])
-    deepstack_slot.append_record(tmp_path, deepstack_slot.FixRecord(2, deepstack_slot.FIX, (64, 192), "torch.float32", ""))
+    fix_records.append_record(tmp_path, fix_records.FixRecord(2, deepstack_slot.FIX, (64, 192), "torch.float32", ""))
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")[0] is None
-    assert deepstack_slot.FixRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    assert fix_records.FixRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
 
 
 def test_the_dtype_check_compares_what_the_model_runs_in() -> None:

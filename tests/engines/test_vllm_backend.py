@@ -103,6 +103,42 @@ def test_a_whole_forward_replay_leaks_deepstack_into_the_next_text_request(tmp_p
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.parametrize("graph_mode", ["full", "breakable"])
+def test_the_clear_fix_passes_where_the_released_engine_leaks(tmp_path: Path, graph_mode: str) -> None:
+    released = run(make_backend(tmp_path / "released", graph_mode=graph_mode), SCENARIOS)
+    fixed = run(make_backend(tmp_path / "fixed", graph_mode=graph_mode, fix="deepstack-clear"), SCENARIOS)
+    assert released.verdict.code == "FAIL_STALE_STATE"  # negative control: the same plan, the fix left out
+    assert fixed.verdict.code == "PASS", fixed.verdict.reason
+    assert all(a.evidence.leak is None for c in fixed.cases for a in c.all_arms())
+    # The eager server answers the same with or without the fix (it clears in Python anyway).
+    for before, after in zip(released.cases, fixed.cases):
+        for b, a in zip(before.all_arms(), after.all_arms()):
+            if b.mode == "eager":
+                assert b.token_ids == a.token_ids, (before.id, b.name)
+    config = fixed.config
+    assert config["vllm_fix"] == "deepstack-clear" and config["vllm_server_env"]["bcg"]["PARITY_VLLM_FIX"]
+    notes = {r["note"] for records in config["vllm_fix_records"].values() for r in records}
+    assert notes == {"wrapped DefaultModelState.prepare_inputs_embeds",
+                     "wrapped Qwen3VLForConditionalGeneration._set_deepstack_input_embeds"}
+    assert_nothing_left(tmp_path / "released")
+    assert_nothing_left(tmp_path / "fixed")
+
+
+def test_the_fix_refuses_another_vllm_and_an_unknown_variant(tmp_path: Path) -> None:
+    from parity.engines import fix_records
+    from parity.engines.vllm import deepstack_clear
+    from parity.errors import UsageError
+
+    env = {deepstack_clear.ENV_FIX: "deepstack-clear"}
+    assert deepstack_clear.activate({}, tmp_path) is None and not fix_records.read_records(tmp_path)
+    assert deepstack_clear.activate(env, tmp_path, version=lambda: "0.34.0") is None
+    (refused,) = fix_records.read_records(tmp_path)
+    assert refused.refused and "written against vLLM 0.33.0, this is vLLM 0.34.0" in refused.note
+    assert deepstack_clear.activate(env, tmp_path, version=lambda: "0.33.0") is not None
+    with pytest.raises(UsageError, match="unknown vLLM fix"):
+        make_backend(tmp_path, fix="deepstack-everything")
+
+
 def test_an_engine_that_clears_after_every_replay_passes_in_full_mode(tmp_path: Path) -> None:
     # Negative control: the same FULL replays with the clear restored show no leak.
     result = run(make_backend(tmp_path, "--standin-fixed-clear", graph_mode="full"), (REUSE, STREAM))

@@ -33,7 +33,7 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's config code needs a platform; CPU is this one
 
 from parity.engines.channel import TapChannel  # noqa: E402
-from parity.engines.vllm import plugin, servers, tap as taps  # noqa: E402
+from parity.engines.vllm import deepstack_clear, plugin, servers, tap as taps  # noqa: E402
 from tests.engines.servers import installed  # noqa: E402
 
 VERSION = "0.33.0"
@@ -204,7 +204,7 @@ class Engine:
     no Python at all: the add reads the buffer where it is, and nothing clears it.
     """
 
-    def __init__(self, tmp_path: Path, cudagraph_mode: str, control: str = "record") -> None:
+    def __init__(self, tmp_path: Path, cudagraph_mode: str, control: str = "record", fix: bool = False) -> None:
         import torch
         from vllm.config.compilation import CUDAGraphMode
         from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -227,9 +227,13 @@ class Engine:
         model.language_model = SimpleNamespace(embed_input_ids=embedding)
         model.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=HIDDEN))
         self.model = model
-        # The real setter with parity's wrapper, as the plugin installs it on the class.
-        model._set_deepstack_input_embeds = taps.wrap_setter(
-            Qwen3VLForConditionalGeneration._set_deepstack_input_embeds, self.tap).__get__(model)
+        # The real setter with parity's wrappers, as the plugin installs them on the class: the fix
+        # (when asked for) first, the tap around it.
+        setter, prepare = Qwen3VLForConditionalGeneration._set_deepstack_input_embeds, DefaultModelState.prepare_inputs_embeds
+        if fix:
+            clear = deepstack_clear.DeepStackClear(None, capturing=lambda: False)
+            setter, prepare = deepstack_clear.wrap_setter(setter, clear), deepstack_clear.wrap_step(prepare, clear)
+        model._set_deepstack_input_embeds = taps.wrap_setter(setter, self.tap).__get__(model)
 
         class Gathered(ModelState):  # what DefaultModelState's super().gather_mm_embeddings returns
             def gather_mm_embeddings(self, input_batch, draft_lookahead=0):
@@ -249,7 +253,7 @@ class Engine:
 
         state.encoder_runner = SimpleNamespace(get_inputs_embeds=get_inputs_embeds)
         self.state = state
-        self.prepare = taps.wrap_step(DefaultModelState.prepare_inputs_embeds, self.tap)
+        self.prepare = taps.wrap_step(prepare, self.tap)
 
         manager = object.__new__(CudaGraphManager)
         manager.vllm_config = SimpleNamespace(speculative_config=None,
@@ -381,3 +385,26 @@ def test_the_partial_clear_residue_is_seen_on_the_next_longer_step(tmp_path: Pat
     assert big.model.deepstack_input_embeds_num_tokens == 0
     _, _, later = big.request(TEXT_PROMPT, None)
     assert later.stale_rows == 11 and later.uncleared == 0  # rows 8..18 survived a clear that reset the counter
+
+
+def test_the_clear_fix_with_the_real_methods_leaves_no_stale_row_and_keeps_the_steps_own(tmp_path: Path) -> None:
+    """parity's --vllm-fix deepstack-clear around vLLM's own setter and step preparation: under FULL
+    the text request after an image reads no stale row and answers as the eager server does, the
+    image request's own rows are untouched, and the partial-clear residue is gone too."""
+    import torch
+
+    fixed, released, eager = (Engine(tmp_path / "f", "FULL", fix=True), Engine(tmp_path / "r", "FULL"),
+                              Engine(tmp_path / "e", "NONE"))
+    image = {name: engine.request(IMAGE_PROMPT, (3, 16)) for name, engine in
+             (("fixed", fixed), ("released", released), ("eager", eager))}
+    assert torch.equal(image["fixed"][0], image["released"][0])  # the step's own rows: never zeroed
+    text = {name: engine.request(TEXT_PROMPT, None) for name, engine in
+            (("fixed", fixed), ("released", released), ("eager", eager))}
+    assert text["released"][2].stale_rows == 16  # negative control: the leak is there without the fix
+    assert text["fixed"][1] == "FULL" and text["fixed"][2].stale_rows == 0
+    assert torch.equal(text["fixed"][0], text["eager"][0])
+    residue = Engine(tmp_path / "p", "FULL", fix=True)
+    residue.request(IMAGE_PROMPT, (3, 16))
+    residue.model._clear_deepstack_input_embeds(8)  # an eager step's partial clear: rows 8..23 left
+    assert residue.request(TEXT_PROMPT, None)[2].stale_rows == 0
+

@@ -210,19 +210,32 @@ class Engine:
     """One request at a time: a prefill step, then one decode step per further token."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from parity.engines.vllm import plugin, tap
+        from parity.engines.vllm import deepstack_clear, plugin, tap
 
         self.args = args
         breakable = os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1"
         self.manager, self.model = Manager(args, breakable), Model(args.max_num_batched_tokens)
         self.state = ModelState(self.model)
         hooks = None if args.standin_no_plugin else plugin.activate()
+        folder = os.environ.get(plugin.ENV_VAR)
+        # The stand-in is vLLM 0.33.0 as far as the fix is concerned (no vLLM is installed here).
+        fix = None if args.standin_no_plugin else deepstack_clear.activate(
+            os.environ, Path(folder) if folder else None, version=lambda: deepstack_clear.WRITTEN_FOR)
+        if fix is not None:  # the fix wraps first, as parity's plugin does: the tap sees what a step reads
+            self.state.prepare_inputs_embeds = deepstack_clear.wrap_step(
+                ModelState.prepare_inputs_embeds, fix).__get__(self.state)
+            self.model._set_deepstack_input_embeds = deepstack_clear.wrap_setter(
+                Model._set_deepstack_input_embeds, fix).__get__(self.model)
+            for target in plugin.TARGETS:
+                if target.fix_wrapper:
+                    fix.installed(f"{target.cls}.{target.method}")
         if hooks is not None:  # what parity's plugin installs in a vLLM model process
             if not args.standin_no_dispatch_hook:
                 self.manager.dispatch = tap.wrap_dispatch(Manager.dispatch, hooks).__get__(self.manager)
-            self.state.prepare_inputs_embeds = tap.wrap_step(ModelState.prepare_inputs_embeds, hooks).__get__(self.state)
+            self.state.prepare_inputs_embeds = tap.wrap_step(
+                self.state.prepare_inputs_embeds.__func__, hooks).__get__(self.state)
             self.model._set_deepstack_input_embeds = tap.wrap_setter(
-                Model._set_deepstack_input_embeds, hooks).__get__(self.model)
+                self.model._set_deepstack_input_embeds.__func__, hooks).__get__(self.model)
 
     def step(self, request_id: str, ids: list[int], images: list[tuple[int, str]], decode: bool) -> float:
         """One engine step over `ids` (the step's tokens); the DeepStack the LM added to its real rows."""

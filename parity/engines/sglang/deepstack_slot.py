@@ -30,12 +30,12 @@ from __future__ import annotations
 import contextvars
 import importlib.metadata
 import inspect
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from parity.engines.fix_records import FixRecord, append_record
 from parity.slot_contract import refresh
 
 ENV_FIX = "PARITY_SGLANG_FIX"
@@ -46,7 +46,6 @@ NO_CLEAR = "deepstack-slot-no-clear"  # test-only: a slot that is never cleared
 SKIP_SAME_SHAPE = "deepstack-slot-skip-same-shape"
 VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE)
 WRITTEN_FOR = "0.5.23"
-RECORDS_FILE = "fix.jsonl"
 
 RUNNER_MODULE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.PrefillCudaGraphRunner"
@@ -59,45 +58,6 @@ TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/test_sglang_contract
 DEEPSTACK_KWARG = "input_deepstack_embeds"
 SLOT_ATTRIBUTE = "_parity_deepstack_slot"
 REPLAYING_BACKENDS = ("breakable", "full")
-
-
-# --- proof that the fix is in place ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class FixRecord:
-    """What one server process did with the fix: the slot it allocated, or why none / why refused."""
-
-    pid: int
-    variant: str
-    slot: tuple[int, int] | None  # [max_tokens, hidden x n]; None: no slot
-    dtype: str | None
-    note: str  # why there is no slot, or what refused the fix
-    refused: bool = False
-
-    def to_json(self) -> dict:
-        return {"pid": self.pid, "variant": self.variant, "slot": None if self.slot is None else list(self.slot),
-                "dtype": self.dtype, "note": self.note, "refused": self.refused}
-
-    @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> "FixRecord":
-        slot = raw.get("slot")
-        return cls(int(raw["pid"]), str(raw["variant"]), None if slot is None else (int(slot[0]), int(slot[1])),
-                   raw.get("dtype"), str(raw.get("note", "")), bool(raw.get("refused", False)))
-
-
-def read_records(folder: Path) -> list[FixRecord]:
-    try:
-        lines = (folder / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    return [FixRecord.from_json(json.loads(line)) for line in lines if line.strip()]
-
-
-def append_record(folder: Path | None, record: FixRecord) -> None:
-    if folder is None:
-        return
-    with open(folder / RECORDS_FILE, "a", encoding="utf-8") as out:
-        out.write(json.dumps(record.to_json()) + "\n")
 
 
 # --- the hooks on the real runner ------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Sequence
 
 from parity.errors import BackendUnavailableError, UsageError
 from parity.engines.sglang import deepstack_slot, plugin
+from parity.engines.fix_records import read_records
 from parity.engines.settings import EnginePackage
 from parity.engines.sglang.plugin import TapEntry
 from parity.engines.sglang.servers import DEVICES, GRAPH_BACKENDS
@@ -66,7 +67,7 @@ def fix_problem(channel: Path, fix: str | None, mode: str) -> tuple[str | None, 
     """(problem, the slot records) for a server asked to run `fix`; only a bcg server builds a slot."""
     if not fix:
         return None, []
-    records = deepstack_slot.read_records(channel)
+    records = read_records(channel)
     refused = [r for r in records if r.refused]
     if refused:
         return f"parity's {fix} fix refused to install: {refused[0].note}", [r.to_json() for r in records]

@@ -23,13 +23,18 @@ from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs
 from parity.engines.settings import EnginePackage
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
-from parity.engines.vllm import client, plugin
+from parity.engines.fix_records import read_records
+from parity.engines.vllm import client, deepstack_clear, plugin
 from parity.engines.vllm.servers import (
     READY_PATH, VllmSettings, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
 )
-from parity.errors import ArmFailure, UsageError
+from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.fixtures import Fixture
+
+
+# Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
+FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
 
 
 class VllmBackend(EngineBackend):
@@ -47,6 +52,7 @@ class VllmBackend(EngineBackend):
         super().__init__(settings, prompts, facts)
         self._envs: dict[str, dict[str, str]] = {}
         self._images: dict[str, str] = {}
+        self._fix_records: dict[str, list[dict]] = {}
 
     @property
     def server_facts(self):
@@ -89,6 +95,24 @@ class VllmBackend(EngineBackend):
                 "the tap saw the request's steps but not vLLM's dispatch decision for them "
                 "(CudaGraphManager.dispatch was not wrapped): graph replay cannot be shown; look for 'parity:' "
                 "lines in the log")
+        problem = self._fix_problem(server)
+        return None if problem is None else server.process.failure(problem)
+
+    def _fix_problem(self, server: Server) -> str | None:
+        """With --vllm-fix: the model process must have wrapped both of the fix's points."""
+        fix = self.settings.fix
+        if not fix:
+            return None
+        records = read_records(server.channel.folder)
+        self._fix_records[server.process.name] = [r.to_json() for r in records]
+        refused = [r for r in records if r.refused]
+        if refused:
+            return f"parity's {fix} fix refused to install: {refused[0].note}"
+        wrapped = {r.note for r in records}
+        missing = [t for t in FIX_POINTS if f"wrapped {t}" not in wrapped]
+        if missing:
+            return (f"parity's {fix} fix was asked for but the model process did not wrap {', '.join(missing)}; "
+                    "look for 'parity:' lines in the log")
         return None
 
     # --- requests ------------------------------------------------------------------------------
@@ -138,6 +162,8 @@ class VllmBackend(EngineBackend):
             "vllm_server_env": {m: self._envs.get(m, {}) for m in self._modes},
             "vllm_args": list(self.settings.vllm_args),
             "vllm_capture_sizes": {"max": self.max_bucket, "count": len(self._sizes)},
+            "vllm_fix": self.settings.fix,
+            "vllm_fix_records": dict(self._fix_records),
             "top_logprobs_num": client.TOP_LOGPROBS,
         }
 
@@ -148,23 +174,30 @@ PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GRO
 
 
 def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str = "full_and_piecewise",
-                        buckets: str | tuple[int, ...] = "auto", launch_command: Sequence[str] | None = None,
-                        processor: Any = None, model_config: Any = None, **server: Any) -> VllmBackend:
+                        buckets: str | tuple[int, ...] = "auto", fix: str | None = None,
+                        launch_command: Sequence[str] | None = None, processor: Any = None, model_config: Any = None,
+                        **server: Any) -> VllmBackend:
     """The backend the CLI builds; `server` holds the `ServerSettings` fields. `launch_command`
     replaces `python -m vllm.entrypoints.cli.main serve` (tests start a stand-in) and then skips
     the vLLM/GPU checks; `processor` and `model_config` skip loading the checkpoint's (tests inject
-    the tiny ones)."""
+    the tiny ones). `fix` runs parity's DeepStack clear fix in the servers."""
     graph_mode(graph_mode_name)
+    if fix is not None and fix not in deepstack_clear.VARIANTS:
+        raise UsageError(f"unknown vLLM fix {fix!r}; known: {', '.join(deepstack_clear.VARIANTS)}")
     explicit = None if buckets == "auto" else tuple(buckets)
     if explicit is not None and (not explicit or min(explicit) <= 0):
         raise UsageError("--buckets needs positive token counts (the vllm backend's capture sizes)")
     if launch_command is not None:
         server["launch_command"] = tuple(launch_command)
     settings = VllmSettings(vllm_args=split_vllm_args(vllm_args), graph_mode=graph_mode_name, buckets=explicit,
-                            **server)
+                            fix=fix, **server)
     plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
     if launch_command is None:
         PACKAGE.check_installed(needs_gpu=True)
+        found = PACKAGE.installed_version()
+        if fix is not None and found != deepstack_clear.WRITTEN_FOR:
+            raise BackendUnavailableError(f"--vllm-fix {fix} was written against vLLM {deepstack_clear.WRITTEN_FOR}; "
+                                          f"this environment has vLLM {found}")
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     return VllmBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
 
@@ -182,5 +215,5 @@ def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) ->
     if options.dtype != "auto":
         vllm_args = (*vllm_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
     return create_vllm_backend(vllm_args=vllm_args, graph_mode_name=options.own("graph_mode", "full_and_piecewise"),
-                               buckets=options.buckets, max_new_tokens=max_new_tokens, run_dir=run_dir,
+                               buckets=options.buckets, fix=options.own("vllm_fix"), max_new_tokens=max_new_tokens, run_dir=run_dir,
                                **options.server)

@@ -30,6 +30,9 @@ VLLM = BackendInfo(
             "multiple": True,
             "help": "Extra `vllm serve` flag for both servers (repeatable, vllm backend); flags parity sets are "
                     "refused."}),
+        EngineOption("vllm_fix", "--vllm-fix", {
+            "type": click.Choice(["deepstack-clear"]), "default": None,
+            "help": "Run parity's DeepStack clear fix inside the vLLM servers (vLLM 0.33.0 only)."}),
         EngineOption("graph_mode", "--graph-mode", {
             "type": click.Choice(GRAPH_MODE_NAMES), "default": "full_and_piecewise", "show_default": True,
             "help": "vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE)."}),

@@ -1,8 +1,9 @@
 """parity's vLLM plugin: the `vllm.general_plugins` entry point that installs the tap (`tap.py`).
 
 vLLM calls `register()` in every process that loads plugins: the API server, the engine core and
-each worker (docs/engines/vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder,
-so installing parity next to a production server changes nothing. When set, it arranges for three
+each worker (docs/engines/vllm-0.33.md §5.1). It does nothing unless `PARITY_VLLM_TAP` names a channel folder
+or `PARITY_VLLM_FIX` asks for parity's DeepStack clear fix (`deepstack_clear.py`), so installing
+parity next to a production server changes nothing. When set, it arranges for three
 vLLM classes to be wrapped when their modules are imported, not before (parity/engines/after_import.py):
 importing a model module may initialise CUDA, and only the process that runs the model imports these
 at all. A module already imported is wrapped at once. Wrapping is idempotent.
@@ -26,6 +27,7 @@ from typing import Mapping
 
 from parity.engines.after_import import after_import
 from parity.engines.channel import TapChannel
+from parity.engines.vllm import deepstack_clear
 
 ENV_VAR = "PARITY_VLLM_TAP"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -40,17 +42,20 @@ class Target:
     cls: str
     method: str
     wrapper: str  # the name of the wrapping function in parity.engines.vllm.tap
+    fix_wrapper: str | None = None  # and in parity.engines.vllm.deepstack_clear, where the fix wraps it
 
 
 # What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/test_vllm_real.py checks each one.
 TARGETS = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "dispatch", "wrap_dispatch"),
-    Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step"),
+    Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step",
+           "wrap_step"),
     Target("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration",
-           "_set_deepstack_input_embeds", "wrap_setter"),
+           "_set_deepstack_input_embeds", "wrap_setter", "wrap_setter"),
 )
 
 _TAP = None  # this process's StepTap, once activated
+_FIX = None  # this process's DeepStackClear, when parity asked for the fix
 
 
 def activate(environ: Mapping[str, str] = os.environ):
@@ -66,11 +71,21 @@ def activate(environ: Mapping[str, str] = os.environ):
     return _TAP
 
 
+def activate_fix(environ: Mapping[str, str] = os.environ):
+    """This process's DeepStack clear fix (`deepstack_clear.py`), or None unless PARITY_VLLM_FIX asks
+    for it; a refusal (another vLLM) is recorded in the channel folder for parity to read."""
+    global _FIX
+    if _FIX is None and environ.get(deepstack_clear.ENV_FIX):
+        folder = environ.get(ENV_VAR)
+        _FIX = deepstack_clear.activate(environ, Path(folder) if folder else None)
+    return _FIX
+
+
 def register() -> None:
-    """vLLM general-plugin entry point: inert unless PARITY_VLLM_TAP is set. vLLM may call it more
-    than once in a process; each module is wrapped once, when it has executed (now, if it has)."""
-    tap = activate()
-    if tap is None:
+    """vLLM general-plugin entry point: inert unless PARITY_VLLM_TAP or PARITY_VLLM_FIX is set. vLLM
+    may call it more than once in a process; each module is wrapped once, when it has executed (now,
+    if it has)."""
+    if activate() is None and activate_fix() is None:
         return
     for name in dict.fromkeys(t.module for t in TARGETS):
         after_import(name, _wrapping(name))
@@ -82,13 +97,14 @@ def _wrapping(module_name: str):
     def patch(module: ModuleType) -> None:
         for target in TARGETS:
             if target.module == module_name:
-                wrap(module, target, _TAP)
+                wrap(module, target, _TAP, _FIX)
 
     return patch
 
 
-def wrap(module: ModuleType, target: Target, tap) -> None:
-    """Replace `target`'s method in `module` with the tap's wrapper around it (once)."""
+def wrap(module: ModuleType, target: Target, tap, fix=None) -> None:
+    """Replace `target`'s method in `module` with the tap's wrapper around it (once); with the fix,
+    the fix wraps the method first, so the tap records what the step reads after the fix."""
     from parity.engines.vllm import tap as taps
 
     original = getattr(getattr(module, target.cls, None), "__dict__", {}).get(target.method)
@@ -98,5 +114,10 @@ def wrap(module: ModuleType, target: Target, tap) -> None:
         print(f"parity: {target.module}.{target.cls}.{target.method} not found; the tap is not installed there "
               "(parity's vLLM tap knows vLLM 0.33)", file=sys.stderr, flush=True)
         return
-    if not getattr(original, taps.WRAPPED_FLAG, False):
-        setattr(getattr(module, target.cls), target.method, getattr(taps, target.wrapper)(original, tap))
+    cls = getattr(module, target.cls)
+    if fix is not None and target.fix_wrapper and not deepstack_clear.is_fixed(original):
+        original = getattr(deepstack_clear, target.fix_wrapper)(original, fix)
+        setattr(cls, target.method, original)
+        fix.installed(f"{target.cls}.{target.method}")
+    if tap is not None and not getattr(original, taps.WRAPPED_FLAG, False):
+        setattr(cls, target.method, getattr(taps, target.wrapper)(original, tap))

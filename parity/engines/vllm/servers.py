@@ -26,7 +26,7 @@ from parity.engines.channel import TapChannel
 from parity.engines.flags import flag_values, int_flag, split_user_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
 from parity.engines.settings import ServerSettings
-from parity.engines.vllm import plugin
+from parity.engines.vllm import deepstack_clear, plugin
 
 LAUNCH_MODULE = ("-m", "vllm.entrypoints.cli.main", "serve")
 ARG_OPTION = "--vllm-arg"
@@ -203,6 +203,7 @@ class VllmSettings(ServerSettings):
     vllm_args: tuple[str, ...] = ()
     graph_mode: str = DEFAULT_GRAPH_MODE
     buckets: tuple[int, ...] | None = None  # None: vLLM's ladder up to what the run needs
+    fix: str | None = None  # parity's DeepStack clear fix in the servers (deepstack_clear.py VARIANTS)
 
     @property
     def facts(self) -> ServerFacts:
@@ -238,6 +239,8 @@ def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: 
 
 def server_env(settings: VllmSettings, channel: TapChannel, placement: Placement) -> dict[str, str]:
     env = {plugin.ENV_VAR: str(channel.folder.resolve()), BREAKABLE_ENV: "1" if settings.graph.breakable else "0"}
+    if settings.fix:
+        env[deepstack_clear.ENV_FIX] = settings.fix
     if PLUGINS_ENV in os.environ:  # unset loads every plugin; set (even empty) must name parity too
         names = [n.strip() for n in os.environ[PLUGINS_ENV].split(",") if n.strip()]
         env[PLUGINS_ENV] = ",".join(dict.fromkeys([*names, plugin.ENTRY_POINT_NAME]))
@@ -255,4 +258,5 @@ def plan_launch(settings: VllmSettings, modes: Sequence[str] = MODES) -> LaunchP
 
 def environment_of(env: Mapping[str, str]) -> dict[str, str]:
     """The part of a server's environment that shapes its execution, for the results' config."""
-    return {k: v for k, v in env.items() if k in (BREAKABLE_ENV, PLUGINS_ENV, "CUDA_VISIBLE_DEVICES")}
+    return {k: v for k, v in env.items()
+            if k in (BREAKABLE_ENV, PLUGINS_ENV, "CUDA_VISIBLE_DEVICES", deepstack_clear.ENV_FIX)}

@@ -1,0 +1,50 @@
+"""Proof that a fix parity runs inside an engine's servers is in place: each server process that
+applies (or refuses) a fix appends one JSON line to `fix.jsonl` in parity's tap channel folder, and
+parity reads them before it trusts the server (design §6). Stdlib only: written inside servers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+RECORDS_FILE = "fix.jsonl"
+
+
+@dataclass(frozen=True)
+class FixRecord:
+    """What one server process did with the fix: the slot it allocated, or why none / why refused."""
+
+    pid: int
+    variant: str
+    slot: tuple[int, int] | None  # [max_tokens, hidden x n]; None: no slot
+    dtype: str | None
+    note: str  # why there is no slot, or what refused the fix
+    refused: bool = False
+
+    def to_json(self) -> dict:
+        return {"pid": self.pid, "variant": self.variant, "slot": None if self.slot is None else list(self.slot),
+                "dtype": self.dtype, "note": self.note, "refused": self.refused}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "FixRecord":
+        slot = raw.get("slot")
+        return cls(int(raw["pid"]), str(raw["variant"]), None if slot is None else (int(slot[0]), int(slot[1])),
+                   raw.get("dtype"), str(raw.get("note", "")), bool(raw.get("refused", False)))
+
+
+def read_records(folder: Path) -> list[FixRecord]:
+    try:
+        lines = (folder / RECORDS_FILE).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    return [FixRecord.from_json(json.loads(line)) for line in lines if line.strip()]
+
+
+def append_record(folder: Path | None, record: FixRecord) -> None:
+    if folder is None:
+        return
+    with open(folder / RECORDS_FILE, "a", encoding="utf-8") as out:
+        out.write(json.dumps(record.to_json()) + "\n")

@@ -1,0 +1,150 @@
+"""parity's fix for vLLM 0.33's stale-DeepStack leak: the fix parity validates (off unless asked).
+
+vLLM keeps DeepStack in persistent per-model buffers that every step shares: the setter copies a
+step's rows in before the forward, the forward reads them, and `_clear_deepstack_input_embeds`
+zeroes them after the language model, in Python. A FULL or breakable graph replays the forward
+without Python, so the clear never runs and a later step reads an earlier step's image rows
+(docs/engines/vllm-0.33.md §3.3). This fix keeps one invariant instead, in eager code that runs
+before every forward step and outside any captured region: when a step's forward starts, every row
+of the buffers that the step did not write itself is zero.
+
+- The setter (`_set_deepstack_input_embeds`, called on steps that carry image rows: a whole
+  prefill or a prefill chunk) first zeroes the rows an earlier step left beyond this step's rows,
+  then writes this step's rows.
+- `prepare_inputs_embeds` (every step) zeroes, for a step whose setter did not run (text, decode,
+  a text-only chunk), every row an earlier step left.
+- It never zeroes rows the current step wrote, and it tracks the highest row an earlier step may
+  have left (a high-water mark), so the cost is one memset of those rows, once.
+
+Nothing is done while a graph is being captured (the clearing must not be recorded into it). The
+same code runs under real CUDA graphs on a GPU: it touches only the persistent buffers, between
+steps, exactly where vLLM's setter does. It refuses any vLLM but the one it was written against.
+Stdlib only at import (vLLM imports the plugin in every process); torch comes with the model.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from parity.engines.fix_records import FixRecord, append_record
+
+ENV_FIX = "PARITY_VLLM_FIX"
+FIX = "deepstack-clear"
+VARIANTS = (FIX,)
+WRITTEN_FOR = "0.33.0"
+BUFFER_ATTR = "deepstack_input_embeds"
+DIRTY_ATTR = "_parity_deepstack_dirty"  # on the model: rows [0, dirty) may hold an earlier step's features
+FIXED_FLAG = "__parity_fix__"
+
+
+def _capturing() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    except Exception:  # no CUDA build, no device: nothing can be capturing
+        return False
+
+
+@dataclass
+class DeepStackClear:
+    """The per-process fix: wraps the setter and the per-step input preparation."""
+
+    records: Path | None  # parity's channel folder (None: running without parity's tap)
+    capturing: Callable[[], bool] = _capturing
+    _wrote: bool = field(default=False, repr=False)  # the setter ran in the step in progress
+
+    def step(self, original: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
+        self._wrote = False
+        result = original(state, *args, **kwargs)
+        model = getattr(state, "model", None)
+        if not self._wrote and model is not None and not self.capturing():
+            _zero_rows(model, 0, _dirty(model))
+            object.__setattr__(model, DIRTY_ATTR, 0)
+        return result
+
+    def set_deepstack(self, original: Callable, model: Any, embeds: Any) -> Any:
+        if self.capturing():
+            return original(model, embeds)
+        rows = int(embeds.shape[1])  # [levels, tokens, hidden]
+        _zero_rows(model, rows, _dirty(model))  # what earlier steps left past this step's rows
+        result = original(model, embeds)
+        object.__setattr__(model, DIRTY_ATTR, rows)
+        self._wrote = True
+        return result
+
+    def installed(self, where: str) -> None:
+        append_record(self.records, FixRecord(os.getpid(), FIX, None, None, f"wrapped {where}"))
+
+
+def _dirty(model: Any) -> int:
+    buffers = getattr(model, BUFFER_ATTR, None) or ()
+    # Unknown (first step, or a fresh model): every row may be stale.
+    default = int(buffers[0].shape[0]) if buffers else 0
+    return int(getattr(model, DIRTY_ATTR, default))
+
+
+def _zero_rows(model: Any, start: int, stop: int) -> None:
+    for level in getattr(model, BUFFER_ATTR, None) or ():
+        end = min(stop, int(level.shape[0]))
+        if end > start:
+            level[start:end].zero_()
+
+
+def wrap_step(original: Callable, fix: DeepStackClear) -> Callable:
+    def prepare_inputs_embeds(state, *args, **kwargs):
+        return fix.step(original, state, args, kwargs)
+
+    return _marked(prepare_inputs_embeds, original)
+
+
+def wrap_setter(original: Callable, fix: DeepStackClear) -> Callable:
+    def _set_deepstack_input_embeds(model, deepstack_input_embeds):
+        return fix.set_deepstack(original, model, deepstack_input_embeds)
+
+    return _marked(_set_deepstack_input_embeds, original)
+
+
+def _marked(wrapper: Callable, original: Callable) -> Callable:
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__doc__ = original.__doc__
+    setattr(wrapper, FIXED_FLAG, True)
+    return wrapper
+
+
+def is_fixed(method: Callable) -> bool:
+    """Whether `method`, or one it wraps, is the fix's wrapper."""
+    while method is not None:
+        if getattr(method, FIXED_FLAG, False):
+            return True
+        method = getattr(method, "__wrapped__", None)
+    return False
+
+
+def installed_vllm() -> str | None:
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def activate(environ: Mapping[str, str], records: Path | None,
+             version: Callable[[], str | None] = installed_vllm) -> DeepStackClear | None:
+    """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
+    variant = environ.get(ENV_FIX)
+    if not variant:
+        return None
+    found = version()
+    refusal = None
+    if variant not in VARIANTS:
+        refusal = f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}"
+    elif found != WRITTEN_FOR:
+        refusal = f"written against vLLM {WRITTEN_FOR}, this is vLLM {found or 'not installed'}"
+    if refusal:
+        append_record(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
+        return None
+    return DeepStackClear(records)
