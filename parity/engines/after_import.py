@@ -78,3 +78,17 @@ def after_import(name: str, patch: Patch) -> None:
         patches.append(patch)
     if FINDER not in sys.meta_path:
         sys.meta_path.insert(0, FINDER)
+
+
+def around(original: Callable, call: Callable[..., Any], flag: str) -> Callable:
+    """A method that calls `call(original, self, *args, **kwargs)` in place of `original`, under the
+    original's name, signature and docstring (`__wrapped__`), marked with `flag` so a patch applied
+    twice can tell it is already there."""
+    import functools
+
+    @functools.wraps(original, updated=())
+    def method(owner: Any, *args: Any, **kwargs: Any) -> Any:
+        return call(original, owner, *args, **kwargs)
+
+    setattr(method, flag, True)
+    return method

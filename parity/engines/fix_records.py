@@ -6,6 +6,7 @@ parity reads them before it trusts the server (design §6). Stdlib only: written
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -48,3 +49,22 @@ def append_record(folder: Path | None, record: FixRecord) -> None:
         return
     with open(folder / RECORDS_FILE, "a", encoding="utf-8") as out:
         out.write(json.dumps(record.to_json()) + "\n")
+
+
+def requested_variant(environ: Mapping[str, str], env_var: str, variants: tuple[str, ...], written_for: str,
+                      found: str | None, engine: str, records: Path | None) -> str | None:
+    """The fix variant this server process was asked for (`environ[env_var]`) and may install, or
+    None. A fix written against one release refuses any other, and an unknown variant; the refusal
+    is recorded for parity to read, and the server serves on without it."""
+    variant = environ.get(env_var)
+    if not variant:
+        return None
+    refusal = None
+    if variant not in variants:
+        refusal = f"unknown variant {variant!r}; known: {', '.join(variants)}"
+    elif found != written_for:
+        refusal = f"written against {engine} {written_for}, this is {engine} {found or 'not installed'}"
+    if refusal:
+        append_record(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
+        return None
+    return variant

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from parity.engines.fix_records import FixRecord, append_record
+from parity.engines.fix_records import FixRecord, append_record, requested_variant
 from parity.slot_contract import refresh
 
 ENV_FIX = "PARITY_SGLANG_FIX"
@@ -159,16 +159,5 @@ def installed_sglang() -> str | None:
 
 def activate(environ: Mapping[str, str], records: Path | None) -> DeepStackSlotFix | None:
     """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
-    variant = environ.get(ENV_FIX)
-    if not variant:
-        return None
-    version = installed_sglang()
-    refusal = None
-    if variant not in VARIANTS:
-        refusal = f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}"
-    elif version != WRITTEN_FOR:
-        refusal = f"written against SGLang {WRITTEN_FOR}, this is SGLang {version or 'not installed'}"
-    if refusal:
-        append_record(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
-        return None
-    return DeepStackSlotFix(variant, records)
+    variant = requested_variant(environ, ENV_FIX, VARIANTS, WRITTEN_FOR, installed_sglang(), "SGLang", records)
+    return None if variant is None else DeepStackSlotFix(variant, records)

@@ -30,9 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from parity.engines.channel import (  # noqa: F401  (the channel's names, as this module always had them)
-    CONTROL_FILE, CONTROL_MODES, RECORDS_FILE, Control, TapChannel, TapChannelError, TapEntry, process_role,
-)
+from parity.engines.channel import TapChannel, TapEntry, process_role
 
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
     from parity.evidence import DeepStackRecord

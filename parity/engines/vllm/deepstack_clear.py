@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from parity.engines.fix_records import FixRecord, append_record
+from parity.engines.after_import import around
+from parity.engines.fix_records import FixRecord, append_record, requested_variant
 
 ENV_FIX = "PARITY_VLLM_FIX"
 FIX = "deepstack-clear"
@@ -58,7 +59,7 @@ class DeepStackClear:
     capturing: Callable[[], bool] = _capturing
     _wrote: bool = field(default=False, repr=False)  # the setter ran in the step in progress
 
-    def step(self, original: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
+    def step(self, original: Callable, state: Any, *args: Any, **kwargs: Any) -> Any:
         self._wrote = False
         result = original(state, *args, **kwargs)
         model = getattr(state, "model", None)
@@ -96,24 +97,11 @@ def _zero_rows(model: Any, start: int, stop: int) -> None:
 
 
 def wrap_step(original: Callable, fix: DeepStackClear) -> Callable:
-    def prepare_inputs_embeds(state, *args, **kwargs):
-        return fix.step(original, state, args, kwargs)
-
-    return _marked(prepare_inputs_embeds, original)
+    return around(original, fix.step, FIXED_FLAG)
 
 
 def wrap_setter(original: Callable, fix: DeepStackClear) -> Callable:
-    def _set_deepstack_input_embeds(model, deepstack_input_embeds):
-        return fix.set_deepstack(original, model, deepstack_input_embeds)
-
-    return _marked(_set_deepstack_input_embeds, original)
-
-
-def _marked(wrapper: Callable, original: Callable) -> Callable:
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    wrapper.__doc__ = original.__doc__
-    setattr(wrapper, FIXED_FLAG, True)
-    return wrapper
+    return around(original, fix.set_deepstack, FIXED_FLAG)
 
 
 def is_fixed(method: Callable) -> bool:
@@ -135,16 +123,5 @@ def installed_vllm() -> str | None:
 def activate(environ: Mapping[str, str], records: Path | None,
              version: Callable[[], str | None] = installed_vllm) -> DeepStackClear | None:
     """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
-    variant = environ.get(ENV_FIX)
-    if not variant:
-        return None
-    found = version()
-    refusal = None
-    if variant not in VARIANTS:
-        refusal = f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}"
-    elif found != WRITTEN_FOR:
-        refusal = f"written against vLLM {WRITTEN_FOR}, this is vLLM {found or 'not installed'}"
-    if refusal:
-        append_record(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
-        return None
-    return DeepStackClear(records)
+    variant = requested_variant(environ, ENV_FIX, VARIANTS, WRITTEN_FOR, version(), "vLLM", records)
+    return None if variant is None else DeepStackClear(records)

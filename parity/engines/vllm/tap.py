@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from parity.engines.after_import import around
 from parity.evidence import DeepStackRecord
 from parity.engines.channel import Control, TapChannel, TapEntry, process_role
 
@@ -70,14 +71,16 @@ class StepTap:
 
     # --- the three wrapped points --------------------------------------------------------------
 
-    def dispatched(self, manager: Any, descriptor: Any) -> None:
+    def dispatch(self, original: Callable, manager: Any, *args: Any, **kwargs: Any) -> Any:
         """Keep the engine's decision for the step about to be prepared (cheap: no file, no tensor)."""
+        descriptor = original(manager, *args, **kwargs)
         mode = getattr(getattr(descriptor, "cg_mode", None), "name", None)
         if mode == "PIECEWISE" and getattr(manager, BREAKABLE_ATTR, False):
             mode = "BREAKABLE"
         self._dispatched = mode
+        return descriptor
 
-    def step(self, original: Callable, state: Any, args: tuple, kwargs: dict) -> Any:
+    def step(self, original: Callable, state: Any, *args: Any, **kwargs: Any) -> Any:
         """Run `prepare_inputs_embeds` as one step; record it when parity armed a request."""
         mode, self._dispatched = self._dispatched, None  # one decision serves one step
         control = self.channel.read_control()
@@ -155,30 +158,12 @@ def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
 # --- wrappers ---------------------------------------------------------------------------------------
 
 def wrap_dispatch(original: Callable, tap: StepTap) -> Callable:
-    def dispatch(manager, *args, **kwargs):
-        descriptor = original(manager, *args, **kwargs)
-        tap.dispatched(manager, descriptor)
-        return descriptor
-
-    return _marked(dispatch, original)
+    return around(original, tap.dispatch, WRAPPED_FLAG)
 
 
 def wrap_step(original: Callable, tap: StepTap) -> Callable:
-    def prepare_inputs_embeds(state, *args, **kwargs):
-        return tap.step(original, state, args, kwargs)
-
-    return _marked(prepare_inputs_embeds, original)
+    return around(original, tap.step, WRAPPED_FLAG)
 
 
 def wrap_setter(original: Callable, tap: StepTap) -> Callable:
-    def _set_deepstack_input_embeds(model, deepstack_input_embeds):
-        return tap.set_deepstack(original, model, deepstack_input_embeds)
-
-    return _marked(_set_deepstack_input_embeds, original)
-
-
-def _marked(wrapper: Callable, original: Callable) -> Callable:
-    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
-    wrapper.__doc__ = original.__doc__
-    setattr(wrapper, WRAPPED_FLAG, True)
-    return wrapper
+    return around(original, tap.set_deepstack, WRAPPED_FLAG)
