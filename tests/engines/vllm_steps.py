@@ -1,0 +1,130 @@
+"""vLLM 0.33.0's own DeepStack methods, dispatcher and step preparation driven step by step on stub
+objects, with parity's tap (and fix) around them: what `test_vllm_real.py` runs where vLLM is
+installed (a helper module; vLLM is imported only when an Engine is built)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from parity.engines.channel import TapChannel
+from parity.engines.vllm import deepstack_clear, tap as taps
+
+LEVELS, HIDDEN, ROWS = 3, 8, 64
+
+
+class Engine:
+    """vLLM's own classes on stub instances, parity's wrappers on them, one request at a time.
+
+    `forward` does what Qwen3VLForConditionalGeneration.forward does around the language model
+    (qwen3_vl.py:3205-3217): `_get` the buffer's first rows, the LM adds them, `_clear` after.
+    A FULL step is the replay of a graph captured with the rows `_get` gave at capture time and
+    no Python at all: the add reads the buffer where it is, and nothing clears it.
+    """
+
+    def __init__(self, tmp_path: Path, cudagraph_mode: str, control: str = "record", fix: bool = False) -> None:
+        import torch
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration
+        from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+        from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+        from vllm.v1.worker.gpu.model_states.interface import ModelState
+
+        self.channel = TapChannel(tmp_path / f"tap-{cudagraph_mode}")
+        self.channel.create()
+        self.control = control
+        self.tap = taps.StepTap(self.channel, capturing=lambda: False)
+        model = object.__new__(Qwen3VLForConditionalGeneration)
+        torch.nn.Module.__init__(model)
+        embedding = torch.nn.Embedding(512, HIDDEN)
+        torch.nn.init.normal_(embedding.weight, generator=torch.Generator().manual_seed(0))
+        model.use_deepstack, model.deepstack_num_level = True, LEVELS
+        model.visual_dim, model.multiscale_dim = HIDDEN, HIDDEN * LEVELS
+        model.deepstack_input_embeds = [torch.zeros(ROWS, HIDDEN) for _ in range(LEVELS)]
+        model.deepstack_input_embeds_num_tokens = 0
+        model.language_model = SimpleNamespace(embed_input_ids=embedding)
+        model.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=HIDDEN))
+        self.model = model
+        # The real setter with parity's wrappers, as the plugin installs them on the class: the fix
+        # (when asked for) first, the tap around it.
+        setter, prepare = Qwen3VLForConditionalGeneration._set_deepstack_input_embeds, DefaultModelState.prepare_inputs_embeds
+        if fix:
+            clear = deepstack_clear.DeepStackClear(None, capturing=lambda: False)
+            setter, prepare = deepstack_clear.wrap_setter(setter, clear), deepstack_clear.wrap_step(prepare, clear)
+        model._set_deepstack_input_embeds = taps.wrap_setter(setter, self.tap).__get__(model)
+
+        class Gathered(ModelState):  # what DefaultModelState's super().gather_mm_embeddings returns
+            def gather_mm_embeddings(self, input_batch, draft_lookahead=0):
+                return self.mm
+
+        class State(DefaultModelState, Gathered):
+            pass
+
+        state = object.__new__(State)
+        state.model, state.supports_mm_inputs, state.mm_pruner, state.prompt_embeds_state = model, True, None, None
+        state.execute_mm_encoder = lambda inputs: None
+        persistent = torch.zeros(ROWS, HIDDEN)  # the real runner's inputs_embeds, sliced to the padded size
+
+        def get_inputs_embeds(ids, mm, is_mm):  # as EncoderRunner.get_inputs_embeds calls the model
+            persistent[:len(ids)] = model.embed_input_ids(ids, mm, is_multimodal=is_mm)
+            return persistent
+
+        state.encoder_runner = SimpleNamespace(get_inputs_embeds=get_inputs_embeds)
+        self.state = state
+        self.prepare = taps.wrap_step(prepare, self.tap)
+
+        manager = object.__new__(CudaGraphManager)
+        manager.vllm_config = SimpleNamespace(speculative_config=None,
+                                              cache_config=SimpleNamespace(use_kda_recoverssm=False))
+        manager.max_num_reqs, manager.decode_query_len, manager.varlen_decode = 4, 1, False
+        manager.cudagraph_mode = CUDAGraphMode[cudagraph_mode]
+        manager.compilation_config = SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32, 40, 48],
+                                                     max_cudagraph_capture_size=48)
+        manager.ubatch_runner, manager.lora_capture_cases = None, [0]
+        manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+        manager._candidates, manager._capture_descs, manager.use_breakable_cg = {}, {}, False
+        manager._init_candidates()
+        manager._graphs_captured = bool(manager.cudagraph_mode)  # capture happened at start-up
+        self.dispatch = taps.wrap_dispatch(CudaGraphManager.dispatch, self.tap).__get__(manager)
+        self.captured: dict[int, list] = {}
+        self.served = 0
+
+    def request(self, ids: list[int], image_rows: tuple[int, int] | None, seed: int = 1):
+        """One prefill step; (its hidden states [tokens, hidden], the dispatch mode, the tap's record)."""
+        import torch
+
+        self.served += 1
+        tag = f"tag{self.served}"
+        tokens = len(ids)
+        desc = self.dispatch(1, tokens, None, 0, max_query_len=None)
+        batch = SimpleNamespace(input_ids=torch.tensor(ids + [0] * (desc.num_tokens - tokens)), num_tokens=tokens,
+                                num_tokens_after_padding=desc.num_tokens, req_ids=[f"chatcmpl-{tag}-0a1b2c3d"],
+                                num_reqs=1)
+        mm, mask = [], torch.zeros(tokens, dtype=torch.bool)
+        if image_rows is not None:
+            start, count = image_rows
+            mask[start:start + count] = True
+            features = torch.randn(count, HIDDEN * (1 + LEVELS), generator=torch.Generator().manual_seed(seed))
+            mm = [features]  # the encoder output: [main | DeepStack levels]
+        self.state.mm = (mm, mask)
+        self.channel.arm(self.control, tag)
+        try:
+            embeds = self.prepare(self.state, {}, batch, None)
+        finally:
+            self.channel.disarm()
+        n = desc.num_tokens
+        if desc.cg_mode.name == "FULL":
+            if n not in self.captured:  # captured at start-up: _get ran once, with the counter at 0
+                self.captured[n] = list(self.model._get_deepstack_input_embeds(n).tensors.values())
+            deepstack = self.captured[n]  # replay: no Python, no _get, no _clear
+        else:
+            deepstack = list(self.model._get_deepstack_input_embeds(n).tensors.values())
+        hidden = embeds[:n].clone() + sum(deepstack)  # the LM's DeepStack add, on the rows the graph reads
+        if desc.cg_mode.name != "FULL":
+            self.model._clear_deepstack_input_embeds(n)
+        entry = self.channel.entries(tag)[-1]
+        return hidden[:tokens], desc.cg_mode.name, entry
+
+
+IMAGE_PROMPT = [1, 2, 3, *[9] * 16, 4, 5, 6, 7, 8]  # template, 16 image tokens, text: 24 tokens
+TEXT_PROMPT = [1, 2, 3, *range(10, 30), 8]  # 24 tokens, no image
