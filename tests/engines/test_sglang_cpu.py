@@ -2,7 +2,7 @@
 CPU servers' flags and environment, parity's DeepStack slot contract, and what parity checks about
 a CPU server (driven through tests/sglang_standin.py, a stand-in, not SGLang).
 
-tests/test_sglang_real_server.py runs the same against real SGLang 0.5.23 servers where installed.
+tests/engines/test_sglang_real_server.py runs the same against real SGLang 0.5.23 servers where installed.
 """
 
 from __future__ import annotations

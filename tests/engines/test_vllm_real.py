@@ -1,7 +1,7 @@
 """parity against the real vLLM 0.33.0 code, where it is installed (no GPU needed).
 
 scripts/setup_vllm_env.sh builds such an environment on a CPU machine; run these with
-`VENV/bin/python -m pytest -q -m real_vllm tests/test_vllm_real.py`. Without vLLM 0.33.0 every
+`VENV/bin/python -m pytest -q -m real_vllm tests/engines/test_vllm_real.py`. Without vLLM 0.33.0 every
 test here is skipped with the reason; the stand-in tests (test_vllm_backend.py) cover CI. The
 wheel has no CPU kernels, so no model runs: what runs here is vLLM's own code (with
 VLLM_TARGET_DEVICE=cpu) on stub instances that hold only what the code under test reads:

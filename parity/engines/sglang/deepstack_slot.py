@@ -49,7 +49,7 @@ WRITTEN_FOR = "0.5.23"
 
 RUNNER_MODULE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.PrefillCudaGraphRunner"
-TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/test_sglang_contract.py checks they exist
+TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/engines/test_sglang_contract.py checks they exist
     "capture": f"{RUNNER_CLASS}.capture",
     "run_forward": f"{RUNNER_CLASS}._run_forward",
     "layer_kwargs": f"{RUNNER_MODULE}._build_layer_model_forward_kwargs",

@@ -35,8 +35,8 @@ from parity.engines.channel import TapChannel, TapEntry, process_role
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
     from parity.evidence import DeepStackRecord
 
-# What the hook relies on in SGLang 0.5.23; tests/test_sglang_contract.py checks each one
-# against the released wheel, and tests/test_sglang_real.py calls the real code where installed.
+# What the hook relies on in SGLang 0.5.23; tests/engines/test_sglang_contract.py checks each one
+# against the released wheel, and tests/engines/test_sglang_real.py calls the real code where installed.
 ENV_VAR = "PARITY_SGLANG_TAP"
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "parity"

@@ -45,7 +45,7 @@ class Target:
     fix_wrapper: str | None = None  # and in parity.engines.vllm.deepstack_clear, where the fix wraps it
 
 
-# What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/test_vllm_real.py checks each one.
+# What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/engines/test_vllm_real.py checks each one.
 TARGETS = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "dispatch", "wrap_dispatch"),
     Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step",
