@@ -25,6 +25,7 @@ from parity.engines.http import ServerRejected, ServerUnreachable, get_json
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server, ServerPool, parsed, post_tagged
 from parity.engines.prompts import ChatPrompts, CheckpointFacts
+from parity.engines.settings import EnginePackage
 from parity.engines.standin_calls import StandinLog
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture
@@ -120,6 +121,7 @@ class EngineBackend(abc.ABC):
     request_path: str  # where generation and scoring requests are POSTed
     version_path: str  # GET: a JSON document with the server's "version"
     tap_hint: str  # how to make a tap that never fired fire (install hints, the engine's plugin switch)
+    package: EnginePackage  # the engine's Python package and parity's plugin entry point for it
 
     def __init__(self, settings: Any, prompts: ChatPrompts, facts: CheckpointFacts) -> None:
         self.settings = settings
@@ -178,10 +180,6 @@ class EngineBackend(abc.ABC):
     def engine_config(self) -> Mapping[str, Any]:
         """The engine's own keys for the results' `config`."""
 
-    @abc.abstractmethod
-    def installed_version(self) -> str | None:
-        ...
-
     def belongs(self, entry: TapEntry, tag: str) -> bool:
         """Whether a tap record filed under `tag` is a step of that request."""
         return True
@@ -193,6 +191,14 @@ class EngineBackend(abc.ABC):
     def explain_exit(self, mode: str, failure: ArmFailure) -> ArmFailure:
         """A server that exited while starting: what it most likely hit."""
         return failure
+
+    @property
+    def server_facts(self) -> Any:
+        """What the user's engine flags decide for parity (buckets, GPUs, context, dtype)."""
+        return self.settings.facts
+
+    def installed_version(self) -> str | None:
+        return self.package.installed_version()
 
     @property
     def ranks(self) -> int:

@@ -5,6 +5,7 @@ parity reads them before it trusts the server (design §6). Stdlib only: written
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from dataclasses import dataclass
@@ -49,6 +50,14 @@ def append_record(folder: Path | None, record: FixRecord) -> None:
         return
     with open(folder / RECORDS_FILE, "a", encoding="utf-8") as out:
         out.write(json.dumps(record.to_json()) + "\n")
+
+
+def installed_version(package: str) -> str | None:
+    """The installed release of `package` (None: not installed): what a fix checks it was written for."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def requested_variant(environ: Mapping[str, str], env_var: str, variants: tuple[str, ...], written_for: str,

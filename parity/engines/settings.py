@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parity.engines import launcher
+from parity.engines.fix_records import installed_version
 from parity.errors import BackendUnavailableError, UsageError
 
 DEFAULT_MEM_FRACTION = 0.70
@@ -66,7 +67,4 @@ class EnginePackage:
                 "not only put it on PYTHONPATH")
 
     def installed_version(self) -> str | None:
-        try:
-            return importlib.metadata.version(self.module)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+        return installed_version(self.module)

@@ -48,6 +48,7 @@ class SglangBackend(EngineBackend):
     name = "sglang"
     request_path = "/generate"
     version_path = "/server_info"
+    package = server_checks.PACKAGE
     tap_hint = ("install parity in the server's Python environment (pip install -e '.[sglang]') so the "
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in "
                 "SGLANG_PLUGINS if you set it, and look for 'Failed to apply hooks' in the log")
@@ -57,10 +58,6 @@ class SglangBackend(EngineBackend):
         self.images = ImageFiles(settings.run_dir / "images")
         self._served_dtype: dict[str, str | None] = {}
         self._fix_records: dict[str, list[dict]] = {}
-
-    @property
-    def server_facts(self):
-        return self.settings.facts
 
     @property
     def ranks(self) -> int:
@@ -163,9 +160,6 @@ class SglangBackend(EngineBackend):
 
     def gpu_name(self) -> str | None:
         return None if self.settings.on_cpu else super().gpu_name()
-
-    def installed_version(self) -> str | None:
-        return server_checks.PACKAGE.installed_version()
 
     def engine_config(self) -> Mapping[str, Any]:
         return {

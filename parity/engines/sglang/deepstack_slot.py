@@ -28,14 +28,13 @@ CUDA graphs on a GPU the same hooks bind the same slot.
 from __future__ import annotations
 
 import contextvars
-import importlib.metadata
 import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from parity.engines.fix_records import FixRecord, append_record, requested_variant
+from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
 from parity.slot_contract import refresh
 
 ENV_FIX = "PARITY_SGLANG_FIX"
@@ -151,10 +150,7 @@ class DeepStackSlotFix:
 
 
 def installed_sglang() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version("sglang")
 
 
 def activate(environ: Mapping[str, str], records: Path | None) -> DeepStackSlotFix | None:

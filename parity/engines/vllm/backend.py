@@ -33,6 +33,7 @@ from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.fixtures import Fixture
 
 
+PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
 # Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
 FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
 
@@ -41,6 +42,7 @@ class VllmBackend(EngineBackend):
     name = "vllm"
     request_path = client.CHAT_PATH
     version_path = "/version"
+    package = PACKAGE
     tap_hint = ("install parity in the server's Python environment (pip install -e '.[vllm]') so the "
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in VLLM_PLUGINS "
                 "if you set it, do not set VLLM_USE_V2_MODEL_RUNNER=0 (the tap wraps Model Runner V2), and look "
@@ -53,10 +55,6 @@ class VllmBackend(EngineBackend):
         self._envs: dict[str, dict[str, str]] = {}
         self._images: dict[str, str] = {}
         self._fix_records: dict[str, list[dict]] = {}
-
-    @property
-    def server_facts(self):
-        return self.settings.facts
 
     @property
     def max_positions(self) -> int | None:
@@ -148,9 +146,6 @@ class VllmBackend(EngineBackend):
 
     # --- reporting -----------------------------------------------------------------------------
 
-    def installed_version(self) -> str | None:
-        return PACKAGE.installed_version()
-
     def engine_config(self) -> Mapping[str, Any]:
         graph = self.settings.graph
         return {
@@ -170,7 +165,6 @@ class VllmBackend(EngineBackend):
 
 # --- construction ------------------------------------------------------------------------------------
 
-PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
 
 
 def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str = "full_and_piecewise",

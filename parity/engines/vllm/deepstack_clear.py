@@ -24,14 +24,13 @@ Stdlib only at import (vLLM imports the plugin in every process); torch comes wi
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from parity.engines.after_import import around
-from parity.engines.fix_records import FixRecord, append_record, requested_variant
+from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
 
 ENV_FIX = "PARITY_VLLM_FIX"
 FIX = "deepstack-clear"
@@ -114,10 +113,7 @@ def is_fixed(method: Callable) -> bool:
 
 
 def installed_vllm() -> str | None:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version("vllm")
 
 
 def activate(environ: Mapping[str, str], records: Path | None,
