@@ -175,3 +175,18 @@ def capture(fn: Callable[[], Any]) -> tuple[EmulatedGraph, Any]:
     finally:
         graph.capture_end()
     return graph, out
+
+
+class graph:  # noqa: N801 - named as `torch.cuda.graph`, which it stands for
+    """`torch.cuda.graph(cuda_graph, pool, stream)`: capture whatever runs inside the `with` into an
+    `EmulatedGraph`. The stream is accepted and ignored (a CPU has one)."""
+
+    def __init__(self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None,
+                 capture_error_mode: str = "global") -> None:
+        self.cuda_graph, self.pool = cuda_graph, pool
+
+    def __enter__(self) -> None:
+        self.cuda_graph.capture_begin(pool=self.pool)
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cuda_graph.capture_end()

@@ -188,6 +188,10 @@ class EngineBackend(abc.ABC):
         """Checks of a ready server beyond the tap firing, given the probe's tap records."""
         return None
 
+    def started_problem(self, server: Server) -> str | None:
+        """What a ready server's own processes recorded that makes its answers unjudgeable (else None)."""
+        return None
+
     def explain_exit(self, mode: str, failure: ArmFailure) -> ArmFailure:
         """A server that exited while starting: what it most likely hit."""
         return failure
@@ -254,6 +258,9 @@ class EngineBackend(abc.ABC):
 
     def _probe(self, server: Server) -> ArmFailure | None:
         """One tagged text-only request: the tap must record it in the process that runs the model."""
+        problem = self.started_problem(server)
+        if problem is not None:
+            return server.process.failure(problem)
         session = EngineSession(server, self)
         try:
             _, entries = session.post_tagged("record", None, lambda tag: self.generate_body(
@@ -316,3 +323,15 @@ def checkpoint_inputs(model: str, processor: Any = None, model_config: Any = Non
 
         model_config, processor = load_config_and_processor(CheckpointSource.of(model))
     return ChatPrompts(processor), CheckpointFacts.of(model_config)
+
+
+def served_model(model: str, seed: int | None = None) -> str:
+    """What a server loads for `model`: an embedded preset (built from `seed`) is saved once into
+    parity's cache as a checkpoint folder; anything else is given to the engine as it is."""
+    from parity.presets import PRESETS
+
+    if model not in PRESETS:
+        return model
+    from parity.models.preset_checkpoint import saved_preset
+
+    return str(saved_preset(model, seed))

@@ -12,6 +12,28 @@ from parity.engines.fix_records import installed_version
 from parity.errors import BackendUnavailableError, UsageError
 
 DEFAULT_MEM_FRACTION = 0.70
+DEVICES = ("cuda", "cpu")
+GRAPH_BACKENDS = ("cuda", "emulated")
+
+
+def resolve_graph_backend(engine: str, device: str, asked: str | None) -> str:
+    """`auto`/None: real CUDA graphs on a GPU, parity's emulation inside the server on a CPU."""
+    if device not in DEVICES:
+        raise UsageError(f"the {engine} backend runs on {' or '.join(DEVICES)}, not {device!r}")
+    resolved = asked if asked not in (None, "auto") else ("emulated" if device == "cpu" else "cuda")
+    if resolved not in GRAPH_BACKENDS:
+        raise UsageError(f"unknown graph backend {resolved!r}; known: {', '.join(GRAPH_BACKENDS)}")
+    if (device, resolved) in {("cpu", "cuda"), ("cuda", "emulated")}:
+        raise UsageError(f"--graph-backend {resolved} with --device {device}: the {engine} backend replays real CUDA "
+                         "graphs on a GPU and parity's emulation inside the server on a CPU")
+    return resolved
+
+
+def check_cpu_placement(server: dict) -> None:
+    """CPU servers run one after the other, on no GPU."""
+    if server.get("concurrent") or server.get("gpus"):
+        raise UsageError("--concurrent and --gpus place servers on GPUs; with --device cpu the servers run one "
+                         "after the other")
 
 
 @dataclass(frozen=True)

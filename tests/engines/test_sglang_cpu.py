@@ -20,6 +20,7 @@ import torch
 
 from parity.errors import BackendUnavailableError, UsageError
 from parity.engines import after_import, fix_records, standin_calls
+from parity.engines.settings import resolve_graph_backend
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.engines.sglang.plugin import TapChannel
@@ -203,13 +204,13 @@ def test_the_standin_is_on_the_servers_path_only(tmp_path: Path, monkeypatch) ->
 @pytest.mark.parametrize("device, asked, resolved", [
     ("cpu", "auto", "emulated"), ("cpu", "emulated", "emulated"), ("cuda", "auto", "cuda"), ("cuda", "cuda", "cuda")])
 def test_the_graph_backend_follows_the_device(device, asked, resolved) -> None:
-    assert server_checks.graph_backend(device, asked) == resolved
+    assert resolve_graph_backend("sglang", device, asked) == resolved
 
 
 def test_choices_that_cannot_work_on_a_cpu_are_refused(tmp_path: Path, tiny_parts, monkeypatch) -> None:
     for device, asked in (("cpu", "cuda"), ("cuda", "emulated")):
         with pytest.raises(UsageError, match="--graph-backend"):
-            server_checks.graph_backend(device, asked)
+            resolve_graph_backend("sglang", device, asked)
     with pytest.raises(UsageError, match="one after the other"):
         make_backend(tmp_path, tiny_parts, device="cpu")  # make_backend asks for --concurrent
     with pytest.raises(UsageError, match="unknown SGLang fix"):

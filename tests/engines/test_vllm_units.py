@@ -274,6 +274,24 @@ def test_the_plugin_wraps_vllms_classes_as_they_are_imported_and_only_when_armed
             "not found" in proc.stderr) is armed
 
 
+def test_the_fix_is_activated_with_the_tap_armed_too(tmp_path: Path) -> None:
+    """Both variables set (how parity starts a fixed server): the fix answers too; in this fake
+    vLLM, without a release version, it refuses and records why where parity reads it."""
+    from parity.engines import fix_records
+    from parity.engines.vllm import deepstack_clear
+
+    for name, text in FAKE_VLLM.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{REPO}", plugin.ENV_VAR: str(tmp_path / "tap"),
+           deepstack_clear.ENV_FIX: deepstack_clear.FIX}
+    (tmp_path / "tap").mkdir()  # parity makes the channel folder before it starts a server
+    proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=60)
+    assert "WRAPPED=" in proc.stdout, proc.stderr
+    (record,) = fix_records.read_records(tmp_path / "tap")
+    assert record.refused and deepstack_clear.WRITTEN_FOR in record.note
+
+
 # --- the verdict ---------------------------------------------------------------------------------------------
 
 def leaked_stream(rows: int = 12):

@@ -21,11 +21,12 @@ from parity.backends.protocol import Request
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
-from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs
+from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, served_model
 from parity.engines.flags import flag_values
 from parity.engines.gpus import gpu_count, gpu_memory, visible_gpu_count
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
+from parity.engines.settings import check_cpu_placement, resolve_graph_backend
 from parity.engines.prompts import ImageFiles
 from parity.engines.sglang import client, deepstack_slot, kernel_standin, plugin, server_checks
 from parity.engines.sglang.servers import (
@@ -192,10 +193,9 @@ def create_sglang_backend(*, sglang_args: tuple[str, ...] = (), device: str = "c
     (`graph_backend` "emulated", the default there); `fix` runs parity's DeepStack slot fix in the
     servers. An embedded preset as `model` (built from `seed`) is served from its checkpoint folder
     in parity's cache."""
-    graph_backend = server_checks.graph_backend(device, graph_backend)
-    if device == "cpu" and (server.get("concurrent") or server.get("gpus")):
-        raise UsageError("--concurrent and --gpus place servers on GPUs; with --device cpu the servers run one "
-                         "after the other")
+    graph_backend = resolve_graph_backend("sglang", device, graph_backend)
+    if device == "cpu":
+        check_cpu_placement(server)
     if fix is not None and fix not in deepstack_slot.VARIANTS:
         raise UsageError(f"unknown SGLang fix {fix!r}; known: {deepstack_slot.FIX}")
     if launch_command is None and os.environ.get(LAUNCH_COMMAND_ENV, "").strip():
@@ -211,10 +211,7 @@ def create_sglang_backend(*, sglang_args: tuple[str, ...] = (), device: str = "c
         if device != "cpu":  # a CPU server needs no GPU
             check_gpu_count(settings.facts, settings.gpus, gpu_count(), visible_gpu_count())
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
-    if settings.model in PRESETS:  # the servers load a folder: the preset, saved once into parity's cache
-        from parity.models.preset_checkpoint import saved_preset
-
-        settings = replace(settings, model=str(saved_preset(settings.model, seed)))
+    settings = replace(settings, model=served_model(settings.model, seed))
     return SglangBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
 
 

@@ -17,30 +17,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from parity.errors import BackendUnavailableError, UsageError
+from parity.errors import BackendUnavailableError
 from parity.engines.sglang import deepstack_slot, plugin
 from parity.engines.fix_records import read_records
 from parity.engines.settings import EnginePackage
 from parity.engines.sglang.plugin import TapEntry
-from parity.engines.sglang.servers import DEVICES, GRAPH_BACKENDS
 
 
 # --- before any server starts --------------------------------------------------------------------------
 
 PACKAGE = EnginePackage("sglang", "SGLang", "0.5.23", "sglang", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
-
-
-def graph_backend(device: str, asked: str | None) -> str:
-    """`auto`/None: real CUDA graphs on a GPU, parity's emulation inside the server on a CPU."""
-    if device not in DEVICES:
-        raise UsageError(f"the sglang backend runs on {' or '.join(DEVICES)}, not {device!r}")
-    resolved = asked if asked not in (None, "auto") else ("emulated" if device == "cpu" else "cuda")
-    if resolved not in GRAPH_BACKENDS:
-        raise UsageError(f"unknown graph backend {resolved!r}; known: {', '.join(GRAPH_BACKENDS)}")
-    if (device, resolved) in {("cpu", "cuda"), ("cuda", "emulated")}:
-        raise UsageError(f"--graph-backend {resolved} with --device {device}: the sglang backend replays real CUDA "
-                         "graphs on a GPU and parity's emulation inside the server on a CPU")
-    return resolved
 
 
 def check_fix_version(fix: str | None) -> None:

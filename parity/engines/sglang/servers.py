@@ -41,8 +41,6 @@ CPU_FLAGS = (
     "--disable-radix-cache",
 )
 CPU_MAX_TOTAL_TOKENS = 4096
-DEVICES = ("cuda", "cpu")
-GRAPH_BACKENDS = ("cuda", "emulated")
 BUCKET_FLAGS = ("--cuda-graph-bs-prefill", "--cuda-graph-max-bs-prefill")
 MEM_FRACTION_FLAG = "--mem-fraction-static"
 MODEL_FLAG = "--model-path"

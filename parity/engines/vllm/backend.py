@@ -11,6 +11,7 @@ leak witness (DeepStack rows an earlier request left in vLLM's persistent buffer
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
@@ -19,18 +20,21 @@ from parity.backends.options import BackendOptions
 from parity.backends.protocol import Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
-from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs
+from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, served_model
 from parity.engines.settings import EnginePackage
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
 from parity.engines.fix_records import read_records
-from parity.engines.vllm import client, deepstack_clear, plugin
+from parity.engines.settings import check_cpu_placement, resolve_graph_backend
+from parity.engines.vllm import client, cpu_ops, deepstack_clear, plugin
 from parity.engines.vllm.servers import (
-    READY_PATH, VllmSettings, environment_of, graph_mode, mode_cudagraph,
+    CPU_COMPILE_MODE, READY_PATH, VllmSettings, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
 )
+from parity.engines.flags import flag_values
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.fixtures import Fixture
+from parity.presets import PRESETS
 
 
 PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
@@ -78,14 +82,26 @@ class VllmBackend(EngineBackend):
 
     def server_spec(self, mode: str, placement: Placement, stem: str, channel: TapChannel):
         flags = server_flags(self.settings, mode, placement.mem_fraction, self._sizes)
-        env = server_env(self.settings, channel, placement)
+        calls = self.settings.run_dir / f"{stem}.standin-calls.jsonl" if self.settings.on_cpu else None
+        env = server_env(self.settings, channel, placement, calls)
         self._envs[mode] = environment_of(env)
         return launcher.ServerSpec(name=mode, command=(*self.settings.launch_command, *flags),
                                    log_path=self.settings.run_dir / f"{stem}.log", env=MappingProxyType(env),
-                                   ready_path=READY_PATH), None
+                                   ready_path=READY_PATH), None if calls is None else cpu_ops.call_log(calls)
 
     def planned_flags(self, mode: str) -> list[str]:
         return list(server_flags(self.settings, mode, self.plan.placements[mode].mem_fraction, self._sizes))
+
+    def started_problem(self, server: Server) -> str | None:
+        """A server whose model process built vLLM's V1 runner: the tap, which wraps V2, cannot see it."""
+        built = plugin.runners(server.channel.folder)
+        v1 = [r for r in built if r.get("runner") == "V1"]
+        if not v1:
+            return None
+        return (f"vLLM built its V1 model runner ({v1[0].get('class', '?')}, pid {v1[0].get('pid', '?')}), whose "
+                "steps parity's tap cannot see (it wraps Model Runner V2): no answer of this server can be judged; "
+                "vLLM falls back to V1 when Triton is missing or a feature is not in V2 yet (its log says which), "
+                "or when VLLM_USE_V2_MODEL_RUNNER=0")
 
     def check_started(self, server: Server, entries: Sequence[TapEntry]) -> ArmFailure | None:
         if any(e.mode is None for e in entries):
@@ -159,6 +175,9 @@ class VllmBackend(EngineBackend):
             "vllm_capture_sizes": {"max": self.max_bucket, "count": len(self._sizes)},
             "vllm_fix": self.settings.fix,
             "vllm_fix_records": dict(self._fix_records),
+            "vllm_device": self.settings.device,
+            "vllm_graph_backend": self.settings.graph_backend,
+            "vllm_compile_mode": CPU_COMPILE_MODE if self.settings.on_cpu else "vllm default",
             "top_logprobs_num": client.TOP_LOGPROBS,
         }
 
@@ -168,14 +187,21 @@ class VllmBackend(EngineBackend):
 
 
 def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str = "full_and_piecewise",
-                        buckets: str | tuple[int, ...] = "auto", fix: str | None = None,
+                        buckets: str | tuple[int, ...] = "auto", fix: str | None = None, device: str = "cuda",
+                        graph_backend: str | None = None, threads: int | None = None, seed: int | None = None,
                         launch_command: Sequence[str] | None = None, processor: Any = None, model_config: Any = None,
                         **server: Any) -> VllmBackend:
     """The backend the CLI builds; `server` holds the `ServerSettings` fields. `launch_command`
     replaces `python -m vllm.entrypoints.cli.main serve` (tests start a stand-in) and then skips
     the vLLM/GPU checks; `processor` and `model_config` skip loading the checkpoint's (tests inject
-    the tiny ones). `fix` runs parity's DeepStack clear fix in the servers."""
+    the tiny ones). `fix` runs parity's DeepStack clear fix in the servers. `device` "cpu" serves
+    on vLLM's CPU worker, whose graphs replay through parity's emulation (`graph_backend`
+    "emulated", the default there); an embedded preset as `model` (built from `seed`) is served
+    from its checkpoint folder in parity's cache."""
     graph_mode(graph_mode_name)
+    graph_backend = resolve_graph_backend("vllm", device, graph_backend)
+    if device == "cpu":
+        check_cpu_placement(server)
     if fix is not None and fix not in deepstack_clear.VARIANTS:
         raise UsageError(f"unknown vLLM fix {fix!r}; known: {', '.join(deepstack_clear.VARIANTS)}")
     explicit = None if buckets == "auto" else tuple(buckets)
@@ -184,30 +210,35 @@ def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str
     if launch_command is not None:
         server["launch_command"] = tuple(launch_command)
     settings = VllmSettings(vllm_args=split_vllm_args(vllm_args), graph_mode=graph_mode_name, buckets=explicit,
-                            fix=fix, **server)
+                            fix=fix, device=device, graph_backend=graph_backend, threads=threads, **server)
     plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
     if launch_command is None:
-        PACKAGE.check_installed(needs_gpu=True)
+        PACKAGE.check_installed(device == "cuda", "; --device cpu serves on the CPU")
         found = PACKAGE.installed_version()
         if fix is not None and found != deepstack_clear.WRITTEN_FOR:
             raise BackendUnavailableError(f"--vllm-fix {fix} was written against vLLM {deepstack_clear.WRITTEN_FOR}; "
                                           f"this environment has vLLM {found}")
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
+    settings = replace(settings, model=served_model(settings.model, seed))
     return VllmBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
 
 
 def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> VllmBackend:
-    """The backend the command line builds: a checkpoint served by `vllm serve`."""
-    from parity.presets import PRESETS
-
-    if options.model in PRESETS:
-        raise UsageError(f"{options.model!r} is an embedded preset, built in parity's process: it runs on the "
-                         f"transformers backend; give --backend {options.name} a Qwen3-VL checkpoint id or path")
-    if options.seed is not None:
-        raise UsageError(f"--seed builds an embedded preset; the {options.name} backend serves checkpoints")
+    """The backend the command line builds: a checkpoint served by `vllm serve`; on the CPU, the
+    embedded presets too, from a cached checkpoint folder."""
+    device = "cpu" if options.device == "cpu" else "cuda"
+    embedded = options.model in PRESETS
+    if embedded and device != "cpu":
+        raise UsageError(f"{options.model!r} is an embedded preset: the {options.name} backend serves it with "
+                         "--device cpu; on a GPU give it a Qwen3-VL checkpoint id or path")
+    if options.seed is not None and not embedded:
+        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
     vllm_args = tuple(options.own("vllm_args", ()))
-    if options.dtype != "auto":
-        vllm_args = (*vllm_args, "--dtype", options.dtype)  # the servers, not parity, load the weights
+    # The servers, not parity, load the weights; a preset is float32, and so is a CPU run unless asked.
+    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
+    if dtype is not None and flag_values(vllm_args, "--dtype") is None:
+        vllm_args = (*vllm_args, "--dtype", dtype)
     return create_vllm_backend(vllm_args=vllm_args, graph_mode_name=options.own("graph_mode", "full_and_piecewise"),
-                               buckets=options.buckets, fix=options.own("vllm_fix"), max_new_tokens=max_new_tokens, run_dir=run_dir,
-                               **options.server)
+                               buckets=options.buckets, fix=options.own("vllm_fix"), device=device,
+                               graph_backend=options.graph_backend, threads=options.threads, seed=options.seed,
+                               max_new_tokens=max_new_tokens, run_dir=run_dir, **options.server)

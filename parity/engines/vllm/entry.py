@@ -20,11 +20,9 @@ def not_replayed_hint(evidence: Evidence | None) -> str:
 
 VLLM = BackendInfo(
     name="vllm", factory="parity.engines.vllm.backend:from_options",
-    options=frozenset({"buckets", *SERVER_OPTIONS}),
+    options=frozenset({"buckets", "graph_backend", "threads", *SERVER_OPTIONS}),
     runbook="docs/vllm-runbook.md", servers_key="vllm_servers", volatile_keys=("vllm_tap_processes",),
     package="vllm",
-    refused={("device", "cpu"): "--device cpu: the vllm backend serves on a GPU only (its CPU path does not exist "
-                                "yet), so the run would not be on the CPU; use --backend sglang or transformers"},
     own_options=(
         EngineOption("vllm_args", "--vllm-arg", {
             "multiple": True,

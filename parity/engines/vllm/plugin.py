@@ -18,6 +18,7 @@ Standard library only at import time: vLLM imports this in every process.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Mapping
 
-from parity.engines.after_import import after_import
+from parity.engines.after_import import after_import, around
 from parity.engines.channel import TapChannel
 from parity.engines.vllm import deepstack_clear
 
@@ -54,8 +55,15 @@ TARGETS = (
            "_set_deepstack_input_embeds", "wrap_setter", "wrap_setter"),
 )
 
+# vLLM 0.33's two model runners, by module: the tap wraps V2 only, so which one a server built is
+# recorded where parity reads it (RUNNER_FILE), as evidence independent of vLLM's logging.
+RUNNERS = {"vllm.v1.worker.gpu.model_runner": "V2", "vllm.v1.worker.gpu_model_runner": "V1"}
+RUNNER_FILE = "runner.jsonl"
+RUNNER_FLAG = "__parity_runner__"
+
 _TAP = None  # this process's StepTap, once activated
 _FIX = None  # this process's DeepStackClear, when parity asked for the fix
+_FIX_ASKED = False
 
 
 def activate(environ: Mapping[str, str] = os.environ):
@@ -74,8 +82,9 @@ def activate(environ: Mapping[str, str] = os.environ):
 def activate_fix(environ: Mapping[str, str] = os.environ):
     """This process's DeepStack clear fix (`deepstack_clear.py`), or None unless PARITY_VLLM_FIX asks
     for it; a refusal (another vLLM) is recorded in the channel folder for parity to read."""
-    global _FIX
-    if _FIX is None and environ.get(deepstack_clear.ENV_FIX):
+    global _FIX, _FIX_ASKED
+    if not _FIX_ASKED and environ.get(deepstack_clear.ENV_FIX):
+        _FIX_ASKED = True  # once per process: a refusal is recorded once, however often vLLM registers
         folder = environ.get(ENV_VAR)
         _FIX = deepstack_clear.activate(environ, Path(folder) if folder else None)
     return _FIX
@@ -85,10 +94,48 @@ def register() -> None:
     """vLLM general-plugin entry point: inert unless PARITY_VLLM_TAP or PARITY_VLLM_FIX is set. vLLM
     may call it more than once in a process; each module is wrapped once, when it has executed (now,
     if it has)."""
-    if activate() is None and activate_fix() is None:
+    tap, fix = activate(), activate_fix()  # both: the fix must not depend on whether the tap is armed
+    if tap is None and fix is None:
         return
     for name in dict.fromkeys(t.module for t in TARGETS):
         after_import(name, _wrapping(name))
+    folder = os.environ.get(ENV_VAR)
+    if folder:
+        for name, runner in RUNNERS.items():
+            after_import(name, _recording_runner(runner, folder))
+
+
+@functools.lru_cache(maxsize=None)
+def _recording_runner(runner: str, folder: str):
+    """The patch that makes `GPUModelRunner.__init__` of `runner`'s module record its construction."""
+    def patch(module: ModuleType) -> None:
+        cls = getattr(module, "GPUModelRunner", None)
+        if cls is None or getattr(cls.__init__, RUNNER_FLAG, False):
+            return
+
+        def record(original, runner_self, *args, **kwargs):
+            with open(Path(folder) / RUNNER_FILE, "a", encoding="utf-8") as out:
+                out.write(json.dumps({"runner": runner, "pid": os.getpid(), "class": type(runner_self).__name__}) + "\n")
+            return original(runner_self, *args, **kwargs)
+
+        cls.__init__ = around(cls.__init__, record, RUNNER_FLAG)
+
+    return patch
+
+
+def runners(folder: Path) -> list[dict]:
+    """The model runners the server's processes built, as recorded (parity's side)."""
+    try:
+        lines = (folder / RUNNER_FILE).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(json.loads(line))
+        except ValueError:
+            continue
+    return found
 
 
 @functools.lru_cache(maxsize=None)

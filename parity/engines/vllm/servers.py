@@ -17,6 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, Sequence
 
@@ -26,7 +27,7 @@ from parity.engines.channel import TapChannel
 from parity.engines.flags import flag_values, int_flag, split_user_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
 from parity.engines.settings import ServerSettings
-from parity.engines.vllm import deepstack_clear, plugin
+from parity.engines.vllm import cpu_ops, cpu_patches, deepstack_clear, plugin
 
 LAUNCH_MODULE = ("-m", "vllm.entrypoints.cli.main", "serve")
 ARG_OPTION = "--vllm-arg"
@@ -50,6 +51,15 @@ RESERVED_FLAGS = (
     "--model", "--host", "--port",
 )
 RESERVED_WHY = "parity sets it so the eager and graph servers differ only in the CUDA-graph mode"
+# On a CPU (docs/engines/vllm-cpu.md): no compile (inductor's C++ kernels are invisible to the graph
+# recorder), no JIT warm-up (its top-k kernel fails in the Triton interpreter; greedy requests never
+# launch it), and an explicit KV cache (the default sizes it from the machine's RAM).
+CPU_FLAGS = ("-cc.mode=none", "--kernel-config.enable_jit_warmup=false")
+CPU_COMPILE_MODE = "none"
+CPU_KV_CACHE_BYTES = 256 * 2**20
+CPU_MAX_MODEL_LEN = 4096
+STANDIN_DIR = Path(__file__).resolve().parent / "standin"  # what goes on a CPU server's PYTHONPATH
+V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 @dataclass(frozen=True)
@@ -204,10 +214,17 @@ class VllmSettings(ServerSettings):
     graph_mode: str = DEFAULT_GRAPH_MODE
     buckets: tuple[int, ...] | None = None  # None: vLLM's ladder up to what the run needs
     fix: str | None = None  # parity's DeepStack clear fix in the servers (deepstack_clear.py VARIANTS)
+    device: str = "cuda"  # "cpu": vLLM's CPU worker with parity's op stand-ins (docs/engines/vllm-cpu.md)
+    graph_backend: str = "cuda"  # "emulated": vLLM's graphs replay through parity's emulation (CPU)
+    threads: int | None = None  # CPU threads of each server process (CPU only)
 
     @property
     def facts(self) -> ServerFacts:
         return ServerFacts.parse(self.vllm_args)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
 
     @property
     def graph(self) -> GraphMode:
@@ -230,23 +247,47 @@ def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: 
     facts = settings.facts
     batched = () if facts.max_batched_tokens is not None else (
         "--max-num-batched-tokens", str(max(DEFAULT_MAX_BATCHED_TOKENS, max(sizes, default=0))))
-    context = () if facts.max_model_len_given else ("--max-model-len", str(DEFAULT_MAX_MODEL_LEN))
+    context = () if facts.max_model_len_given else (
+        "--max-model-len", str(CPU_MAX_MODEL_LEN if settings.on_cpu else DEFAULT_MAX_MODEL_LEN))
+    cpu = () if not settings.on_cpu else (*CPU_FLAGS, *(() if flag_values(settings.vllm_args, "--kv-cache-memory-bytes")
+                                                        else ("--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES))))
     return (settings.model, *DETERMINISM_FLAGS, "--gpu-memory-utilization", f"{mem_fraction:.4g}",
-            *context, *batched, *DEFAULT_FLAGS,
+            *context, *batched, *DEFAULT_FLAGS, *cpu,
             f"-cc.cudagraph_mode={mode_cudagraph(settings, mode)}",
             "--cudagraph-capture-sizes", *map(str, sizes), *settings.vllm_args)
 
 
-def server_env(settings: VllmSettings, channel: TapChannel, placement: Placement) -> dict[str, str]:
+def server_env(settings: VllmSettings, channel: TapChannel, placement: Placement,
+               standin_calls: Path | None = None) -> dict[str, str]:
     env = {plugin.ENV_VAR: str(channel.folder.resolve()), BREAKABLE_ENV: "1" if settings.graph.breakable else "0"}
     if settings.fix:
         env[deepstack_clear.ENV_FIX] = settings.fix
+    if settings.on_cpu:
+        env.update(cpu_env(settings, standin_calls or channel.folder / "standin-calls.jsonl"))
     if PLUGINS_ENV in os.environ:  # unset loads every plugin; set (even empty) must name parity too
         names = [n.strip() for n in os.environ[PLUGINS_ENV].split(",") if n.strip()]
         env[PLUGINS_ENV] = ",".join(dict.fromkeys([*names, plugin.ENTRY_POINT_NAME]))
     if placement.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in placement.gpus)
     return env
+
+
+def cpu_env(settings: VllmSettings, standin_calls: Path) -> dict[str, str]:
+    """A CPU server's environment: parity's start-up hook first on its own PYTHONPATH (never parity's),
+    Model Runner V2 forced with Triton interpreted (else vLLM falls back to V1, where the tap never
+    fires), the graph emulation when asked, and capped threads."""
+    existing = os.environ.get("PYTHONPATH", "")
+    threads = str(settings.threads or 1)
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(STANDIN_DIR), existing) if p),
+        "VLLM_TARGET_DEVICE": "cpu",
+        V2_ENV: "1",
+        "TRITON_INTERPRET": "1",
+        cpu_patches.ENV_CPU: "1",
+        cpu_patches.ENV_GRAPH: settings.graph_backend,
+        cpu_ops.ENV_CALLS: str(standin_calls.resolve()),
+        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
+    }
 
 
 def plan_launch(settings: VllmSettings, modes: Sequence[str] = MODES) -> LaunchPlan:
@@ -259,4 +300,6 @@ def plan_launch(settings: VllmSettings, modes: Sequence[str] = MODES) -> LaunchP
 def environment_of(env: Mapping[str, str]) -> dict[str, str]:
     """The part of a server's environment that shapes its execution, for the results' config."""
     return {k: v for k, v in env.items()
-            if k in (BREAKABLE_ENV, PLUGINS_ENV, "CUDA_VISIBLE_DEVICES", deepstack_clear.ENV_FIX)}
+            if k in (BREAKABLE_ENV, PLUGINS_ENV, "CUDA_VISIBLE_DEVICES", deepstack_clear.ENV_FIX, V2_ENV,
+                     "TRITON_INTERPRET", "VLLM_TARGET_DEVICE", cpu_patches.ENV_CPU, cpu_patches.ENV_GRAPH,
+                     "OMP_NUM_THREADS")}

@@ -1,0 +1,26 @@
+"""What parity's start-up hooks share: the `sitecustomize` each CPU engine's stand-in folder holds.
+
+A stand-in folder goes first on the PYTHONPATH of the servers parity starts (never on parity's
+own), so every process the engine starts runs its `sitecustomize` before anything else. That hook
+installs parity's in-process changes only when parity's variable is set, then runs the
+`sitecustomize` it shadows (a distribution's own), so nothing else changes.
+
+Standard library only: this runs first in every server process.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def run_shadowed(hook_file: str) -> None:
+    """Run the `sitecustomize` that the hook at `hook_file` shadows on sys.path, if there is one."""
+    here = Path(hook_file).resolve().parent
+    rest = [p for p in sys.path if Path(p or ".").resolve() != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)

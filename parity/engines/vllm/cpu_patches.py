@@ -1,0 +1,148 @@
+"""What parity changes, in-process, in the vLLM 0.33.0 servers it starts on a CPU (docs/engines/vllm-cpu.md).
+
+Installed by parity's start-up hook (parity/engines/vllm/standin/sitecustomize.py) in every server
+process, only when parity sets `PARITY_VLLM_CPU`; no vLLM file is edited. Each change is applied
+right after its module executes (parity/engines/after_import.py), so a later `from X import f`
+binds the changed name. Always (§2):
+
+- the CPU build's compiled ops answer from torch-native stand-ins (`cpu_ops.py`);
+- Triton counts as present (`HAS_TRITON`), so vLLM keeps Model Runner V2, the runner parity's tap
+  wraps, instead of falling back to V1; parity runs the servers with `TRITON_INTERPRET=1`, so V2's
+  Triton kernels run on CPU tensors.
+
+With `PARITY_VLLM_GRAPH=emulated`, vLLM's own `CudaGraphManager` (FULL) and breakable wrapper
+capture and replay through parity's emulated graph (§3, gates 6-13):
+
+1. the CPU platform supports static graphs, keeps the capture sizes it was given, and calls
+   attention directly (not through the opaque op, whose body reads a forward context that a
+   replay does not have), so the recorder sees attention's own ops on the persistent metadata;
+2. the CPU attention builder claims graph support for every batch: the stand-in attention reads
+   every bound from tensors when it runs, as FA3 does;
+3. the CPU worker captures (it never calls `capture_model`), with a workspace manager and CPU
+   stand-ins for the streams, the pool and `torch.cuda.graph`; `torch.cuda.CUDAGraph` is the
+   emulation (parity/emulated_graph.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any, Mapping
+
+from parity.engines.after_import import after_import, around
+
+ENV_CPU = "PARITY_VLLM_CPU"
+ENV_GRAPH = "PARITY_VLLM_GRAPH"
+GRAPH_EMULATED = "emulated"
+PATCHED = "__parity_vllm_cpu__"
+
+TRITON_IMPORTING = "vllm.triton_utils.importing"
+CPU_PLATFORM = "vllm.platforms.cpu"
+CPU_ATTENTION = "vllm.v1.attention.backends.cpu_attn"
+CPU_WORKER = "vllm.v1.worker.cpu_worker"
+GRAPH_MANAGER = "vllm.v1.worker.gpu.cudagraph_utils"
+
+
+def mark_triton_present(module: types.ModuleType) -> None:
+    module.HAS_TRITON = True
+
+
+# --- the graph gates -----------------------------------------------------------------------------------
+
+def cpu_platform_graphs(module: types.ModuleType) -> None:
+    """Static graphs supported, the capture sizes kept, attention called directly (change 1)."""
+    platform = module.CpuPlatform
+    if getattr(platform.check_and_update_config, PATCHED, False):
+        return
+
+    def check_and_update_config(original, cls, vllm_config):
+        sizes = list(vllm_config.compilation_config.cudagraph_capture_sizes or ())
+        original(cls, vllm_config)
+        vllm_config.compilation_config.cudagraph_capture_sizes = sizes
+
+    checked = around(platform.check_and_update_config.__func__, check_and_update_config, PATCHED)
+    platform.check_and_update_config = classmethod(checked)
+    platform.support_static_graph_mode = classmethod(lambda cls: True)
+    platform.opaque_attention_op = classmethod(lambda cls: False)
+
+
+def attention_graph_support(module: types.ModuleType) -> None:
+    """The CPU attention builder supports graphs of any batch (change 2)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    module.CPUAttentionMetadataBuilder._cudagraph_support = AttentionCGSupport.ALWAYS
+
+
+@contextlib.contextmanager
+def _no_device_memory():
+    """`torch.accelerator.get_memory_info` answers zeros while capturing: the CUDA wheel's accelerator
+    is CUDA, which has no driver here, and capture only logs the figure."""
+    import torch
+
+    original = torch.accelerator.get_memory_info
+    torch.accelerator.get_memory_info = lambda *args, **kwargs: (0, 0)
+    try:
+        yield
+    finally:
+        torch.accelerator.get_memory_info = original
+
+
+def worker_captures(module: types.ModuleType) -> None:
+    """The CPU worker captures its graphs before serving, as the GPU worker does (change 3)."""
+    worker = module.CPUWorker
+    if getattr(worker.compile_or_warm_up_model, PATCHED, False):
+        return
+
+    def compile_or_warm_up_model(original, self):
+        from vllm.v1.worker import workspace
+
+        runner = self.model_runner
+        manager = getattr(runner, "cudagraph_manager", None)
+        if manager is not None and manager.needs_capture():
+            if not workspace.is_workspace_manager_initialized():
+                workspace.init_workspace_manager(self.device)
+            with _no_device_memory():
+                runner.capture_model()
+        return original(self)
+
+    worker.compile_or_warm_up_model = around(worker.compile_or_warm_up_model, compile_or_warm_up_model, PATCHED)
+
+
+class _CaptureContext:
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+
+def cpu_streams(module: types.ModuleType) -> None:
+    """The graph manager's stream look-ups answer the CPU stream (change 3)."""
+    import torch
+
+    @contextlib.contextmanager
+    def graph_capture(device: Any = None):
+        yield _CaptureContext(torch.cpu.current_stream())
+
+    module.graph_capture = graph_capture
+    module.current_stream = torch.cpu.current_stream
+
+
+def install_emulated_graphs(torch_module: Any) -> None:
+    from parity.emulated_graph import EmulatedGraph, graph, graph_pool_handle
+
+    torch_module.cuda.CUDAGraph = EmulatedGraph
+    torch_module.cuda.graph = graph
+    torch_module.cpu.graph_pool_handle = graph_pool_handle
+    after_import(CPU_PLATFORM, cpu_platform_graphs)
+    after_import(CPU_ATTENTION, attention_graph_support)
+    after_import(CPU_WORKER, worker_captures)
+    after_import(GRAPH_MANAGER, cpu_streams)
+
+
+def install(environ: Mapping[str, str]) -> None:
+    import torch
+
+    from parity.engines.vllm import cpu_ops
+
+    cpu_ops.install(torch)
+    after_import(TRITON_IMPORTING, mark_triton_present)
+    if environ.get(ENV_GRAPH) == GRAPH_EMULATED:
+        install_emulated_graphs(torch)

@@ -1,0 +1,139 @@
+"""parity against real vLLM 0.33.0 servers on this CPU: vLLM's own `CudaGraphManager` (FULL) and
+breakable wrapper capturing and replaying through parity's emulated graph (docs/vllm-runbook.md,
+"On a CPU"; docs/engines/vllm-cpu.md).
+
+Marked `real_vllm`; skipped, with the reason, where vLLM 0.33.0 is not installed. `.ci/run` runs
+them in its vLLM stage, in an environment outside the repository. Each run starts two real
+servers, one after the other (about 40 s each to start on 2 cores): the released runner in both
+graph modes (the leak), parity's `deepstack-clear` fix in both, a configuration the stand-in
+attention cannot compute (an `ERROR` naming the op), and a server forced onto the V1 runner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
+from parity.engines.vllm import deepstack_clear, servers
+from tests.engines.servers import installed
+
+VERSION = "0.33.0"
+_FOUND = installed("vllm")
+
+pytestmark = [
+    pytest.mark.real_vllm,
+    pytest.mark.skipif(_FOUND != VERSION, reason=(
+        f"vLLM {VERSION} is not installed here (found: {_FOUND or 'none'}); .ci/run and "
+        "scripts/setup_vllm_env.sh set up an environment that has it")),
+]
+MAX_NEW_TOKENS = 8
+IMAGE_TOKENS = 12  # the rgb-stripes fixture's visual tokens in the tiny preset: the rows a leak leaves
+
+
+def parity_run(out: Path, *args: str):
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", "--backend", "vllm", "--device", "cpu", "--out", str(out), "--no-plot",
+                                      "--max-new-tokens", str(MAX_NEW_TOKENS), *args],
+                                catch_exceptions=False, prog_name="parity")
+    doc = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
+    return result, doc
+
+
+def assert_no_server_left() -> None:
+    import subprocess
+
+    found = subprocess.run(["pgrep", "-f", "vllm.entrypoints.cli.main serve"], capture_output=True, text=True)
+    assert not found.stdout.split(), f"vLLM servers left running: {found.stdout}"
+
+
+RUNS: dict[tuple[str, bool], tuple] = {}
+
+
+def run_of(tmp_path_factory, graph_mode: str, fixed: bool):
+    """One `--scenario all` run per (graph mode, fix), shared by the tests that read it."""
+    key = (graph_mode, fixed)
+    if key not in RUNS:
+        out = tmp_path_factory.mktemp(f"{graph_mode}-{'fixed' if fixed else 'released'}")
+        fix = ("--vllm-fix", deepstack_clear.FIX) if fixed else ()
+        RUNS[key] = (out, *parity_run(out, "--graph-mode", graph_mode, "--scenario", "all", *fix))
+    return RUNS[key]
+
+
+@pytest.mark.parametrize("graph_mode", ["full", "breakable"])
+def test_released_0_33_leaks_an_images_deepstack_into_later_text_requests(tmp_path_factory, graph_mode) -> None:
+    out, result, doc = run_of(tmp_path_factory, graph_mode, fixed=False)
+    assert result.exit_code == 1, result.output[-3000:]
+    assert doc["verdict"]["code"] == "FAIL_STALE_STATE", doc["verdict"]
+    codes = {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]}
+    assert codes == {"four-arm": "PASS", "reuse": "FAIL_STALE_STATE", "stream": "FAIL_STALE_STATE"}
+    stream = next(c for c in doc["cases"] if c["scenario"] == "stream")
+    assert "(text only)" in stream["verdict"]["reason"] and "left in the engine's buffer by request 3" in \
+        stream["verdict"]["reason"], stream["verdict"]
+    text_only = next(r for r in stream["requests"] if r["fixture"] is None)
+    graph = next(a for a in text_only["arms"].values() if a["mode"] == "bcg")
+    eager = next(a for a in text_only["arms"].values() if a["mode"] == "eager")
+    assert graph["evidence"]["leak"]["rows"] == IMAGE_TOKENS  # the witness, from the model process
+    assert graph["evidence"]["prefill_replayed"] is True  # vLLM's own dispatcher replayed it
+    assert graph["token_ids"] != eager["token_ids"]  # and the answer really moved
+    config = doc["config"]
+    assert config["vllm_device"] == "cpu" and config["vllm_graph_backend"] == "emulated"
+    assert config["vllm_compile_mode"] == "none" and config["vllm_fix"] is None
+    assert all("VLLM::Worker" in p[0] for p in config["vllm_tap_processes"].values())
+    assert config["vllm_server_env"]["bcg"][servers.V2_ENV] == "1"
+    assert doc["environment"]["vllm"] == VERSION
+    log = (out / "vllm-bcg.log").read_text()
+    assert "Using V2 Model Runner" in log and "Capturing CUDA graphs" in log  # vLLM's own words
+    assert not list(out.glob("*.standin-calls.jsonl"))  # no unfaithful stand-in call
+    assert "localization is not available on the vllm backend" in result.output
+    assert_no_server_left()
+
+
+@pytest.mark.parametrize("graph_mode", ["full", "breakable"])
+def test_the_fix_passes_every_scenario_and_leaves_eager_untouched(tmp_path_factory, graph_mode) -> None:
+    out, result, doc = run_of(tmp_path_factory, graph_mode, fixed=True)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert [c["verdict"]["code"] for c in doc["cases"]] == ["PASS", "PASS", "PASS"], doc["verdict"]
+    for case in doc["cases"][1:]:
+        for request in case["requests"]:
+            assert all(a["evidence"].get("leak") is None for a in request["arms"].values()), request["label"]
+    notes = {r["note"] for records in doc["config"]["vllm_fix_records"].values() for r in records}
+    assert {"wrapped DefaultModelState.prepare_inputs_embeds",
+            "wrapped Qwen3VLForConditionalGeneration._set_deepstack_input_embeds"} <= notes
+    _, _, released = run_of(tmp_path_factory, graph_mode, fixed=False)
+    for fixed_case, released_case in zip(doc["cases"], released["cases"]):  # the fix never moves an eager answer
+        assert eager_answers(fixed_case) == eager_answers(released_case), fixed_case["id"]
+    four = doc["cases"][0]["arms"]
+    assert four[BCG_NORMAL]["token_ids"] == four[EAGER_NORMAL]["token_ids"]
+    assert four[BCG_ZERO]["token_ids"] == four[EAGER_ZERO]["token_ids"] != four[EAGER_NORMAL]["token_ids"]
+    assert_no_server_left()
+
+
+def eager_answers(case: dict) -> list:
+    arms = [case["arms"]] if "arms" in case else [r["arms"] for r in case["requests"]]
+    return [a["token_ids"] for group in arms for a in group.values() if a["mode"] == "eager"]
+
+
+def test_a_configuration_the_standin_attention_cannot_compute_is_an_error_naming_the_op(tmp_path: Path) -> None:
+    """A sliding window: the stand-in attention never approximates it; the run says which op."""
+    result, doc = parity_run(tmp_path, "--graph-mode", "full",
+                             "--vllm-arg", """--hf-overrides '{"text_config": {"sliding_window": 16}}'""")
+    assert result.exit_code == 4, result.output[-3000:]
+    assert doc["verdict"]["code"] == "ERROR", doc["verdict"]
+    assert "torch.ops._C.cpu_attention_with_kv_cache (sliding_window)" in doc["verdict"]["reason"], doc["verdict"]
+    assert_no_server_left()
+
+
+def test_a_server_on_the_v1_runner_is_an_error_that_says_so(tmp_path: Path, monkeypatch) -> None:
+    real_env = servers.cpu_env
+    monkeypatch.setattr(servers, "cpu_env", lambda *a: {**real_env(*a), servers.V2_ENV: "0"})
+    result, doc = parity_run(tmp_path, "--graph-mode", "full")
+    assert result.exit_code == 4, result.output[-3000:]
+    assert doc["verdict"]["code"] == "ERROR" and "vLLM built its V1 model runner" in doc["verdict"]["reason"], \
+        doc["verdict"]
+    assert_no_server_left()
