@@ -187,8 +187,9 @@ def test_the_hook_opens_the_gates_only_when_parity_asks(tmp_path: Path) -> None:
 def fake_platform_module() -> types.ModuleType:
     class CpuPlatform:
         @classmethod
-        def check_and_update_config(cls, vllm_config):
-            vllm_config.compilation_config.cudagraph_capture_sizes = []  # what vLLM's CPU platform does
+        def check_and_update_config(cls, vllm_config):  # what vLLM's CPU platform does
+            vllm_config.compilation_config.cudagraph_capture_sizes = []
+            vllm_config.compilation_config.mode = "DYNAMO_TRACE_ONCE"
 
         @classmethod
         def support_static_graph_mode(cls):
@@ -201,14 +202,21 @@ def fake_platform_module() -> types.ModuleType:
     return types.SimpleNamespace(CpuPlatform=CpuPlatform)
 
 
-def test_the_platform_gate_keeps_the_capture_sizes_and_calls_attention_directly() -> None:
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_platform_gate_keeps_the_capture_sizes_and_calls_attention_directly(monkeypatch, compiled) -> None:
+    """Whole graphs need attention as a direct call; vLLM's piecewise compile (kept with dynamo's
+    eager backend when parity asks) splits at the opaque op and keeps the compile mode."""
+    if compiled:
+        monkeypatch.setenv(cpu_patches.ENV_COMPILE, cpu_patches.COMPILE_EAGER)
     module = fake_platform_module()
     cpu_patches.cpu_platform_graphs(module)
     cpu_patches.cpu_platform_graphs(module)  # applied twice: wrapped once
-    config = types.SimpleNamespace(compilation_config=types.SimpleNamespace(cudagraph_capture_sizes=[1, 8, 16]))
+    config = types.SimpleNamespace(compilation_config=types.SimpleNamespace(
+        cudagraph_capture_sizes=[1, 8, 16], mode="VLLM_COMPILE", backend="eager"))
     module.CpuPlatform.check_and_update_config(config)
     assert config.compilation_config.cudagraph_capture_sizes == [1, 8, 16]
-    assert module.CpuPlatform.support_static_graph_mode() and not module.CpuPlatform.opaque_attention_op()
+    assert (config.compilation_config.mode == "VLLM_COMPILE") is compiled
+    assert module.CpuPlatform.support_static_graph_mode() and module.CpuPlatform.opaque_attention_op() is compiled
 
 
 def test_the_worker_captures_before_serving_only_when_its_manager_has_graphs_to_capture(monkeypatch) -> None:
@@ -319,3 +327,13 @@ def test_an_embedded_preset_on_a_gpu_is_refused_with_the_way_to_serve_it(tmp_pat
     options = BackendOptions(name="vllm", model="tiny-qwen3-vl", device="cuda")
     with pytest.raises(UsageError, match="serves it with --device cpu"):
         from_options(options, 8, tmp_path)
+
+
+def test_modes_that_need_the_piecewise_compile_are_said_unreplayable_on_a_cpu_with_the_compile_mode(tmp_path) -> None:
+    for mode in ("full_and_piecewise", "piecewise"):
+        limit = servers.graph_limit(cpu_settings(tmp_path, graph_mode=mode))
+        assert "-cc.mode=none" in limit and "image prefills run eagerly" in limit
+    assert servers.graph_limit(cpu_settings(tmp_path, graph_mode="full")) is None
+    assert servers.graph_limit(cpu_settings(tmp_path, graph_mode="breakable")) is None
+    gpu = servers.VllmSettings(model="/ckpt", max_new_tokens=8, run_dir=tmp_path, graph_mode="piecewise")
+    assert servers.graph_limit(gpu) is None

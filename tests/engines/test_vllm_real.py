@@ -13,8 +13,10 @@ VLLM_TARGET_DEVICE=cpu) on stub instances that hold only what the code under tes
   -> `_set_deepstack_input_embeds` path with parity's wrappers: zeroing and fingerprinting;
 - the real `CudaGraphManager` dispatch: FULL for an image prefill under `cudagraph_mode=FULL`,
   NONE for the eager server;
-- the leak itself: a FULL step (the forward replayed without its Python, so no clear) followed
-  by a text step that reads the image's rows, seen by the leak witness, against the eager path.
+- the leak itself: a FULL step (vLLM's own `run_fullgraph` replaying the forward captured at
+  start-up into parity's emulated graph, so no Python runs and nothing clears) followed by a text
+  step that reads the image's rows, seen by the leak witness, against the eager path. Real servers
+  doing the same end to end: test_vllm_real_server.py.
 """
 
 from __future__ import annotations

@@ -18,8 +18,10 @@ class Engine:
 
     `forward` does what Qwen3VLForConditionalGeneration.forward does around the language model
     (qwen3_vl.py:3205-3217): `_get` the buffer's first rows, the LM adds them, `_clear` after.
-    A FULL step is the replay of a graph captured with the rows `_get` gave at capture time and
-    no Python at all: the add reads the buffer where it is, and nothing clears it.
+    Under FULL each capture size's forward is captured at start-up (before any request, as the
+    worker does) into parity's emulated graph, and a FULL step is vLLM's own
+    `CudaGraphManager.run_fullgraph` replaying it: the captured ops re-run on the tensors they
+    captured, and no Python of the forward runs (no `_get`, no `_clear`).
     """
 
     def __init__(self, tmp_path: Path, cudagraph_mode: str, control: str = "record", fix: bool = False) -> None:
@@ -84,10 +86,27 @@ class Engine:
         manager._lora_dispatch_map, manager._max_lora_case = {}, 0
         manager._candidates, manager._capture_descs, manager.use_breakable_cg = {}, {}, False
         manager._init_candidates()
-        manager._graphs_captured = bool(manager.cudagraph_mode)  # capture happened at start-up
+        manager.graphs = {}
+        self.persistent, self.manager, self.outputs = persistent, manager, {}
+        for desc in manager._capture_descs.get(CUDAGraphMode.FULL, ()):  # start-up: the counter is 0
+            self._capture(desc)
+        manager._graphs_captured = bool(manager.cudagraph_mode)
         self.dispatch = taps.wrap_dispatch(CudaGraphManager.dispatch, self.tap).__get__(manager)
-        self.captured: dict[int, list] = {}
         self.served = 0
+
+    def forward(self, n: int):
+        """The LM's DeepStack add on the padded rows, then the model's clear (its Python)."""
+        hidden = self.persistent[:n] + sum(self.model._get_deepstack_input_embeds(n).tensors.values())
+        self.model._clear_deepstack_input_embeds(n)
+        return hidden
+
+    def _capture(self, desc) -> None:
+        from parity.emulated_graph import EmulatedGraph, graph
+
+        captured = EmulatedGraph()
+        with graph(captured):
+            self.outputs[desc.num_tokens] = self.forward(desc.num_tokens)
+        self.manager.graphs[desc] = captured
 
     def request(self, ids: list[int], image_rows: tuple[int, int] | None, seed: int = 1):
         """One prefill step; (its hidden states [tokens, hidden], the dispatch mode, the tap's record)."""
@@ -112,16 +131,13 @@ class Engine:
             embeds = self.prepare(self.state, {}, batch, None)
         finally:
             self.channel.disarm()
-        n = desc.num_tokens
+        # The rows a captured graph reads are the step's embeddings: the runner's persistent buffer.
+        assert embeds.untyped_storage().data_ptr() == self.persistent.untyped_storage().data_ptr()
         if desc.cg_mode.name == "FULL":
-            if n not in self.captured:  # captured at start-up: _get ran once, with the counter at 0
-                self.captured[n] = list(self.model._get_deepstack_input_embeds(n).tensors.values())
-            deepstack = self.captured[n]  # replay: no Python, no _get, no _clear
+            self.manager.run_fullgraph(desc)  # vLLM's own replay of the graph captured at start-up
+            hidden = self.outputs[desc.num_tokens].clone()
         else:
-            deepstack = list(self.model._get_deepstack_input_embeds(n).tensors.values())
-        hidden = embeds[:n].clone() + sum(deepstack)  # the LM's DeepStack add, on the rows the graph reads
-        if desc.cg_mode.name != "FULL":
-            self.model._clear_deepstack_input_embeds(n)
+            hidden = self.forward(desc.num_tokens)
         entry = self.channel.entries(tag)[-1]
         return hidden[:tokens], desc.cg_mode.name, entry
 

@@ -26,6 +26,7 @@ capture and replay through parity's emulated graph (§3, gates 6-13):
 from __future__ import annotations
 
 import contextlib
+import os
 import types
 from typing import Any, Mapping
 
@@ -34,6 +35,8 @@ from parity.engines.after_import import after_import, around
 ENV_CPU = "PARITY_VLLM_CPU"
 ENV_GRAPH = "PARITY_VLLM_GRAPH"
 GRAPH_EMULATED = "emulated"
+ENV_COMPILE = "PARITY_VLLM_COMPILE"
+COMPILE_EAGER = "eager"
 PATCHED = "__parity_vllm_cpu__"
 
 TRITON_IMPORTING = "vllm.triton_utils.importing"
@@ -41,6 +44,7 @@ CPU_PLATFORM = "vllm.platforms.cpu"
 CPU_ATTENTION = "vllm.v1.attention.backends.cpu_attn"
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 GRAPH_MANAGER = "vllm.v1.worker.gpu.cudagraph_utils"
+GRAPH_WRAPPER = "vllm.compilation.cuda_graph"
 
 
 def mark_triton_present(module: types.ModuleType) -> None:
@@ -55,15 +59,23 @@ def cpu_platform_graphs(module: types.ModuleType) -> None:
     if getattr(platform.check_and_update_config, PATCHED, False):
         return
 
+    compiled = os.environ.get(ENV_COMPILE) == COMPILE_EAGER
+
     def check_and_update_config(original, cls, vllm_config):
-        sizes = list(vllm_config.compilation_config.cudagraph_capture_sizes or ())
+        config = vllm_config.compilation_config
+        sizes, mode, backend = list(config.cudagraph_capture_sizes or ()), config.mode, config.backend
         original(cls, vllm_config)
-        vllm_config.compilation_config.cudagraph_capture_sizes = sizes
+        config.cudagraph_capture_sizes = sizes
+        if compiled:  # vLLM's piecewise compile, with dynamo's eager backend instead of inductor
+            config.mode, config.backend = mode, backend
 
     checked = around(platform.check_and_update_config.__func__, check_and_update_config, PATCHED)
     platform.check_and_update_config = classmethod(checked)
     platform.support_static_graph_mode = classmethod(lambda cls: True)
-    platform.opaque_attention_op = classmethod(lambda cls: False)
+    # Piecewise graphs split at the opaque attention op, which runs eagerly between them; whole
+    # graphs need attention as a direct call, whose ops the recorder sees.
+    platform.opaque_attention_op = classmethod(lambda cls: compiled)
+    platform.get_static_graph_wrapper_cls = classmethod(lambda cls: "vllm.compilation.cuda_graph.CUDAGraphWrapper")
 
 
 def attention_graph_support(module: types.ModuleType) -> None:
@@ -135,6 +147,7 @@ def install_emulated_graphs(torch_module: Any) -> None:
     after_import(CPU_ATTENTION, attention_graph_support)
     after_import(CPU_WORKER, worker_captures)
     after_import(GRAPH_MANAGER, cpu_streams)
+    after_import(GRAPH_WRAPPER, cpu_streams)
 
 
 def install(environ: Mapping[str, str]) -> None:

@@ -82,6 +82,7 @@ GRAPH_MODES = MappingProxyType({m.name: m for m in (
               "Qwen3-VL-2B/8B on Hopper): prefills replayed whole in segments"),
 )})
 DEFAULT_GRAPH_MODE = "full_and_piecewise"
+PIECEWISE_MODES = ("FULL_AND_PIECEWISE", "PIECEWISE")  # need vLLM's piecewise compile
 
 
 def graph_mode(name: str) -> GraphMode:
@@ -233,6 +234,16 @@ class VllmSettings(ServerSettings):
     @property
     def capture(self) -> CaptureSizes:
         return CaptureSizes(self.buckets, self.facts.max_batched_tokens)
+
+
+def graph_limit(settings: VllmSettings) -> str | None:
+    """Why the graph server cannot replay an image prefill at all in this setting (None: it can)."""
+    if settings.on_cpu and settings.graph.cudagraph_mode in PIECEWISE_MODES and not settings.graph.breakable:
+        return (f"on a CPU parity serves vLLM with -cc.mode={CPU_COMPILE_MODE} (inductor's C++ kernels are invisible to "
+                f"the emulated graph), and without its piecewise compile vLLM resolves {settings.graph.cudagraph_mode} "
+                "to graphs for decode steps only, so image prefills run eagerly; judge --graph-mode full or "
+                "breakable on a CPU, and this mode on a GPU (docs/vllm-runbook.md, \"On a CPU\")")
+    return None
 
 
 def mode_cudagraph(settings: VllmSettings, mode: str) -> str:
