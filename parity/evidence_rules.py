@@ -24,9 +24,6 @@ class Rules:
     captured: tuple[int, ...] | None = None  # the buckets the run captured; None: not recorded
     repeat: int = 1  # --repeat: every arm runs this often
     runner: str | None = None  # the transformers backend's runner variant
-    # Why this run's graph path cannot replay a prefill at all, as its backend recorded it
-    # (config.graph_limit, e.g. a graph mode that needs a compile the run does not have)
-    graph_limit: str | None = None
 
     @classmethod
     def of(cls, run: RunResult) -> "Rules":
@@ -35,8 +32,7 @@ class Rules:
         return cls(Tolerances(run.logprob_tol, run.tie_margin, run.logprob_mean_tol), run.deepstack_layers,
                    str(run.config.get("backend", registry.DEFAULT)),
                    None if captured is None else tuple(sorted(int(b) for b in captured)),
-                   repeat if isinstance(repeat, int) and repeat >= 1 else 1, run.config.get("runner"),
-                   str(run.config["graph_limit"]) if run.config.get("graph_limit") else None)
+                   repeat if isinstance(repeat, int) and repeat >= 1 else 1, run.config.get("runner"))
 
 
 def replay_shown(arm: ArmResult) -> bool | None:
@@ -95,6 +91,6 @@ def not_replayed_reason(label: str, arm: ArmResult, evidence: Evidence | None, s
     tokens = "?" if evidence is None or evidence.prompt_tokens is None else evidence.prompt_tokens
     largest = "unknown" if evidence is None or evidence.max_bucket is None else evidence.max_bucket
     how = "was not shown to run by graph replay" if shown is None else "ran eagerly, not by graph replay"
-    hint = rules.graph_limit or registry.info(rules.backend).not_replayed_hint(evidence)
+    hint = registry.info(rules.backend).not_replayed_hint(evidence)
     return (f"{label}: the prefill of its {tokens}-token prompt {how} (largest captured bucket: {largest}), "
             f"so the graph path was not tested; {hint}")

@@ -329,11 +329,53 @@ def test_an_embedded_preset_on_a_gpu_is_refused_with_the_way_to_serve_it(tmp_pat
         from_options(options, 8, tmp_path)
 
 
-def test_modes_that_need_the_piecewise_compile_are_said_unreplayable_on_a_cpu_with_the_compile_mode(tmp_path) -> None:
+def test_piecewise_modes_get_vllms_compile_with_the_eager_backend_and_whole_graph_modes_none(tmp_path) -> None:
     for mode in ("full_and_piecewise", "piecewise"):
-        limit = servers.graph_limit(cpu_settings(tmp_path, graph_mode=mode))
-        assert "-cc.mode=none" in limit and "image prefills run eagerly" in limit
-    assert servers.graph_limit(cpu_settings(tmp_path, graph_mode="full")) is None
-    assert servers.graph_limit(cpu_settings(tmp_path, graph_mode="breakable")) is None
-    gpu = servers.VllmSettings(model="/ckpt", max_new_tokens=8, run_dir=tmp_path, graph_mode="piecewise")
-    assert servers.graph_limit(gpu) is None
+        settings = cpu_settings(tmp_path, graph_mode=mode)
+        flags = servers.server_flags(settings, "bcg", 0.7, (8,))
+        assert "-cc.mode=VLLM_COMPILE" in flags and "-cc.backend=eager" in flags and "-cc.mode=none" not in flags
+        env = servers.server_env(settings, TapChannel(tmp_path / "tap"), Placement(None, 0.7))
+        assert env[cpu_patches.ENV_COMPILE] == cpu_patches.COMPILE_EAGER
+        assert servers.server_flags(settings, "eager", 0.7, (8,)).count("-cc.mode=VLLM_COMPILE") == 1  # both alike
+    for mode in ("full", "breakable"):
+        settings = cpu_settings(tmp_path, graph_mode=mode)
+        assert "-cc.mode=none" in servers.server_flags(settings, "bcg", 0.7, (8,))
+        env = servers.server_env(settings, TapChannel(tmp_path / "tap"), Placement(None, 0.7))
+        assert env[cpu_patches.ENV_COMPILE] == ""
+
+
+def test_a_graph_replays_under_the_forward_context_it_captured_in_when_none_is_set(monkeypatch) -> None:
+    """vLLM's opaque attention reads the forward context when it runs; a FULL replay sets none, so
+    the emulated graph replays under the one that was set while it captured (and under the current
+    one when there is one)."""
+    import contextlib
+
+    state = {"context": None, "replayed_under": []}
+
+    @contextlib.contextmanager
+    def set_forward_context(value):
+        previous, state["context"] = state["context"], value
+        try:
+            yield value
+        finally:
+            state["context"] = previous
+
+    module = types.SimpleNamespace(
+        set_forward_context=set_forward_context, get_forward_context=lambda: state["context"],
+        is_forward_context_available=lambda: state["context"] is not None, override_forward_context=set_forward_context)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", torch.cuda.CUDAGraph)  # restored after the test
+    cpu_patches.graphs_keep_forward_context(module)
+    source, out = torch.ones(3), torch.zeros(3)
+    captured = torch.cuda.CUDAGraph()
+    with graph(captured):
+        with module.set_forward_context("capture-time metadata"):
+            out.copy_(source * 2)
+    original_replay = EmulatedGraph.replay
+    monkeypatch.setattr(EmulatedGraph, "replay",
+                        lambda self: (state["replayed_under"].append(state["context"]), original_replay(self)))
+    source.fill_(5.0)
+    captured.replay()  # no context set: the captured one
+    with module.set_forward_context("current"):
+        captured.replay()
+    assert state["replayed_under"] == ["capture-time metadata", "current"] and out.tolist() == [10.0] * 3
+    assert state["context"] is None

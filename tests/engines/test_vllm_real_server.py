@@ -5,8 +5,9 @@ breakable wrapper capturing and replaying through parity's emulated graph (docs/
 Marked `real_vllm`; skipped, with the reason, where vLLM 0.33.0 is not installed. `.ci/run` runs
 them in its vLLM stage, in an environment outside the repository. Each run starts two real
 servers, one after the other (about 40 s each to start on 2 cores): the released runner in both
-graph modes (the leak), parity's `deepstack-clear` fix in both, a configuration the stand-in
-attention cannot compute (an `ERROR` naming the op), and a server forced onto the V1 runner.
+graph modes (the leak), parity's `deepstack-clear` fix in both, vLLM's default mode with its
+piecewise compile, a configuration the stand-in attention cannot compute (an `ERROR` naming the
+op), and a server forced onto the V1 runner.
 """
 
 from __future__ import annotations
@@ -111,6 +112,20 @@ def test_the_fix_passes_every_scenario_and_leaves_eager_untouched(tmp_path_facto
     four = doc["cases"][0]["arms"]
     assert four[BCG_NORMAL]["token_ids"] == four[EAGER_NORMAL]["token_ids"]
     assert four[BCG_ZERO]["token_ids"] == four[EAGER_ZERO]["token_ids"] != four[EAGER_NORMAL]["token_ids"]
+    assert_no_server_left()
+
+
+def test_vllms_default_mode_compiles_piecewise_graphs_and_passes_every_scenario(tmp_path: Path) -> None:
+    """full_and_piecewise (the default): vLLM's piecewise compile with dynamo's eager backend, its
+    CUDAGraphWrapper pieces and FULL decode graphs replayed through the emulation; the clear runs
+    in Python between the pieces, so no leak, as the code says."""
+    result, doc = parity_run(tmp_path, "--scenario", "all")
+    assert result.exit_code == 0, result.output[-3000:]
+    assert [c["verdict"]["code"] for c in doc["cases"]] == ["PASS", "PASS", "PASS"], doc["verdict"]
+    assert doc["config"]["vllm_compile_mode"] == servers.CPU_COMPILE_PIECEWISE
+    assert doc["cases"][0]["arms"][BCG_NORMAL]["evidence"]["prefill_replayed"] is True
+    log = (tmp_path / "vllm-bcg.log").read_text()
+    assert "Capturing CUDA graphs (PIECEWISE)" in log and "Capturing CUDA graphs (FULL)" in log
     assert_no_server_left()
 
 

@@ -28,7 +28,7 @@ from parity.engines.fix_records import read_records
 from parity.engines.settings import check_cpu_placement, resolve_graph_backend
 from parity.engines.vllm import client, cpu_ops, deepstack_clear, plugin
 from parity.engines.vllm.servers import (
-    CPU_COMPILE_MODE, READY_PATH, VllmSettings, environment_of, graph_limit, graph_mode, mode_cudagraph,
+    READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
 )
 from parity.engines.flags import flag_values
@@ -177,8 +177,7 @@ class VllmBackend(EngineBackend):
             "vllm_fix_records": dict(self._fix_records),
             "vllm_device": self.settings.device,
             "vllm_graph_backend": self.settings.graph_backend,
-            "vllm_compile_mode": CPU_COMPILE_MODE if self.settings.on_cpu else "vllm default",
-            "graph_limit": graph_limit(self.settings),
+            "vllm_compile_mode": cpu_compile(self.settings).mode if self.settings.on_cpu else "vllm default",
             "top_logprobs_num": client.TOP_LOGPROBS,
         }
 

@@ -21,12 +21,18 @@ capture and replay through parity's emulated graph (§3, gates 6-13):
 3. the CPU worker captures (it never calls `capture_model`), with a workspace manager and CPU
    stand-ins for the streams, the pool and `torch.cuda.graph`; `torch.cuda.CUDAGraph` is the
    emulation (parity/emulated_graph.py).
+
+With `PARITY_VLLM_COMPILE=eager` as well, the piecewise modes replay (§6, 15-17): vLLM's own
+piecewise compile is kept (the platform would turn it into a whole-model trace), its
+`CUDAGraphWrapper` pieces capture through the same emulation, attention stays the opaque op they
+split at, and a graph replays under the forward context it captured in (`graphs_keep_forward_context`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import types
 from typing import Any, Mapping
 
@@ -45,6 +51,7 @@ CPU_ATTENTION = "vllm.v1.attention.backends.cpu_attn"
 CPU_WORKER = "vllm.v1.worker.cpu_worker"
 GRAPH_MANAGER = "vllm.v1.worker.gpu.cudagraph_utils"
 GRAPH_WRAPPER = "vllm.compilation.cuda_graph"
+FORWARD_CONTEXT = "vllm.forward_context"
 
 
 def mark_triton_present(module: types.ModuleType) -> None:
@@ -137,10 +144,59 @@ def cpu_streams(module: types.ModuleType) -> None:
     module.current_stream = torch.cpu.current_stream
 
 
+_CAPTURING = threading.local()  # the ForwardContextGraph capturing in this thread, if any
+
+
+def graphs_keep_forward_context(module: types.ModuleType) -> None:
+    """The emulated graph keeps the forward context set while it captured, for a replay that has none.
+
+    With vLLM's piecewise compile attention is the opaque op, which reads the forward context when
+    it runs. A FULL replay (`run_fullgraph`) sets none; a real graph's attention kernel reads the
+    metadata tensors it captured, which the runner refreshes before the replay. Replaying under the
+    captured context gives the op exactly those: the captured metadata, whose tensors are the
+    persistent buffers, their Python numbers frozen at capture as in a real graph."""
+    import torch
+
+    from parity.emulated_graph import EmulatedGraph
+
+    original_set = module.set_forward_context
+
+    @contextlib.contextmanager
+    def set_forward_context(*args: Any, **kwargs: Any):
+        with original_set(*args, **kwargs) as context:
+            graph = getattr(_CAPTURING, "graph", None)
+            if graph is not None and graph.context is None:
+                graph.context = module.get_forward_context()
+            yield context
+
+    class ForwardContextGraph(EmulatedGraph):
+        context = None
+
+        def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+            _CAPTURING.graph = self
+            super().capture_begin(pool, capture_error_mode)
+
+        def capture_end(self) -> None:
+            _CAPTURING.graph = None
+            super().capture_end()
+
+        def replay(self) -> None:
+            if self.context is None or module.is_forward_context_available():
+                super().replay()
+                return
+            with module.override_forward_context(self.context):
+                super().replay()
+
+    module.set_forward_context = set_forward_context
+    torch.cuda.CUDAGraph = ForwardContextGraph
+
+
 def install_emulated_graphs(torch_module: Any) -> None:
     from parity.emulated_graph import EmulatedGraph, graph, graph_pool_handle
 
     torch_module.cuda.CUDAGraph = EmulatedGraph
+    if os.environ.get(ENV_COMPILE) == COMPILE_EAGER:
+        after_import(FORWARD_CONTEXT, graphs_keep_forward_context)
     torch_module.cuda.graph = graph
     torch_module.cpu.graph_pool_handle = graph_pool_handle
     after_import(CPU_PLATFORM, cpu_platform_graphs)

@@ -51,12 +51,18 @@ RESERVED_FLAGS = (
     "--model", "--host", "--port",
 )
 RESERVED_WHY = "parity sets it so the eager and graph servers differ only in the CUDA-graph mode"
-# On a CPU (docs/engines/vllm-cpu.md): no compile (inductor's C++ kernels are invisible to the graph
-# recorder), no JIT warm-up (its top-k kernel fails in the Triton interpreter; greedy requests never
-# launch it), and an explicit KV cache (the default sizes it from the machine's RAM).
-CPU_FLAGS = ("-cc.mode=none", "--kernel-config.enable_jit_warmup=false")
+# On a CPU (docs/engines/vllm-cpu.md): no inductor (its C++ kernels are invisible to the graph
+# recorder; see cpu_compile), no JIT warm-up (its top-k kernel fails in the Triton interpreter;
+# greedy requests never launch it), and an explicit KV cache (the default sizes it from the RAM).
+CPU_FLAGS = ("--kernel-config.enable_jit_warmup=false",)
 CPU_COMPILE_MODE = "none"
+CPU_COMPILE_PIECEWISE = "VLLM_COMPILE, dynamo's eager backend"
+CPU_COMPILE_FLAGS = ("-cc.mode=VLLM_COMPILE", "-cc.backend=eager", "-cc.pass_config.fuse_norm_quant=false",
+                     "-cc.pass_config.fuse_act_quant=false")
 CPU_KV_CACHE_BYTES = 256 * 2**20
+# The step budget, which also sizes the encoder's start-up profile (8192 tokens: 128 images of the
+# preset through the vision tower, two minutes on 2 cores under compile).
+CPU_MAX_BATCHED_TOKENS = 1024
 CPU_MAX_MODEL_LEN = 4096
 STANDIN_DIR = Path(__file__).resolve().parent / "standin"  # what goes on a CPU server's PYTHONPATH
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -236,14 +242,22 @@ class VllmSettings(ServerSettings):
         return CaptureSizes(self.buckets, self.facts.max_batched_tokens)
 
 
-def graph_limit(settings: VllmSettings) -> str | None:
-    """Why the graph server cannot replay an image prefill at all in this setting (None: it can)."""
-    if settings.on_cpu and settings.graph.cudagraph_mode in PIECEWISE_MODES and not settings.graph.breakable:
-        return (f"on a CPU parity serves vLLM with -cc.mode={CPU_COMPILE_MODE} (inductor's C++ kernels are invisible to "
-                f"the emulated graph), and without its piecewise compile vLLM resolves {settings.graph.cudagraph_mode} "
-                "to graphs for decode steps only, so image prefills run eagerly; judge --graph-mode full or "
-                "breakable on a CPU, and this mode on a GPU (docs/vllm-runbook.md, \"On a CPU\")")
-    return None
+@dataclass(frozen=True)
+class CpuCompile:
+    """How a CPU server compiles (both servers of a run alike, so they differ only in the graph mode)."""
+
+    mode: str  # recorded in the results' config
+    flags: tuple[str, ...]
+    piecewise: bool  # vLLM's piecewise compile, with parity's gates for it (cpu_patches.ENV_COMPILE)
+
+
+def cpu_compile(settings: VllmSettings) -> CpuCompile:
+    """Whole graphs (full, breakable) need no compile; piecewise graphs need vLLM's piecewise
+    compile, kept with dynamo's eager backend (aten ops the recorder sees) instead of the inductor a
+    CPU platform picks, and without the fusion passes this platform does not define."""
+    if settings.graph.cudagraph_mode in PIECEWISE_MODES and not settings.graph.breakable:
+        return CpuCompile(CPU_COMPILE_PIECEWISE, CPU_COMPILE_FLAGS, True)
+    return CpuCompile(CPU_COMPILE_MODE, ("-cc.mode=none",), False)
 
 
 def mode_cudagraph(settings: VllmSettings, mode: str) -> str:
@@ -256,12 +270,14 @@ def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: 
     """The flags after `vllm serve`. Parity's defaults first, the user's flags after them (argparse
     keeps the last), the graph flags parity owns in between; only `-cc.cudagraph_mode` differs by mode."""
     facts = settings.facts
+    floor = CPU_MAX_BATCHED_TOKENS if settings.on_cpu else DEFAULT_MAX_BATCHED_TOKENS
     batched = () if facts.max_batched_tokens is not None else (
-        "--max-num-batched-tokens", str(max(DEFAULT_MAX_BATCHED_TOKENS, max(sizes, default=0))))
+        "--max-num-batched-tokens", str(max(floor, max(sizes, default=0))))
     context = () if facts.max_model_len_given else (
         "--max-model-len", str(CPU_MAX_MODEL_LEN if settings.on_cpu else DEFAULT_MAX_MODEL_LEN))
-    cpu = () if not settings.on_cpu else (*CPU_FLAGS, *(() if flag_values(settings.vllm_args, "--kv-cache-memory-bytes")
-                                                        else ("--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES))))
+    cpu = () if not settings.on_cpu else (*CPU_FLAGS, *cpu_compile(settings).flags, *(
+        () if flag_values(settings.vllm_args, "--kv-cache-memory-bytes")
+        else ("--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES))))
     return (settings.model, *DETERMINISM_FLAGS, "--gpu-memory-utilization", f"{mem_fraction:.4g}",
             *context, *batched, *DEFAULT_FLAGS, *cpu,
             f"-cc.cudagraph_mode={mode_cudagraph(settings, mode)}",
@@ -296,6 +312,7 @@ def cpu_env(settings: VllmSettings, standin_calls: Path) -> dict[str, str]:
         "TRITON_INTERPRET": "1",
         cpu_patches.ENV_CPU: "1",
         cpu_patches.ENV_GRAPH: settings.graph_backend,
+        cpu_patches.ENV_COMPILE: cpu_patches.COMPILE_EAGER if cpu_compile(settings).piecewise else "",
         cpu_ops.ENV_CALLS: str(standin_calls.resolve()),
         "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
     }
@@ -312,5 +329,5 @@ def environment_of(env: Mapping[str, str]) -> dict[str, str]:
     """The part of a server's environment that shapes its execution, for the results' config."""
     return {k: v for k, v in env.items()
             if k in (BREAKABLE_ENV, PLUGINS_ENV, "CUDA_VISIBLE_DEVICES", deepstack_clear.ENV_FIX, V2_ENV,
-                     "TRITON_INTERPRET", "VLLM_TARGET_DEVICE", cpu_patches.ENV_CPU, cpu_patches.ENV_GRAPH,
+                     "TRITON_INTERPRET", "VLLM_TARGET_DEVICE", cpu_patches.ENV_CPU, cpu_patches.ENV_GRAPH, cpu_patches.ENV_COMPILE,
                      "OMP_NUM_THREADS")}
