@@ -21,7 +21,7 @@ from parity.cli_options import (
     tie_margin, warn_ignored,
 )
 from parity.engines import registry
-from parity.errors import ParityError, UsageError
+from parity.errors import NothingToProve, ParityError, UsageError
 from parity.interrupts import exit_code_of, signal_of
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.results import FOUR_ARM, SCENARIOS
@@ -40,10 +40,23 @@ class ParityCommandError(click.ClickException):
     exit_code = USAGE_EXIT
 
 
+class VerdictBeforeRun(click.ClickException):
+    """A verdict found before any arm ran (NothingToProve): `<VERDICT>: <reason>`, exit with its code."""
+
+    def __init__(self, err: NothingToProve) -> None:
+        super().__init__(f"{err.verdict}: {err}")
+        self.exit_code = err.exit_code
+
+    def show(self, file=None) -> None:
+        click.echo(self.format_message(), err=True)
+
+
 class ParityGroup(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except NothingToProve as err:
+            raise VerdictBeforeRun(err) from None
         except ParityError as err:
             raise ParityCommandError(str(err)) from None
         except KeyboardInterrupt as stop:  # a light command stopped: nothing to keep, no traceback
@@ -125,6 +138,7 @@ def run(**options) -> None:
     from parity.backends.options import BackendOptions
     from parity.planning import RunSpec
     from parity.interrupts import first_stop_only
+    from parity.models import check_runnable
     from parity.run_command import (
         OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run, plan_note,
     )
@@ -158,6 +172,7 @@ def run(**options) -> None:
         mem_fraction=o["mem_fraction"], engine=MappingProxyType({e.name: o[e.name] for e in registry.own_options()}),
     )
     warn_ignored(click.get_current_context(), backend.name)
+    check_runnable(o["model"])  # a model with nothing to prove is said so before any arm
     note = plan_note(spec, o["model"])
     if note:
         click.echo(note, err=True)

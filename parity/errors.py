@@ -26,6 +26,13 @@ class ModelUnavailableError(UsageError):
     """A checkpoint that cannot be loaded (not cached offline, not a Qwen3-VL, missing files)."""
 
 
+class NothingToProve(ParityError):
+    """A model that adds no DeepStack: INCONCLUSIVE_NO_POWER, found before any arm runs (exit 3)."""
+
+    exit_code = 3
+    verdict = "INCONCLUSIVE_NO_POWER"
+
+
 class BackendUnavailableError(UsageError):
     """A backend whose requirements are missing here (SGLang not installed, no GPU, port in use)."""
 

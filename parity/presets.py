@@ -23,6 +23,7 @@ class TinyPreset:
     num_layers: int = 4
     seed: int = 0
     max_positions: int = 4096  # the context: no prompt, bucket or answer may pass it
+    model_type: str = "qwen3_vl"  # the transformers family its config is (`qwen3_vl_moe` when moe)
 
 
 # The recipe works for any seed (tests/test_presets.py checks several); 0 is just the default.
@@ -35,6 +36,11 @@ PRESETS: dict[str, TinyPreset] = {
             "tiny-qwen3-vl-nodeepstack",
             "dense Qwen3-VL with deepstack_visual_indexes=[]: the negative control for power",
             deepstack_layers=0,
+        ),
+        TinyPreset(
+            "tiny-qwen3.5",
+            "shaped like a Qwen3.5 checkpoint, deepstack_visual_indexes=[]: INCONCLUSIVE_NO_POWER before any arm",
+            deepstack_layers=0, model_type="qwen3_5",
         ),
         TinyPreset(
             "mid-qwen3-vl",

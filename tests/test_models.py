@@ -166,3 +166,47 @@ def test_power_on_every_builtin_fixture_and_prompt(preset, request):
         for prompt in default_prompts(fixture):
             assert _eager(loaded, "normal", fixture.name, prompt.text).token_ids != \
                 _eager(loaded, "zero", fixture.name, prompt.text).token_ids, (fixture.name, prompt.id)
+
+
+# --- models that add no DeepStack, and models parity does not run ------------------------------------------
+
+def _config_only(folder, config) -> str:
+    folder.mkdir()
+    config.save_pretrained(folder)
+    return str(folder)
+
+
+def test_a_qwen3_5_without_deepstack_is_no_power_before_any_arm(parity_cli, tmp_path):
+    """The preset and a Qwen3.5 checkpoint folder alike: the config says there is nothing to prove;
+    nothing is built, no server starts, no results are written."""
+    from parity.models.checkpoint import NO_DEEPSTACK_REASON
+    from parity.models.tiny import build_config, build_tokenizer
+    from parity.presets import PRESETS
+
+    result, doc, out = parity_cli.run("--model", "tiny-qwen3.5")
+    assert result.exit_code == 3, result.output
+    assert f"INCONCLUSIVE_NO_POWER: 'tiny-qwen3.5' (qwen3_5): {NO_DEEPSTACK_REASON}" in result.output
+    assert "Error" not in result.output and doc is None and not out.exists()
+    for backend in ("sglang", "vllm"):  # said before any engine is looked for
+        result, _, _ = parity_cli.run("--model", "tiny-qwen3.5", "--backend", backend, "--device", "cpu")
+        assert result.exit_code == 3 and NO_DEEPSTACK_REASON in result.output, result.output
+    config = build_config(PRESETS["tiny-qwen3.5"], build_tokenizer())
+    assert config.model_type == "qwen3_5" and config.vision_config.deepstack_visual_indexes == []
+    folder = _config_only(tmp_path / "qwen3_5", config)
+    result, doc, _ = parity_cli.run("--model", folder)
+    assert result.exit_code == 3 and NO_DEEPSTACK_REASON in result.output and doc is None, result.output
+
+
+def test_an_architecture_parity_does_not_run_is_a_usage_error_naming_those_it_runs(parity_cli, tmp_path):
+    from transformers import LlamaConfig
+
+    from parity.models.tiny import build_config, build_tokenizer
+    from parity.presets import PRESETS
+
+    result, _, _ = parity_cli.run("--model", _config_only(tmp_path / "llama", LlamaConfig()))
+    assert result.exit_code == 2 and "is a 'llama' checkpoint" in result.output
+    assert "qwen3_vl, qwen3_vl_moe" in result.output and "parity models" in result.output
+    with_deepstack = build_config(PRESETS["tiny-qwen3.5"], build_tokenizer())
+    with_deepstack.vision_config.deepstack_visual_indexes = [0, 1]  # a Qwen3.5 that adds DeepStack: not runnable yet
+    result, _, _ = parity_cli.run("--model", _config_only(tmp_path / "qwen3_5_ds", with_deepstack))
+    assert result.exit_code == 2 and "'qwen3_5' checkpoint with DeepStack" in result.output, result.output

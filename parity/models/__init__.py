@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.errors import UsageError
-from parity.models.checkpoint import load_checkpoint
+from parity.models.checkpoint import SUPPORTED_MODEL_TYPES, check_architecture, load_checkpoint
 from parity.models.qwen3_vl import Qwen3VLAdapter
 from parity.presets import DEFAULT_MODEL, PRESETS
 
@@ -69,6 +69,17 @@ def load_model(
         # capture the body; eager arms use the same kernels, so the comparison stays fair.
         model.set_experts_implementation("batched_mm")
     return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded, seed)
+
+
+def check_runnable(name: str) -> None:
+    """Before any arm: an embedded preset of a family parity only judges by its config (a Qwen3.5
+    without DeepStack) gets that judgement now (checkpoints get it where their config is loaded)."""
+    preset = PRESETS.get(name)
+    if preset is None or preset.model_type in SUPPORTED_MODEL_TYPES:
+        return
+    from parity.models.tiny import build_config, build_tokenizer
+
+    check_architecture(name, build_config(preset, build_tokenizer()))
 
 
 def _build_preset(name: str, seed: int):

@@ -14,9 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from parity.errors import ModelUnavailableError
+from parity.errors import ModelUnavailableError, NothingToProve
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# Families that inherit Qwen3-VL's DeepStack contract but whose released checkpoints ship an empty
+# deepstack_visual_indexes: with none, there is nothing for DeepStack to prove (design §3, no power). parity
+# has no adapter for their language models, so one that does add DeepStack is not runnable yet.
+NO_DEEPSTACK_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+NO_DEEPSTACK_REASON = "this model adds no DeepStack (deepstack_visual_indexes is empty)"
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -73,13 +78,26 @@ def load_config_and_processor(source: CheckpointSource):
     from transformers import AutoConfig, AutoProcessor
 
     config = source.load("config", AutoConfig)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelUnavailableError(f"model {source.name!r} is a {config.model_type!r} checkpoint; parity drives "
-                                    f"Qwen3-VL ({', '.join(SUPPORTED_MODEL_TYPES)}) or an embedded preset "
-                                    "(`parity models`)")
+    check_architecture(source.name, config)
     processor = source.load("processor and tokenizer", AutoProcessor)
     _check_tokenizer(source.name, processor, config)
     return config, processor
+
+
+def check_architecture(name: str, config) -> None:
+    """A Qwen3-VL passes; a model of a DeepStack family without DeepStack is INCONCLUSIVE_NO_POWER
+    before any arm runs (NothingToProve, exit 3); anything else is a usage error naming what parity runs."""
+    if config.model_type in SUPPORTED_MODEL_TYPES:
+        return
+    indexes = getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None)
+    if config.model_type in NO_DEEPSTACK_MODEL_TYPES and not indexes:
+        raise NothingToProve(f"{name!r} ({config.model_type}): {NO_DEEPSTACK_REASON}, so no arm could show "
+                             "what DeepStack does under graph replay; nothing ran")
+    with_deepstack = " with DeepStack" if config.model_type in NO_DEEPSTACK_MODEL_TYPES else ""
+    raise ModelUnavailableError(f"model {name!r} is a {config.model_type!r} checkpoint{with_deepstack}; parity drives "
+                                f"Qwen3-VL ({', '.join(SUPPORTED_MODEL_TYPES)}), says "
+                                f"INCONCLUSIVE_NO_POWER for {' and '.join(NO_DEEPSTACK_MODEL_TYPES)} checkpoints "
+                                "without DeepStack, and runs the embedded presets (`parity models`)")
 
 
 def load_checkpoint(name: str, dtype):

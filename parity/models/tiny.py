@@ -106,6 +106,8 @@ def build_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    if preset.model_type == "qwen3_5":
+        return _qwen3_5_config(preset, len(tokenizer), ids)
     hidden = preset.hidden_size
     heads = max(4, hidden // 64)
     head_dim = hidden // heads
@@ -153,6 +155,25 @@ def build_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
         vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=False,
     )
+
+
+def _qwen3_5_config(preset: TinyPreset, vocab: int, ids: dict[str, int]):
+    """A Qwen3.5 config at the preset's size with an empty deepstack_visual_indexes, as released
+    Qwen3.5 checkpoints ship it (transformers' Qwen3.5 vision config has no such field at all)."""
+    from transformers import Qwen3_5Config
+
+    hidden = preset.hidden_size
+    config = Qwen3_5Config(
+        text_config=dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=preset.num_layers, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=hidden // 4, max_position_embeddings=preset.max_positions),
+        vision_config=dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    config.vision_config.deepstack_visual_indexes = list(range(preset.deepstack_layers))
+    return config
 
 
 def build_model(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):

@@ -21,11 +21,10 @@ from parity.backends.protocol import Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, served_model
-from parity.engines.settings import EnginePackage
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
 from parity.engines.fix_records import read_records
-from parity.engines.settings import check_cpu_placement, resolve_graph_backend
+from parity.engines.settings import EnginePackage, check_cpu_placement, resolve_graph_backend
 from parity.engines.vllm import client, cpu_ops, deepstack_clear, plugin
 from parity.engines.vllm.servers import (
     READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
