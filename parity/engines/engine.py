@@ -335,3 +335,22 @@ def served_model(model: str, seed: int | None = None) -> str:
     from parity.models.preset_checkpoint import saved_preset
 
     return str(saved_preset(model, seed))
+
+
+def server_args_for(options: Any, args: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """(device, the engine flags) for a server backend's `BackendOptions`: `--seed` only builds an
+    embedded preset; the servers, not parity, load the weights, so `--dtype` becomes their flag,
+    float32 for a preset or on a CPU unless asked (engines run a float32 checkpoint in half precision
+    under `auto`, docs/engines/sglang-cpu.md), else the engine's own choice."""
+    from parity.engines.flags import flag_values
+    from parity.errors import UsageError
+    from parity.presets import PRESETS
+
+    device = "cpu" if options.device == "cpu" else "cuda"
+    embedded = options.model in PRESETS
+    if options.seed is not None and not embedded:
+        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
+    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
+    if dtype is not None and flag_values(args, "--dtype") is None:
+        args = (*args, "--dtype", dtype)
+    return device, args

@@ -21,8 +21,7 @@ from parity.backends.protocol import Request
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
-from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, served_model
-from parity.engines.flags import flag_values
+from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, server_args_for, served_model
 from parity.engines.gpus import gpu_count, gpu_memory, visible_gpu_count
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
@@ -35,7 +34,6 @@ from parity.engines.sglang.servers import (
 )
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture
-from parity.presets import PRESETS
 
 # A launch command other than `python -m sglang.launch_server` (a wrapper, another interpreter, a
 # stand-in): shlex-split and used as given, without checking SGLang or a GPU here.
@@ -218,16 +216,7 @@ def create_sglang_backend(*, sglang_args: tuple[str, ...] = (), device: str = "c
 def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> SglangBackend:
     """The backend the command line builds. SGLang serves the embedded presets too, on the CPU from a
     cached checkpoint folder."""
-    device = "cpu" if options.device == "cpu" else "cuda"
-    embedded = options.model in PRESETS
-    if options.seed is not None and not embedded:
-        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
-    sglang_args = tuple(options.own("sglang_args", ()))
-    # The servers, not parity, load the weights. Explicit on a CPU and for presets: under `auto`
-    # SGLang runs a float32 checkpoint in float16 (docs/engines/sglang-cpu.md).
-    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
-    if dtype is not None and flag_values(sglang_args, "--dtype") is None:
-        sglang_args = (*sglang_args, "--dtype", dtype)
+    device, sglang_args = server_args_for(options, tuple(options.own("sglang_args", ())))
     return create_sglang_backend(sglang_args=sglang_args, device=device, graph_backend=options.graph_backend,
                                  fix=options.own("sglang_fix"), threads=options.threads, seed=options.seed,
                                  max_new_tokens=max_new_tokens, run_dir=run_dir, **options.server)

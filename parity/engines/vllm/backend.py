@@ -20,7 +20,7 @@ from parity.backends.options import BackendOptions
 from parity.backends.protocol import Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
-from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, served_model
+from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, server_args_for, served_model
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
 from parity.engines.fix_records import read_records
@@ -30,7 +30,6 @@ from parity.engines.vllm.servers import (
     READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
 )
-from parity.engines.flags import flag_values
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.fixtures import Fixture
 from parity.presets import PRESETS
@@ -225,18 +224,10 @@ def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str
 def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> VllmBackend:
     """The backend the command line builds: a checkpoint served by `vllm serve`; on the CPU, the
     embedded presets too, from a cached checkpoint folder."""
-    device = "cpu" if options.device == "cpu" else "cuda"
-    embedded = options.model in PRESETS
-    if embedded and device != "cpu":
+    if options.model in PRESETS and options.device != "cpu":
         raise UsageError(f"{options.model!r} is an embedded preset: the {options.name} backend serves it with "
                          "--device cpu; on a GPU give it a Qwen3-VL checkpoint id or path")
-    if options.seed is not None and not embedded:
-        raise UsageError(f"--seed builds an embedded preset ({', '.join(PRESETS)}); {options.model!r} is a checkpoint")
-    vllm_args = tuple(options.own("vllm_args", ()))
-    # The servers, not parity, load the weights; a preset is float32, and so is a CPU run unless asked.
-    dtype = options.dtype if options.dtype != "auto" else ("float32" if device == "cpu" or embedded else None)
-    if dtype is not None and flag_values(vllm_args, "--dtype") is None:
-        vllm_args = (*vllm_args, "--dtype", dtype)
+    device, vllm_args = server_args_for(options, tuple(options.own("vllm_args", ())))
     return create_vllm_backend(vllm_args=vllm_args, graph_mode_name=options.own("graph_mode", "full_and_piecewise"),
                                buckets=options.buckets, fix=options.own("vllm_fix"), device=device,
                                graph_backend=options.graph_backend, threads=options.threads, seed=options.seed,
