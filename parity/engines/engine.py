@@ -20,6 +20,7 @@ from parity.arms import MODES
 from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry, tap_mode
+from parity.engines.flags import flag_values
 from parity.engines.evidence import EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record
 from parity.engines.http import ServerRejected, ServerUnreachable, get_json
 from parity.engines.placement import LaunchPlan, Placement
@@ -29,6 +30,7 @@ from parity.engines.settings import EnginePackage
 from parity.engines.standin_calls import StandinLog
 from parity.errors import ArmFailure, UsageError
 from parity.fixtures import Fixture
+from parity.presets import PRESETS
 
 PROBE_PROMPT = "Say OK."
 
@@ -328,8 +330,6 @@ def checkpoint_inputs(model: str, processor: Any = None, model_config: Any = Non
 def served_model(model: str, seed: int | None = None) -> str:
     """What a server loads for `model`: an embedded preset (built from `seed`) is saved once into
     parity's cache as a checkpoint folder; anything else is given to the engine as it is."""
-    from parity.presets import PRESETS
-
     if model not in PRESETS:
         return model
     from parity.models.preset_checkpoint import saved_preset
@@ -342,10 +342,6 @@ def server_args_for(options: Any, args: tuple[str, ...]) -> tuple[str, tuple[str
     embedded preset; the servers, not parity, load the weights, so `--dtype` becomes their flag,
     float32 for a preset or on a CPU unless asked (engines run a float32 checkpoint in half precision
     under `auto`, docs/engines/sglang-cpu.md), else the engine's own choice."""
-    from parity.engines.flags import flag_values
-    from parity.errors import UsageError
-    from parity.presets import PRESETS
-
     device = "cpu" if options.device == "cpu" else "cuda"
     embedded = options.model in PRESETS
     if options.seed is not None and not embedded:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -24,3 +25,14 @@ def run_shadowed(hook_file: str) -> None:
     if spec is not None and spec.loader is not None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
+
+
+def standin_env(standin_dir: Path, threads: int | None) -> dict[str, str]:
+    """What every CPU server parity starts gets, whatever the engine: the stand-in folder first on
+    its PYTHONPATH (parity's own stays as it is), and capped threads. One thread per process unless
+    asked: the presets are tiny, engines run several processes, and a CPU machine running out of
+    threads kills launches (OpenBLAS pthread_create)."""
+    existing = os.environ.get("PYTHONPATH", "")
+    count = str(threads or 1)
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(standin_dir), existing) if p),
+            "OMP_NUM_THREADS": count, "MKL_NUM_THREADS": count, "OPENBLAS_NUM_THREADS": count}

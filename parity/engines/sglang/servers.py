@@ -21,6 +21,7 @@ from parity.engines.flags import flag_values, int_flag
 from parity.engines.flags import split_user_args as split_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
 from parity.engines.settings import ServerSettings
+from parity.engines.startup import standin_env
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
@@ -151,12 +152,6 @@ class SglangSettings(ServerSettings):
     def on_cpu(self) -> bool:
         return self.device == "cpu"
 
-    @property
-    def cpu_threads(self) -> int:
-        # One thread per process unless asked: the presets are tiny, SGLang runs several processes,
-        # and a CPU machine running out of threads kills launches (OpenBLAS pthread_create).
-        return self.threads or 1
-
 
 def buckets_given(args: Sequence[str]) -> bool:
     return flag_values(args, *BUCKET_FLAGS) is not None
@@ -234,13 +229,10 @@ def server_env(channel: plugin.TapChannel, placement: Placement, settings: Sglan
 def cpu_env(settings: SglangSettings, standin_calls: Path) -> dict[str, str]:
     """A CPU server's environment: SGLang's CPU engine, parity's stand-in folder first on its own
     PYTHONPATH (never parity's), the graph emulation when asked, and capped threads."""
-    existing = os.environ.get("PYTHONPATH", "")
-    threads = str(settings.cpu_threads)
     return {
+        **standin_env(kernel_standin.STANDIN_DIR, settings.threads),
         "SGLANG_USE_CPU_ENGINE": "1",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(kernel_standin.STANDIN_DIR), existing) if p),
         cpu_patches.ENV_CPU: "1",
         cpu_patches.ENV_GRAPH: settings.graph_backend,
         kernel_standin.ENV_CALLS: str(standin_calls.resolve()),
-        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
     }

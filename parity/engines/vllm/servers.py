@@ -27,6 +27,7 @@ from parity.engines.channel import TapChannel
 from parity.engines.flags import flag_values, int_flag, split_user_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
 from parity.engines.settings import ServerSettings
+from parity.engines.startup import standin_env
 from parity.engines.vllm import cpu_ops, cpu_patches, deepstack_clear, plugin
 
 LAUNCH_MODULE = ("-m", "vllm.entrypoints.cli.main", "serve")
@@ -303,10 +304,8 @@ def cpu_env(settings: VllmSettings, standin_calls: Path) -> dict[str, str]:
     """A CPU server's environment: parity's start-up hook first on its own PYTHONPATH (never parity's),
     Model Runner V2 forced with Triton interpreted (else vLLM falls back to V1, where the tap never
     fires), the graph emulation when asked, and capped threads."""
-    existing = os.environ.get("PYTHONPATH", "")
-    threads = str(settings.threads or 1)
     return {
-        "PYTHONPATH": os.pathsep.join(p for p in (str(STANDIN_DIR), existing) if p),
+        **standin_env(STANDIN_DIR, settings.threads),
         "VLLM_TARGET_DEVICE": "cpu",
         V2_ENV: "1",
         "TRITON_INTERPRET": "1",
@@ -314,7 +313,6 @@ def cpu_env(settings: VllmSettings, standin_calls: Path) -> dict[str, str]:
         cpu_patches.ENV_GRAPH: settings.graph_backend,
         cpu_patches.ENV_COMPILE: cpu_patches.COMPILE_EAGER if cpu_compile(settings).piecewise else "",
         cpu_ops.ENV_CALLS: str(standin_calls.resolve()),
-        "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads,
     }
 
 
