@@ -24,6 +24,7 @@ from parity.engines import registry
 from parity.errors import NothingToProve, ParityError, UsageError
 from parity.interrupts import exit_code_of, signal_of
 from parity.metrics import DEFAULT_TIE_MARGIN
+from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES
 from parity.results import FOUR_ARM, SCENARIOS
 from parity.results.loader import MIN_LOGPROB_TOL
 from parity.verdict import USAGE_EXIT, exit_code
@@ -101,14 +102,19 @@ def cli() -> None:
 @click.option("--threads", type=int, default=None, callback=threads,
               help="CPU threads, at most the machine's CPUs (default: 1 for embedded presets unless "
                    "OMP_NUM_THREADS is set).")
-@click.option("--runner", type=click.Choice(["fixed", "legacy", "no-clear"]), default="fixed", show_default=True,
-              help="Graph runner variant (transformers backend): the fix, or a known-buggy variant.")
+@click.option("--runner", type=click.Choice(RUNNER_VARIANTS), default="fixed", show_default=True,
+              help="Graph runner variant (transformers backend): the fix, or a planted bug it must catch "
+                   "(docs/scenarios.md names the scenario that catches each).")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
 @click.option("--buckets", default="auto", show_default=True, callback=int_list,
               help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
                    "(a server backend's graph capture sizes).")
 @click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
-              help="reuse: image then text request; stream: five requests back to back; all: the three.")
+              help="; ".join(f"{name}: {line}" for name, line in SCENARIO_SUMMARIES.items())
+              + "; all: every scenario the backend runs.")
+@click.option("--chunk-size", type=click.IntRange(1, None), default=None,
+              help="The chunked scenario's prefill chunk, in tokens (transformers backend; default 8, which "
+                   "splits every built-in fixture's image over two chunks or more).")
 @click.option("--repeat", type=click.IntRange(1, MAX_REPEAT), default=1, show_default=True,
               help="Run every arm N times (at most 100); an arm that does not reproduce itself is "
                    "INCONCLUSIVE_NONDETERMINISTIC.")
@@ -147,13 +153,17 @@ def run(**options) -> None:
     o = options
     scenario = o["scenario"]
     if scenario != FOUR_ARM and o["arm_selection"].strip() != "all":
-        raise UsageError(f"--arms {o['arm_selection']} with --scenario {scenario}: a reuse or stream sequence "
+        raise UsageError(f"--arms {o['arm_selection']} with --scenario {scenario}: a sequence scenario "
                          "compares every request in both modes, so it needs all arms; give --arms all, or "
                          "--scenario four-arm to choose arms")
+    served = registry.info(o["backend"]).scenarios
+    if scenario not in (*served, "all"):
+        raise UsageError(f"--scenario {scenario}: the {o['backend']} backend cannot serve it yet (it serves "
+                         f"{', '.join(served)}); the embedded engine serves every scenario (--backend transformers)")
     spec = RunSpec(
         model=o["model"], arms=select_arms(o["arm_selection"]),
         cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"]),
-        scenarios=SCENARIOS if scenario == "all" else (scenario,),
+        scenarios=served if scenario == "all" else (scenario,),
         max_new_tokens=o["max_new_tokens"], logprob_tol=o["logprob_tol"], tie_margin=o["tie_margin"],
         repeat=o["repeat"], localize_threshold=o["localize_threshold"],
         shard=Shard.parse(o["shard_spec"]) if o["shard_spec"] is not None else None,
@@ -168,6 +178,7 @@ def run(**options) -> None:
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
+        chunk_size=o["chunk_size"],
         concurrent=o["concurrent"], gpus=tuple(o["gpus"]), ready_timeout=o["ready_timeout"],
         mem_fraction=o["mem_fraction"], engine=MappingProxyType({e.name: o[e.name] for e in registry.own_options()}),
     )

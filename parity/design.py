@@ -24,10 +24,56 @@ RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 FOUR_ARM = "four-arm"
 REUSE = "reuse"
 STREAM = "stream"
-SCENARIOS = (FOUR_ARM, REUSE, STREAM)
-SEQUENCE_SCENARIOS = (REUSE, STREAM)
+# The DeepStack bug family (design §10, docs/scenarios.md): each a request-specific side input the
+# engine must carry through one more serving feature.
+CHUNKED = "chunked"
+PREFIX = "prefix"
+GROWTH = "growth"
+WARMUP = "warmup"
+LAYOUT = "layout"
+FAMILY_SCENARIOS = (CHUNKED, PREFIX, GROWTH, WARMUP, LAYOUT)
+CORE_SCENARIOS = (FOUR_ARM, REUSE, STREAM)  # what every backend serves
+SCENARIOS = (*CORE_SCENARIOS, *FAMILY_SCENARIOS)
+SEQUENCE_SCENARIOS = (REUSE, STREAM, *FAMILY_SCENARIOS)
+# One line each, for `--help` and the reports.
+SCENARIO_SUMMARIES: Mapping[str, str] = MappingProxyType({
+    FOUR_ARM: "eager vs graph, each with DeepStack as computed and zeroed (the original bug)",
+    REUSE: "an image request, then a text request in its bucket (a slot never cleared)",
+    STREAM: "five requests back to back in one bucket (a slot refreshed only on a new shape)",
+    CHUNKED: "the image prompt prefilled in chunks (each chunk must get its own DeepStack rows)",
+    PREFIX: "prefix-cache hits on the image prompt (DeepStack rows offset by the cached tokens)",
+    GROWTH: "a request past the DeepStack buffer's size, then short ones (graphs must follow a regrown buffer)",
+    WARMUP: "text requests before the first image (graphs must not specialise to no DeepStack)",
+    LAYOUT: "two images of equal tokens and other grids (encoder graphs keyed by more than token count)",
+})
+
+# What a request sends besides the DeepStack action.
 CASE_IMAGE = "case"  # a request with the case's own image
 TWIN_IMAGE = "twin"  # a request with the twin of the case's image: same size and tokens, other pixels
+WIDE_IMAGE = "wide"  # the case's image resized to a 2:1 grid
+TALL_IMAGE = "tall"  # the same, 1:2: as many visual tokens as the wide one, the grid transposed
+SAME_TEXT = "same"  # the case's prompt (a text-only request: lengthened into the image's bucket)
+EXTENDED_TEXT = "extended"  # the case's prompt with a sentence added: a prefix-cache hit on all of it
+OTHER_TEXT = "other"  # another question about the same image: a hit on what precedes the question
+LONG_TEXT = "long"  # the case's prompt lengthened past the largest captured bucket
+
+# The serving path a request must be shown to have reached (design §10), checked on its graph arm.
+PROVES_CHUNKS = "chunks"  # its prefill ran in replayed chunks, DeepStack rows in at least two
+PROVES_CACHE_HIT = "cache hit"  # part of its prompt came from the prefix cache
+PROVES_GROWTH = "buffer growth"  # the DeepStack buffer grew past its size for it
+PROVES_WARM_GRAPH = "graph captured before"  # its bucket's graph existed before it arrived
+PROVES_ENCODER_GRAPH = "encoder graph"  # its image went through a captured vision-encoder graph
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The serving features a request goes through, in both modes (the embedded engine's settings
+    for it; a server has them on for the whole run)."""
+
+    chunked: bool = False  # prefill in chunks of --chunk-size tokens
+    prefix_cache: bool = False  # reuse, and fill, the prefix cache
+    encoder_graph: bool = False  # the vision encoder by captured graphs (graph mode only)
+    recorded: bool = False  # record the serving path's evidence (every family scenario's request)
 
 
 @dataclass(frozen=True)
@@ -35,12 +81,21 @@ class RequestSpec:
     """One request of a sequence scenario: what the experiment sends and what a complete file holds."""
 
     label: str
-    image: str | None  # CASE_IMAGE, TWIN_IMAGE, or None for a text-only request
+    image: str | None  # CASE_IMAGE, TWIN_IMAGE, WIDE_IMAGE, TALL_IMAGE, or None for a text-only request
     deepstack: str  # the DeepStack action at the LM entry, the same in both modes
     # Also answered eagerly with DeepStack zeroed (the `eager_zero_deepstack` power arm, in the eager
-    # session only): the sequence's power (design §3 v3). The first request of every sequence.
+    # session only): the sequence's power (design §3 v3). The first image request of every sequence.
     power: bool = False
+    text: str = SAME_TEXT
+    serving: Serving = Serving()
+    replays: bool = True  # False: its prefill is past every captured bucket and runs eager in both modes
+    proves: str | None = None  # the serving path its graph arm must show it reached
 
+
+_CHUNKS = Serving(chunked=True, recorded=True)
+_CACHE = Serving(prefix_cache=True, recorded=True)
+_ENCODER = Serving(encoder_graph=True, recorded=True)
+_RECORDED = Serving(recorded=True)
 
 # The requests of each sequence scenario, in the order a session serves them (design §6).
 SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
@@ -51,7 +106,48 @@ SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
              RequestSpec("twin image (same size, other pixels)", TWIN_IMAGE, "normal"),
              RequestSpec("text only", None, "normal"),
              RequestSpec("image again", CASE_IMAGE, "normal")),
+    CHUNKED: (RequestSpec("image, in chunks", CASE_IMAGE, "normal", power=True, serving=_CHUNKS,
+                          proves=PROVES_CHUNKS),
+              RequestSpec("twin image, in chunks", TWIN_IMAGE, "normal", serving=_CHUNKS, proves=PROVES_CHUNKS),
+              RequestSpec("text only, in chunks", None, "normal", serving=_CHUNKS)),
+    PREFIX: (RequestSpec("image (fills the prefix cache)", CASE_IMAGE, "normal", power=True, serving=_CACHE),
+             RequestSpec("image, question extended (prefix-cache hit)", CASE_IMAGE, "normal",
+                         text=EXTENDED_TEXT, serving=_CACHE, proves=PROVES_CACHE_HIT),
+             RequestSpec("image, other question (a shorter hit, up to the image)", CASE_IMAGE, "normal",
+                         text=OTHER_TEXT, serving=_CACHE, proves=PROVES_CACHE_HIT)),
+    GROWTH: (RequestSpec("image", CASE_IMAGE, "normal", power=True, serving=_RECORDED),
+             RequestSpec("image, long question (past every bucket: the buffer grows)", CASE_IMAGE, "normal",
+                         text=LONG_TEXT, serving=_RECORDED, replays=False, proves=PROVES_GROWTH),
+             RequestSpec("twin image", TWIN_IMAGE, "normal", serving=_RECORDED),
+             RequestSpec("text only", None, "normal", serving=_RECORDED)),
+    WARMUP: (RequestSpec("text only, before any image", None, "normal", serving=_RECORDED),
+             RequestSpec("image (the first the graphs see)", CASE_IMAGE, "normal", power=True, serving=_RECORDED,
+                         proves=PROVES_WARM_GRAPH),
+             RequestSpec("twin image", TWIN_IMAGE, "normal", serving=_RECORDED)),
+    LAYOUT: (RequestSpec("wide image", WIDE_IMAGE, "normal", power=True, serving=_ENCODER,
+                         proves=PROVES_ENCODER_GRAPH),
+             RequestSpec("tall image (same tokens, grid transposed)", TALL_IMAGE, "normal", serving=_ENCODER,
+                         proves=PROVES_ENCODER_GRAPH),
+             RequestSpec("wide image again", WIDE_IMAGE, "normal", serving=_ENCODER,
+                         proves=PROVES_ENCODER_GRAPH)),
 })
+
+
+# The graph runner's planted variants of the bug family (graph_runner.RunnerVariant), each with the
+# scenario that must catch it and the upstream bug it stands for (docs/scenarios.md).
+PLANTED_BUGS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "chunk-misaligned": (CHUNKED, "mlx-vlm PR #1332: every chunk handed the prompt's first DeepStack rows"),
+    "prefix-offset": (PREFIX, "vLLM issue #41485: DeepStack rows not offset by the cached prefix"),
+    "growth-rebind": (GROWTH, "FastDeploy PR #5962: the buffer re-allocated, graphs left on the old storage"),
+    "warmup-specialized": (WARMUP, "vLLM PR #43617: a graph shaped by a warm-up without DeepStack never adds it"),
+    "layout-keyed": (LAYOUT, "SGLang PR #37043: vision-encoder graphs keyed by token count only"),
+})
+RUNNER_VARIANTS = ("fixed", "legacy", "no-clear", *PLANTED_BUGS)
+
+
+def power_request(scenario: str) -> int:
+    """The index of a sequence's power request: its first image request."""
+    return next(i for i, spec in enumerate(SEQUENCE_REQUESTS[scenario]) if spec.power)
 
 
 # --- comparisons ---------------------------------------------------------------------------------------------

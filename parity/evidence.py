@@ -73,6 +73,70 @@ class LeakWitness:
 
 
 @dataclass(frozen=True)
+class ChunkRun:
+    """One prefill of part of a prompt (a chunk, or what a prefix-cache hit left): its rows
+    `[start, end)`, the bucket it replayed in (None: eager) and how many of its rows are image rows."""
+
+    start: int
+    end: int
+    bucket: int | None
+    image_rows: int
+
+    def to_json(self) -> list:
+        return [self.start, self.end, self.bucket, self.image_rows]
+
+
+@dataclass(frozen=True)
+class EncoderRun:
+    """How one image went through the vision-encoder graphs: its grid (t, h, w in patches), its
+    patch count, the graph key, and whether an existing graph was replayed (False: captured for it)."""
+
+    grid: tuple[int, int, int]
+    patches: int
+    key: str
+    replayed: bool
+
+    def to_json(self) -> dict:
+        return {"grid": list(self.grid), "patches": self.patches, "key": self.key, "replayed": self.replayed}
+
+
+@dataclass(frozen=True)
+class ServingEvidence:
+    """What a family scenario's serving path did for one request, recorded as it ran (design §10):
+    the proof that the request reached the path its scenario is about."""
+
+    chunks: tuple[ChunkRun, ...] = ()  # the prompt's prefills when it ran in parts; () when whole
+    cached_tokens: int = 0  # prompt rows taken from the prefix cache
+    image_span: tuple[int, int] | None = None  # the prompt's image rows [first, last + 1)
+    # The DeepStack buffer's rows at start-up and after it grew, once it has grown (by this request
+    # or an earlier one of the session); None: it never grew.
+    buffer_growth: tuple[int, int] | None = None
+    # Its first replay's graph existed before it arrived, captured at start-up or by a request without
+    # DeepStack (a server's warm-up); None: it did not replay.
+    graph_ready: bool | None = None
+    encoder: EncoderRun | None = None  # its image's pass through the encoder graphs
+
+    def to_json(self) -> dict:
+        return {"chunks": [c.to_json() for c in self.chunks], "cached_tokens": self.cached_tokens,
+                "image_span": None if self.image_span is None else list(self.image_span),
+                "buffer_growth": None if self.buffer_growth is None else list(self.buffer_growth),
+                "graph_ready": self.graph_ready,
+                "encoder": None if self.encoder is None else self.encoder.to_json()}
+
+    def inconsistency(self) -> str | None:
+        ends = [c.start for c in self.chunks[1:]]
+        if any(c.end <= c.start or c.image_rows > c.end - c.start for c in self.chunks):
+            return "a chunk must have start < end and at most end - start image rows"
+        if ends != [c.end for c in self.chunks[:-1]] or (self.chunks and self.chunks[0].start != self.cached_tokens):
+            return "chunks must follow each other from the cached tokens on"
+        if any(c.bucket is not None and c.bucket < c.end - c.start for c in self.chunks):
+            return "a chunk replayed in a bucket smaller than itself"
+        if self.buffer_growth is not None and not 0 < self.buffer_growth[0] < self.buffer_growth[1]:
+            return "a buffer growth must go from a smaller to a larger, positive size"
+        return None
+
+
+@dataclass(frozen=True)
 class RankEvidence:
     """One model process's share of an arm's evidence: with tensor parallelism every rank runs the
     request, and each one's tap must have fired and its prefill replayed (design §8)."""
@@ -122,6 +186,7 @@ class Evidence:
     max_bucket: int | None = None  # the largest bucket the path under test could replay in
     leak: LeakWitness | None = None  # stale DeepStack rows read (engines that can tell); None: none seen
     ranks: tuple[RankEvidence, ...] = ()  # each rank's share, when more than one ran the arm
+    serving: ServingEvidence | None = None  # a family scenario's serving path (design §10); None: none
 
     def merged(self, other: "Evidence") -> "Evidence":
         """One arm's evidence over several runs of it (`--repeat`): every prefill must have replayed."""
@@ -140,6 +205,7 @@ class Evidence:
             prompt_tokens=self.prompt_tokens if self.prompt_tokens is not None else other.prompt_tokens,
             max_bucket=self.max_bucket if self.max_bucket is not None else other.max_bucket,
             leak=other.leak if self.leak is None else self.leak.merged(other.leak),
+            serving=self.serving if self.serving is not None else other.serving,  # each run's stays with it
         )
 
     def inconsistency(self) -> str | None:
@@ -161,6 +227,14 @@ class Evidence:
             return "bucket sizes must be > 0"
         if self.leak is not None and (self.leak.rows <= 0 or self.leak.steps <= 0 or self.leak.steps > self.lm_calls):
             return "a leak witness needs rows > 0 and 1..lm_calls steps"
+        if self.serving is not None:
+            problem = self.serving.inconsistency()
+            if problem:
+                return problem
+            replayed = [c.bucket for c in self.serving.chunks if c.bucket is not None]
+            if self.serving.chunks and (set(replayed) != set(self.buckets)
+                                        or bool(self.prefill_replayed) != (len(replayed) == len(self.serving.chunks))):
+                return "its chunks' buckets are not the arm's buckets, or prefill_replayed is not 'every chunk replayed'"
         return self._rank_inconsistency()
 
     def _rank_inconsistency(self) -> str | None:
@@ -178,4 +252,5 @@ class Evidence:
             "prefill_replayed": self.prefill_replayed, "buckets": list(self.buckets),
             "tap_calls": self.tap_calls, "prompt_tokens": self.prompt_tokens, "max_bucket": self.max_bucket,
         } | ({} if self.leak is None else {"leak": self.leak.to_json()}) | (
-            {"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {})
+            {"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}) | (
+            {} if self.serving is None else {"serving": self.serving.to_json()})

@@ -8,6 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parity.buckets import smallest_fitting
+from parity.design import (
+    PROVES_CACHE_HIT, PROVES_CHUNKS, PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_WARM_GRAPH,
+)
 from parity.engines import registry
 from parity.evidence import Evidence
 from parity.metrics import Tolerances
@@ -60,22 +63,65 @@ def runs_of(arm: ArmResult) -> tuple[tuple[str, Evidence | None, bool | None], .
 
 def bucket_fault(label: str, evidence: Evidence | None, rules: Rules) -> str | None:
     """Why a replay's bucket breaks the policy (design §6 v3), or None: a replay must use the
-    smallest captured bucket that fits its prompt."""
+    smallest captured bucket that fits its prompt (each chunk's, when it ran in parts)."""
     if evidence is None or not evidence.prefill_replayed or evidence.prompt_tokens is None:
         return None
-    tokens = evidence.prompt_tokens
-    small = [b for b in evidence.buckets if b < tokens]
+    if evidence.serving is not None and evidence.serving.chunks:
+        parts = [(c.end - c.start, (c.bucket,), f"{label}'s chunk [{c.start}, {c.end})")
+                 for c in evidence.serving.chunks if c.bucket is not None]
+    else:
+        parts = [(evidence.prompt_tokens, evidence.buckets, label)]
+    for tokens, buckets, where in parts:
+        fault = _bucket_fault(where, tokens, buckets, rules)
+        if fault:
+            return fault
+    return None
+
+
+def _bucket_fault(label: str, tokens: int, buckets: tuple[int, ...], rules: Rules) -> str | None:
+    small = [b for b in buckets if b < tokens]
     if small:
         return f"{label} replayed its {tokens}-token prompt in bucket {small[0]}, smaller than the prompt"
     if rules.captured is None:
         return None
-    stray = [b for b in evidence.buckets if b not in rules.captured]
+    stray = [b for b in buckets if b not in rules.captured]
     if stray:
         return f"{label} replayed in bucket {stray[0]}, which the run never captured ({list(rules.captured)})"
     policy = smallest_fitting(rules.captured, tokens)
-    if policy not in evidence.buckets:
-        return (f"{label} replayed its {tokens}-token prompt in bucket {evidence.buckets[0]}, but the bucket "
+    if policy not in buckets:
+        return (f"{label} replayed its {tokens}-token prompt in bucket {buckets[0]}, but the bucket "
                 f"policy assigns bucket {policy} (the smallest captured bucket that fits)")
+    return None
+
+
+def path_not_reached(proves: str, evidence: Evidence | None, earlier: Evidence | None) -> str | None:
+    """Why a graph arm's evidence does not show the serving path its request must reach (design
+    §6b), or None. `earlier`: the evidence of the scenario's previous request with a path."""
+    serving = None if evidence is None else evidence.serving
+    if serving is None:
+        return "it recorded no serving evidence"
+    if proves == PROVES_CHUNKS:
+        with_image = [c for c in serving.chunks if c.image_rows]
+        if len(with_image) < 2:
+            return (f"its image rows fell in {len(with_image)} chunk(s), not two or more (chunks "
+                    f"{[(c.start, c.end) for c in serving.chunks]}); give a smaller --chunk-size")
+        if any(c.bucket is None for c in serving.chunks):
+            return "not every chunk replayed a graph"
+    elif proves == PROVES_CACHE_HIT and not serving.cached_tokens:
+        return "no prompt row came from the prefix cache"
+    elif proves == PROVES_GROWTH and serving.buffer_growth is None:
+        return ("the DeepStack buffer did not grow (the request fit it: with an explicit --buckets list, "
+                "it may fit the largest bucket)")
+    elif proves == PROVES_WARM_GRAPH and serving.graph_ready is not True:
+        return ("its bucket's graph was not captured before it arrived, at start-up or by a request without "
+                "DeepStack (an earlier image request captured it)")
+    elif proves == PROVES_ENCODER_GRAPH:
+        if serving.encoder is None:
+            return "its image did not go through the encoder graphs"
+        before = None if earlier is None or earlier.serving is None else earlier.serving.encoder
+        if before is not None and before.grid != serving.encoder.grid and before.patches != serving.encoder.patches:
+            return (f"its image has {serving.encoder.patches} patches and the one before {before.patches}: "
+                    "not the same token count on another grid")
     return None
 
 

@@ -30,6 +30,7 @@ from parity.plan import PLAN_KEY, plan_json
 from parity.planning import (
     PlannedCase, RunSpec, arms_for, check_lengths, generations, in_shard, plan_cases, plan_entry, shard_assignment,
 )
+from parity.design import WARMUP
 from parity.results import FOUR_ARM, ArmResult, CaseResult, FixtureInfo, RequestResult, RunResult
 from parity.self_check import self_checked
 from parity.sharding import shard_config
@@ -137,7 +138,10 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
             if progress:
                 progress(Progress(next(counter), total, case_id, label))
 
-        backend.prepare(spec.modes, [n for case in planned for n in lengths[case.id]])
+        # A request planned past every bucket (growth) must not have one captured for it.
+        backend.prepare(spec.modes, [n for case in planned for req, n in zip(case.requests, lengths[case.id])
+                                     if req.replays],
+                        sorted({req.request.serving for case in planned for req in case.requests}, key=repr))
         for mode in spec.modes:
             _run_mode(spec, backend, selected, mode, collected, announce)
     except KeyboardInterrupt as stop:
@@ -149,7 +153,8 @@ def _run_mode(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase], m
               announce: Callable[[str, str], object]) -> None:
     try:
         with backend.session(mode) as session:
-            for case in planned:
+            # A warm-up case must be the first a session serves: a graph server warms up before any image.
+            for case in sorted(planned, key=lambda c: c.scenario != WARMUP):
                 runner = _run_four_arm if case.scenario == FOUR_ARM else _run_sequence
                 runner(spec, session, case, mode, collected, announce)
     except ArmFailure as failure:  # the mode never came up, or died mid-run

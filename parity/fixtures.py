@@ -24,6 +24,8 @@ from parity.errors import UsageError
 WIDTH, HEIGHT = 128, 96  # the first three fixtures: 4 x 3 blocks of 32 px = 12 image tokens
 DEFAULT_FIXTURE = "rgb-stripes"
 TWIN_SUFFIX = "-twin"
+# The layout scenario's two grids: 8 x 4 and 4 x 8 blocks of 32 px, as many visual tokens each.
+LAYOUT_SIZES = {"wide": (256, 128), "tall": (128, 256)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,12 @@ class Fixture:
         if self.builtin and self.name in TWINS:
             return builtin_fixture(name)
         return Fixture(name, Image.fromarray(_twin_pixels(np.asarray(self.image)), mode="RGB"))
+
+    def reshaped(self, layout: str) -> Fixture:
+        """The image resized to the layout scenario's `wide` or `tall` size, named `<name>-<layout>`:
+        both have as many visual tokens, on transposed grids. Nearest-neighbour, so the pixels are
+        the same on every machine."""
+        return Fixture(f"{self.name}-{layout}", self.image.resize(LAYOUT_SIZES[layout], Image.Resampling.NEAREST))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ carry no DeepStack and run eagerly in every arm.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -74,6 +75,35 @@ class KVCache:
         return keys, values
 
 
+@dataclass(frozen=True)
+class Past:
+    """The rows a prefill attends to before its own: keys and values `[P, layers, kv_heads, head_dim]`
+    and the mask `[T, P + T]` (True: may attend) of its T rows over those and its own."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, rows: int) -> "Past":
+        """Every past row, then causal over the `rows` new ones: an eager chunk's mask."""
+        mask = torch.ones(rows, keys.shape[0] + rows, dtype=torch.bool, device=keys.device).tril(keys.shape[0])
+        return cls(keys, values, mask)
+
+
+def fill_past_mask(mask: torch.Tensor, past_rows: int, rows: int) -> None:
+    """A padded chunk's mask in place, `[bucket, capacity + bucket]` over a past slot of `capacity`
+    rows of which `past_rows` are real: real rows see the real past and, causally, the chunk; each
+    padded row sees only itself (an all-masked row would be NaN, and NaN is not inert)."""
+    bucket = mask.shape[0]
+    capacity = mask.shape[1] - bucket
+    mask.zero_()
+    mask[:rows, :past_rows] = True
+    own = mask[:, capacity:]
+    own[:rows] = torch.ones(rows, bucket, dtype=torch.bool, device=mask.device).tril()
+    own[rows:, rows:].fill_diagonal_(True)
+
+
 def _cache_argument(layer: nn.Module) -> str:
     params = inspect.signature(layer.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -123,17 +153,26 @@ class Qwen3VLTextBody(nn.Module):
                 points.append((layer, block))
         return tuple(points)
 
+    @property
+    def kv_shape(self) -> tuple[int, int, int]:
+        """(layers, kv heads, head dim): one token's keys (or values), as the outputs hold them."""
+        attention = self.layers[0].self_attn
+        return len(self.layers), int(attention.config.num_key_value_heads), int(attention.head_dim)
+
     def forward(
         self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
-        probe: bool = False,
+        probe: bool = False, past: Past | None = None,
     ) -> tuple[torch.Tensor, ...]:
-        cache = KVCache()
+        """`past`: rows prefilled before these (a prefix-cache hit, the earlier chunks of a chunked
+        prefill); the outputs' keys and values are then these rows' only."""
+        cache = KVCache() if past is None else KVCache.from_prefill(past.keys, past.values)
+        mask = None if past is None else past.mask[None, None]
         hidden = input_embeds.unsqueeze(0)  # [1, T, H]
         width = self._hidden_size
         points = []
         position_embeddings = self.rotary_emb(hidden, positions.unsqueeze(1))  # positions: [3, 1, T]
         for index, layer in enumerate(self.layers):
-            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=None,
+            hidden = layer(hidden, position_embeddings=position_embeddings, attention_mask=mask,
                            position_ids=None, **{self._cache_kw: cache})
             points.append(hidden)
             block = self.deepstack_block_after(index)
@@ -141,7 +180,10 @@ class Qwen3VLTextBody(nn.Module):
                 hidden = hidden + deepstack[:, block * width:(block + 1) * width].unsqueeze(0)
             if block is not None:
                 points.append(hidden)
-        outputs = (self.norm(hidden).squeeze(0), *cache.stacked())
+        keys, values = cache.stacked()
+        if past is not None:
+            keys, values = keys[past.keys.shape[0]:], values[past.keys.shape[0]:]
+        outputs = (self.norm(hidden).squeeze(0), keys, values)
         if probe:
             outputs += (torch.stack([p[0] for p in points], dim=1),)  # [T, P, H]
         return outputs

@@ -151,7 +151,8 @@ def localize(backend: CanLocalize, target: Target, requests: Sequence[Request], 
     request = requests[target.step.request]
     try:
         replay = backend.probe("bcg", request, target.step.deepstack, prefix)
-        eager = backend.probe("eager", request, target.step.deepstack)
+        # The eager session serves the same prefix: its prefix cache decides which rows it computes.
+        eager = backend.probe("eager", request, target.step.deepstack, prefix)
     except (RuntimeError, ValueError) as err:  # a forward, or a slot refresh that failed closed
         raise LocalizationError(f"the probe failed ({err.__class__.__name__}: {err})") from err
     errors = relative_errors(replay.hidden, eager.hidden)

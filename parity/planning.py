@@ -7,7 +7,7 @@ it lands in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from parity.arms import MODES, RUN_ORDER, ArmSpec, arm_for
@@ -16,13 +16,18 @@ from parity.errors import UsageError
 from parity.fixtures import Fixture, Prompt
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.plan import PlanEntry, scenario_case_id, text_sha256
-from parity.results import CASE_IMAGE, FOUR_ARM, SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, RequestSpec
+from parity.design import (
+    CASE_IMAGE, EXTENDED_TEXT, FOUR_ARM, OTHER_TEXT, REUSE, SEQUENCE_REQUESTS, TWIN_IMAGE, RequestSpec,
+)
 from parity.sharding import Shard, assignment, case_cost
 from parity.verdict import SEQUENCE_POWER_ARM
 
 # Appended to a text-only request until it lands in its image request's bucket.
 _FILLER = " Answer in plain words."
 _FILLER_WORD = " one"  # one token in Qwen's tokenizer and in the presets'
+# The prefix scenario's follow-ups: one shares the whole first prompt, one only the image.
+_EXTENSION = " Answer in one short sentence."
+OTHER_QUESTION = "Which colour covers most of the picture?"
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class PlannedRequest:
     request: Request
     deepstack: str
     power: bool = False  # also run eagerly with DeepStack zeroed: the sequence's power (design §3 v3)
+    replays: bool = True  # False: planned past every captured bucket (the growth scenario's long request)
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,10 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
             else:
                 arms = ()
                 requests = tuple(PlannedRequest(r.label, _sequence_request(r, scenario, backend, image), r.deepstack,
-                                                 power=r.power)
+                                                 power=r.power, replays=r.replays)
                                  for r in SEQUENCE_REQUESTS[scenario])
             planned.append(PlannedCase(scenario_case_id(scenario, case.id), scenario, case, requests, arms))
+    planned = _past_every_bucket(planned, backend)
     ids = [p.id for p in planned]
     if len(set(ids)) != len(ids):
         raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
@@ -93,12 +100,39 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
 
 
 def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image: Request) -> Request:
-    if spec.image == CASE_IMAGE:
-        return image
+    if spec.image is None:
+        # reuse: a shorter text request in the image's bucket; the others: exactly as long where reachable
+        text = text_request_in_bucket(backend, image, same_length=scenario != REUSE)
+        return Request(None, text.prompt, spec.serving)
+    fixture = image.fixture
     if spec.image == TWIN_IMAGE:
-        return Request(image.fixture.twin(), image.prompt)
-    # reuse: a shorter text request in the image's bucket; stream: exactly as long where reachable
-    return text_request_in_bucket(backend, image, same_length=scenario == STREAM)
+        fixture = fixture.twin()
+    elif spec.image != CASE_IMAGE:
+        fixture = fixture.reshaped(spec.image)
+    prompt = {EXTENDED_TEXT: image.prompt + _EXTENSION, OTHER_TEXT: OTHER_QUESTION}.get(spec.text, image.prompt)
+    return Request(fixture, prompt, spec.serving)  # a LONG_TEXT one is lengthened once the plan is whole
+
+
+def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend) -> tuple[PlannedCase, ...]:
+    """The growth scenario's long requests lengthened with filler until their prompts are longer
+    than the bucket of every request that replays: with `--buckets auto`, past every bucket the run
+    captures, so the DeepStack buffer sized for those must grow."""
+    long = [(c, i) for c in planned for i, r in enumerate(c.requests) if not r.replays]
+    if not long:
+        return tuple(planned)
+    buckets = [backend.bucket_of(backend.prompt_length(r.request)) for c in planned for r in c.requests if r.replays]
+    largest = max((b for b in buckets if b is not None), default=None)
+    out = []
+    for case in planned:
+        requests = list(case.requests)
+        for i, req in enumerate(requests):
+            if not req.replays and largest is not None:
+                text = req.request.prompt
+                while backend.prompt_length(replace(req.request, prompt=text)) <= largest:
+                    text += _FILLER
+                requests[i] = replace(req, request=replace(req.request, prompt=text))
+        out.append(replace(case, requests=tuple(requests)))
+    return tuple(out)
 
 
 def planned_arm_runs(spec: RunSpec) -> int:

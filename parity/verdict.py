@@ -12,9 +12,10 @@ from typing import Iterator, Mapping
 
 from parity.arms import Mode, arm_for
 from parity.design import (  # noqa: F401  (the comparisons, as verdict readers import them)
-    BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, FOUR_ARM_CHECKS, FOUR_ARMS, POWER_CHECK, SEQUENCE_POWER_ARM, Check,
+    BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, FOUR_ARM_CHECKS, FOUR_ARMS, POWER_CHECK, SEQUENCE_POWER_ARM,
+    SEQUENCE_REQUESTS, Check, RequestSpec, power_request,
 )
-from parity.evidence_rules import Rules, bucket_fault, not_replayed_reason, runs_of, tap_fired
+from parity.evidence_rules import Rules, bucket_fault, not_replayed_reason, path_not_reached, runs_of, tap_fired
 from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 from parity.sharding import unmerged_note
@@ -79,13 +80,19 @@ def groups(case: CaseResult) -> tuple[Group, ...]:
     if not case.is_sequence:
         return (Group(None, None, case.fixture, {a.name: a for a in case.arms}, FOUR_ARMS, FOUR_ARM_CHECKS),)
     out = []
+    power = power_request(case.scenario)
     for i, request in enumerate(case.requests):
         check = sequence_check(request.deepstack)
         needed, checks = (check.b, check.a), (check,)
-        if i == 0:  # the sequence's power arm (design §3 v3)
+        if i == power:  # the sequence's power arm (design §3 v3)
             needed, checks = needed + (SEQUENCE_POWER_ARM,), checks + (POWER_CHECK,)
         out.append(Group(i, request.label, request.fixture, {a.name: a for a in request.arms}, needed, checks))
     return tuple(out)
+
+
+def request_spec(case: CaseResult, group: Group) -> RequestSpec | None:
+    """What the scenario's design says of the group's request (None for a four-arm case)."""
+    return next((s for s in SEQUENCE_REQUESTS.get(case.scenario, ()) if s.label == group.label), None)
 
 
 def checks_for(case: CaseResult) -> Iterator[tuple[Group, Check]]:
@@ -162,6 +169,9 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
                                        f"{rules.repeat} runs (--repeat {rules.repeat})")
     # Rule 4 before rule 3, per run: a repeat that took another path did not "fail to reproduce".
     for group, arm in present:
+        spec = request_spec(case, group)
+        if spec is not None and not spec.replays and arm.mode == "bcg":
+            continue  # planned past every bucket: its proof is the path it reached (below)
         for label, evidence, shown in runs_of(arm):
             reason = not_replayed_reason(label, arm, evidence, shown, rules)
             if reason:
@@ -177,13 +187,32 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
         return leak
     by_key = {(c.a, c.b, c.request): c for c in comparisons}
     if case.is_sequence:
-        return _sequence_verdict(all_groups, by_key, n, rules.tolerances)
+        return _sequence_verdict(case, all_groups, by_key, n, rules.tolerances)
     verdict = _four_arm_verdict(by_key, tol)
     if verdict.code == PASS and rules.runner == NO_CLEAR_RUNNER:
         verdict = Verdict(PASS, f"{verdict.reason}; note: --runner no-clear leaks state only from one request "
                                 "into the next, which a four-arm case never reaches (--scenario reuse, stream or "
                                 "all reaches it)")
     return verdict
+
+
+def _path_verdict(case: CaseResult, all_groups: tuple[Group, ...], n: int) -> Verdict | None:
+    """INCONCLUSIVE_NOT_REPLAYED when a request's graph arm does not show the serving path its
+    scenario is about (design §10): what never ran cannot pass."""
+    earlier = None
+    for group in all_groups:
+        spec = request_spec(case, group)
+        arm = group.arms.get(group.checks[0].a)  # the graph arm
+        if spec is None or spec.proves is None or arm is None:
+            continue
+        for label, evidence, _ in runs_of(arm):
+            why = path_not_reached(spec.proves, evidence, earlier)
+            if why:
+                return Verdict(INCONCLUSIVE_NOT_REPLAYED,
+                               f"{group.where(n)}{label} did not reach the {case.scenario} scenario's path "
+                               f"({spec.proves}): {why}; so it was not tested")
+        earlier = arm.evidence
+    return None
 
 
 def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
@@ -233,29 +262,40 @@ def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:
     return Verdict(FAIL_GRAPH_DIVERGES, f"{_describe(same, tol)}: graph replay differs from eager")  # rule 9
 
 
-def _sequence_verdict(all_groups: tuple[Group, ...], by_key: Mapping, n: int, tolerances: Tolerances) -> Verdict:
+def _sequence_verdict(case: CaseResult, all_groups: tuple[Group, ...], by_key: Mapping, n: int,
+                      tolerances: Tolerances) -> Verdict:
     tol = tolerances.logprob_tol
-    first = all_groups[0]
-    power = by_key[(POWER_CHECK.a, POWER_CHECK.b, first.request)]
+    power_group = all_groups[power_request(case.scenario)]
+    power = by_key[(POWER_CHECK.a, POWER_CHECK.b, power_group.request)]
     if not power.difference_shown:  # rule 5: the sequence cannot show that DeepStack reached the graph at all
         return Verdict(INCONCLUSIVE_NO_POWER,
-                       f"{first.where(n)}{_describe(power, tol)}: zeroing DeepStack does not change the eager "
+                       f"{power_group.where(n)}{_describe(power, tol)}: zeroing DeepStack does not change the eager "
                        "answer to the sequence's image request, so the sequence proves nothing about DeepStack")
+    reached = _path_verdict(case, all_groups, n)  # rule 5b: a family scenario must reach its path
+    if reached is not None:
+        return reached
     for group in all_groups:
         check = group.checks[0]
         c = by_key[(check.a, check.b, group.request)]
         if c.match:
             continue
-        if group is not first:
+        if group is power_group:
+            dropped = compare(group.arms[check.a], group.arms[SEQUENCE_POWER_ARM], tolerances, group.request)
+            if not dropped.difference_shown:
+                which = "first request" if group is all_groups[0] else "first image request"
+                return Verdict(FAIL_DEEPSTACK_DROPPED,
+                               f"{group.where(n)}{c.a} vs {SEQUENCE_POWER_ARM} {tuple_text(dropped, tol)}: the graph "
+                               f"answers the {case.scenario} sequence's {which} as if DeepStack were zero")
+        spec = request_spec(case, group)
+        if spec is not None and spec.proves is not None:
+            return Verdict(FAIL_GRAPH_DIVERGES,
+                           f"{group.where(n)}{_describe(c, tol)}: graph replay differs from eager on a request that "
+                           f"reached the {case.scenario} scenario's path ({spec.proves})")
+        if group is not all_groups[0]:
             return Verdict(FAIL_STALE_STATE,
                            f"{group.where(n)}{_describe(c, tol)}: after the requests before it, the graph "
                            "sequence answers differently from the eager one")
-        # Nothing ran before the first request: no state can be stale. Name what it is.
-        dropped = compare(group.arms[check.a], group.arms[SEQUENCE_POWER_ARM], tolerances, group.request)
-        if not dropped.difference_shown:
-            return Verdict(FAIL_DEEPSTACK_DROPPED,
-                           f"{group.where(n)}{c.a} vs {SEQUENCE_POWER_ARM} {tuple_text(dropped, tol)}: the graph "
-                           "answers the sequence's first request as if DeepStack were zero")
+        # Nothing ran before the first request: no state can be stale.
         return Verdict(FAIL_GRAPH_DIVERGES,
                        f"{group.where(n)}{_describe(c, tol)}: graph replay differs from eager on the sequence's "
                        "first request, before any state could go stale")

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from parity.results import SCENARIOS
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "ci"
 TINY_RUN = "--model tiny-qwen3-vl --fixture rgb-stripes --scenario all --max-new-tokens 4 --no-plot"
@@ -151,8 +153,8 @@ def test_github_shards_then_merge_pass_and_post_the_report(github):
     folders = [p for p in merged.iterdir() if p.is_dir()]
     assert len(folders) == 1  # one experiment (one GPU kind), merged from its three shards
     doc = json.loads((folders[0] / "results.json").read_text())
-    assert len(doc["cases"]) == 3 and doc["config"]["shard"]["merged"] == [1, 2, 3]
-    assert 'tests="3"' in (merged / "junit.xml").read_text()
+    assert len(doc["cases"]) == len(SCENARIOS) and doc["config"]["shard"]["merged"] == [1, 2, 3]
+    assert f'tests="{len(SCENARIOS)}"' in (merged / "junit.xml").read_text()
     assert report in (github.tmp / "summary.md").read_text()  # the job summary
     assert (github.tmp / "gh.args").read_text().split() == [
         "pr", "comment", PR_NUMBER, "--repo", "owner/repo", "--body-file", "parity-merged/report.md"]

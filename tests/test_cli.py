@@ -58,8 +58,10 @@ def test_a_large_plan_says_its_size_before_it_starts(parity_cli, monkeypatch, tm
                                   "--max-new-tokens", "20")
     from parity.fixtures import builtin_fixtures
 
-    # four-arm 4, reuse 2 requests x 2 modes, stream 5 x 2, and each sequence's eager power arm
-    runs = len(builtin_fixtures()) * 30 * (4 + (2 * 2 + 1) + (5 * 2 + 1))
+    from parity.design import SEQUENCE_REQUESTS
+
+    # four-arm 4; each sequence's requests x 2 modes, and its eager power arm
+    runs = len(builtin_fixtures()) * 30 * (4 + sum(len(r) * 2 + 1 for r in SEQUENCE_REQUESTS.values()))
     note = f"{runs} arm runs planned, roughly "
     assert note in result.stderr and "minutes on a CPU" in result.stderr and started
     assert result.output.index(note) < result.output.index("stopped before loading")

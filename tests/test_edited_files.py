@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from parity.results import run_to_json
+from parity.results import SCENARIOS, run_to_json
 from parity.results.loader import load_results
 from parity.verdict import EXIT_CODES, judge_run
 from tests.conftest import REAL_RUNS
@@ -25,7 +25,7 @@ def test_what_parity_writes_reads_back_as_written(real_run, name):
     assert rejudged["verdict"] == doc["verdict"] and EXIT_CODES[doc["verdict"]["code"]] == code
     # Every case, request, arm, comparison and verdict, exactly as written.
     assert rejudged == doc
-    assert {c["scenario"] for c in doc["cases"]} == {"four-arm", "reuse", "stream"}
+    assert {c["scenario"] for c in doc["cases"]} == set(SCENARIOS)
 
 
 # --- edits ----------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ def _set(obj, **values):
 
 EDITS = [
     # A sequence case is complete only with all of its requests.
-    ("no-clear", lambda d: [_drop_failing_requests(d, s) for s in ("reuse", "stream")], 3,
+    ("no-clear", lambda d: [_drop_failing_requests(d, s) for s in ("reuse", "stream", "growth")], 3,
      "reuse/rgb-stripes/describe: INCOMPLETE: request 2 of 2 (follow-up (text only)): arm(s) not run"),
     ("no-clear", lambda d: _drop_failing_requests(d, "stream"), 1,  # the reuse case still fails
      "stream/rgb-stripes/describe: INCOMPLETE: request 4 of 5 (text only): arm(s) not run"),

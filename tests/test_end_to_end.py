@@ -9,6 +9,7 @@ import json
 import pytest
 from PIL import Image
 
+from parity.results import SEQUENCE_SCENARIOS
 from parity.results.loader import load_results
 
 
@@ -94,8 +95,8 @@ def test_results_file_and_report_contents(parity_cli):
 
 def test_stream_and_reuse_cases_record_every_request(parity_cli):
     result, doc, out = parity_cli.run("--scenario", "all")
-    assert [c["id"] for c in doc["cases"]] == ["rgb-stripes/describe", "reuse/rgb-stripes/describe",
-                                               "stream/rgb-stripes/describe"]
+    assert [c["id"] for c in doc["cases"]] == ["rgb-stripes/describe"] + [
+        f"{s}/rgb-stripes/describe" for s in SEQUENCE_SCENARIOS]
     reuse, stream = doc["cases"][1], doc["cases"][2]
     assert [r["label"] for r in reuse["requests"]] == ["primer (image)", "follow-up (text only)"]
     assert [r["fixture"] and r["fixture"]["name"] for r in stream["requests"]] == [

@@ -19,6 +19,7 @@ from parity.cli import cli
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS
 from parity.reporting.matrix import experiments, render_matrix
 from parity.reporting.report import render_markdown
+from parity.results import SCENARIOS
 from tests.helpers_runs import fixed_arms, legacy_arms, make_arm, make_case, make_run, stream_case
 
 EXPERIMENTS = {
@@ -99,7 +100,7 @@ def test_the_cells_are_each_files_own_verdicts(files):
         lines = invoke("verdict", path).output.splitlines()[:-1]
         per_case = dict(line.split(": ", 2)[:2] for line in lines)
         for case_id, code in per_case.items():
-            scenario = case_id.split("/")[0] if case_id.split("/")[0] in ("reuse", "stream") else "four-arm"
+            scenario = case_id.split("/")[0] if case_id.split("/")[0] in SCENARIOS else "four-arm"
             assert table[LABELS[name]][scenario][0] == code
 
 
@@ -115,7 +116,7 @@ def test_merge_matrix_writes_each_experiment_and_exits_with_the_worst(files, tmp
         assert (out / folder / "report.md").read_text().startswith("## parity: ")
     assert (out / "report.md").read_text().startswith("## parity matrix: ❌ `INCONCLUSIVE_NO_POWER`")
     junit = (out / "junit.xml").read_text()
-    assert junit.count("<testsuite ") == 2 and 'tests="6"' in junit.splitlines()[1]
+    assert junit.count("<testsuite ") == 2 and f'tests="{2 * len(SCENARIOS)}"' in junit.splitlines()[1]
     # Without --matrix, two experiments are refused, naming the field they differ in.
     refused = invoke("merge", files["nodeepstack"], files["fixed"], "--out", str(tmp_path / "no"))
     assert refused.exit_code == 2 and "config.model" in refused.output

@@ -9,6 +9,7 @@ from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import builtin_fixture, default_prompts
 from parity.graph_runner import PrefillGraphRunner
 from parity.results import SCENARIOS
+from parity.design import CORE_SCENARIOS
 from tests.mutants import (
     EagerPathReplays, NeverReplays, NudgesEveryReplay, RefreshesAfterReplay, ReplaysInTheLargestBucket,
     ReplaysOnlyTheFirstPrefill, SkipsCopyWhenShapeRepeats,
@@ -57,7 +58,7 @@ def test_a_replay_nudged_by_1e4_fails_in_fp32(request, dtype_preset):
     assert all(c.token_match for c in run.cases[0].comparisons if c.a.startswith("bcg") and c.b.startswith("eager"))
 
 
-@pytest.mark.parametrize("scenarios", [("four-arm",), SCENARIOS])
+@pytest.mark.parametrize("scenarios", [("four-arm",), CORE_SCENARIOS])
 def test_a_replay_in_another_bucket_than_the_policy_is_an_error(tiny, scenarios):
     """Answers are right (padding is inert), but the runner chose the wrong bucket: a bug in choosing
     among buckets, which the evidence shows once the ladder is captured as a server has it."""

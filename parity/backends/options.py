@@ -26,6 +26,7 @@ class BackendOptions:
     runner: str = "fixed"  # the in-process graph runner's variant
     graph_backend: str = "auto"
     buckets: str | tuple[int, ...] = "auto"
+    chunk_size: int | None = None  # the chunked scenario's chunk, in tokens; None: the backend's default
     # the server backends
     concurrent: bool = False
     gpus: tuple[int, ...] = ()

@@ -6,6 +6,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Mapping, Protocol, Sequence
 
+from parity.design import Serving
 from parity.evidence import DeepStackRecord, Evidence
 from parity.fixtures import Fixture
 from parity.results import TopLogprobs
@@ -13,10 +14,12 @@ from parity.results import TopLogprobs
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request: an image (None for text-only) and a user prompt."""
+    """One generation request: an image (None for text-only), a user prompt, and the serving
+    features it goes through (a family scenario's; none by default)."""
 
     fixture: Fixture | None
     prompt: str
+    serving: Serving = Serving()
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,11 @@ class Backend(Protocol):
         """The prefill bucket a request of that many tokens replays in, when the backend knows."""
         ...
 
-    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
-        """Called once, before the first session, with every mode the run needs and the prompt
-        length of every request it will make (so only the buckets those need are captured)."""
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int],
+                serving: Sequence[Serving] = ()) -> None:
+        """Called once, before the first session, with every mode the run needs, the prompt length
+        of every request it will replay (so only the buckets those need are captured), and the
+        serving features its requests use (so their graphs are captured before any request too)."""
         ...
 
     def session(self, mode: str) -> AbstractContextManager[Session]:

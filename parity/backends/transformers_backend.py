@@ -23,9 +23,12 @@ from parity.backends.options import BackendOptions, apply_thread_policy
 from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
 from parity.errors import ArmFailure, UsageError
-from parity.evidence import Evidence
-from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
-from parity.lm_body import KVCache
+from parity.backends.serving import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, PrefixCache, image_span, schedule, token_keys
+from parity.design import Serving
+from parity.encoder_graphs import EncoderGraphs
+from parity.evidence import ChunkRun, EncoderRun, Evidence, ServingEvidence
+from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant, Window
+from parity.lm_body import KVCache, Past
 from parity.localization import LocalizationError, Probed
 from parity.models import LoadedModel
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
@@ -51,26 +54,52 @@ class LMExecutor:
         self.adapter = adapter
         self.runner = runner
 
-    def will_replay(self, num_tokens: int) -> bool:
-        return self.runner is not None and self.runner.can_replay(num_tokens)
+    def will_replay(self, num_tokens: int, past: Past | None = None) -> bool:
+        return (self.runner is not None and self.runner.can_replay(num_tokens)
+                and (past is None or past.keys.shape[0] <= self.runner.context_rows))
 
-    def prefill(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None, probe: bool = False):
-        """(Prefill, probe points [T, P, H] or None)."""
-        num_tokens = prompt.input_embeds.shape[0]
-        if self.will_replay(num_tokens):
-            outputs = self.runner.replay(prompt.input_embeds, prompt.positions, deepstack, probe=probe)
+    def prefill(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None, probe: bool = False,
+                window: Window | None = None, past: Past | None = None):
+        """(Prefill, probe points [T, P, H] or None): the whole prompt, or, with a `window`, its
+        rows `[start, end)` after `past` (DeepStack is the whole prompt's either way)."""
+        embeds, positions = prompt.input_embeds, prompt.positions
+        if window is not None:
+            embeds, positions = embeds[window.start:window.end], positions[:, window.start:window.end]
+        num_tokens = embeds.shape[0]
+        bucket = None
+        if self.will_replay(num_tokens, past):
+            outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past)
             bucket = self.runner.bucket_for(num_tokens)
+        elif self.runner is not None:  # graph mode, no graph fits: eager, through the engine's buffer
+            outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past)
         else:
-            outputs = self.adapter.body(prompt.input_embeds, prompt.positions, deepstack, probe=probe)
-            bucket = None
+            rows = deepstack if window is None else window.of(deepstack)
+            outputs = self.adapter.body(embeds, positions, rows, probe=probe, past=past)
         points = outputs[3] if probe else None
         return Prefill(outputs[0], outputs[1], outputs[2], bucket), points
 
 
+@dataclass(frozen=True)
+class Served:
+    """A prompt's whole prefill as the engine scheduled it: the last part's outputs with every
+    row's keys and values, the buckets its parts replayed in, and the serving path's evidence."""
+
+    prefill: Prefill
+    parts: int
+    buckets: tuple[int | None, ...]
+    serving: ServingEvidence | None
+    points: torch.Tensor | None = None  # with probe: [computed rows, P, H], the rows not from the cache
+
+
 class TransformersSession(Generates):
+    """One mode's engine: its executor, and what a server keeps between requests (its prefix
+    cache, its vision-encoder graphs)."""
+
     def __init__(self, executor: LMExecutor, backend: "TransformersBackend") -> None:
         self._executor = executor
         self._backend = backend
+        self._prefix_cache = PrefixCache()
+        self._encoder_graphs: EncoderGraphs | None = None
 
     def answer(self, request: Request, deepstack: str) -> Answer:
         return self._failing_as_arm(self._answer, request, DeepStack(deepstack).tap_mode)
@@ -85,34 +114,101 @@ class TransformersSession(Generates):
         except (RuntimeError, ValueError) as err:  # a forward, a fail-closed slot refresh, a NaN
             raise ArmFailure(f"{err.__class__.__name__}: {err}") from err
 
+    def close(self) -> None:
+        if self._encoder_graphs is not None:
+            self._encoder_graphs.close()
+
+    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None]:
+        """The request's LM inputs; in graph mode, through the encoder graphs when it asks for them."""
+        if not (request.serving.encoder_graph and self._executor.runner is not None and request.fixture):
+            return self._backend.prepared(request), None
+        if self._encoder_graphs is None:
+            adapter = self._backend.loaded.adapter
+            self._encoder_graphs = EncoderGraphs(adapter.visual, self._backend.runner_variant is not RunnerVariant.LAYOUT_KEYED)
+        prompt = self._backend.loaded.adapter.prepare(request.fixture, request.prompt, self._encoder_graphs)
+        return prompt, self._encoder_graphs.runs[-1]
+
+    def prefill(self, request: Request, tap_mode: str, probe: bool = False):
+        """(prompt, the tap's record, the request's whole prefill as served): what a request does
+        before its first decode step, and all a probe needs."""
+        prompt, encoder = self._prepared(request)
+        # The tap at the LM entry, outside anything a graph captured.
+        deepstack, record = apply_tap(tap_mode, prompt.deepstack)
+        return prompt, record, self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
+
     @torch.inference_mode()
     def _answer(self, request: Request, tap_mode: str) -> Answer:
         adapter = self._executor.adapter
-        prompt = self._backend.prepared(request)
-        # The tap at the LM entry, outside anything a graph captured.
-        deepstack, record = apply_tap(tap_mode, prompt.deepstack)
-        prefill, _ = self._executor.prefill(prompt, deepstack)
+        prompt, record, served = self.prefill(request, tap_mode)
+        prefill = served.prefill
         first = self._logprobs(prefill.hidden[-1])
         ids, logprobs, top, decode_steps = self._greedy(prompt, prefill, first)
+        replayed = [b for b in served.buckets if b is not None]
         evidence = Evidence(
-            lm_calls=1 + decode_steps,
-            replayed_calls=int(prefill.bucket is not None),
-            prefill_replayed=prefill.bucket is not None,
-            buckets=() if prefill.bucket is None else (prefill.bucket,),
+            lm_calls=served.parts + decode_steps,
+            replayed_calls=len(replayed),
+            prefill_replayed=len(replayed) == served.parts,
+            buckets=tuple(sorted(set(replayed))),
             tap_calls=int(record is not None),
             prompt_tokens=int(prompt.input_ids.shape[0]),
             max_bucket=self._backend.max_bucket,
+            serving=served.serving,
         )
         generation = Generation(
             token_ids=tuple(ids),
             text=adapter.tokenizer.decode(ids, skip_special_tokens=True),
             token_logprobs=tuple(logprobs),
             top_logprobs=tuple(top),
-            deepstack_record=None if record is None else replace(record, replay=prefill.bucket is not None),
+            deepstack_record=None if record is None else replace(record, replay=evidence.prefill_replayed),
             evidence=evidence,
         )
         # Scoring reuses this very prefill, so a forced score measures what this execution computed.
         return Answer(generation, (prompt, prefill, first))
+
+    def _serve(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, tap_mode: str,
+               encoder: EncoderRun | None, probe: bool = False) -> Served:
+        """The prompt's prefill as the request's serving features schedule it (design §10)."""
+        serving, executor, runner = request.serving, self._executor, self._executor.runner
+        if not (serving.chunked or serving.prefix_cache):
+            ready = runner.warmed_without_deepstack(prompt.input_ids.shape[0]) if runner is not None else None
+            prefill, points = executor.prefill(prompt, deepstack, probe=probe)
+            evidence = None
+            if serving.recorded:
+                # Once grown, the buffer stays grown: every later request is served past the growth.
+                grown = runner.growths if runner is not None else []
+                evidence = ServingEvidence(image_span=self._image_span(prompt),
+                                           buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
+                                           graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
+            return Served(prefill, 1, (prefill.bucket,), evidence, points)
+        total = prompt.input_ids.shape[0]
+        cache_key = cached = keys = values = None
+        if serving.prefix_cache:
+            image = None if request.fixture is None else request.fixture.sha256
+            cache_key = token_keys(prompt.input_ids, self._executor.adapter.config.image_token_id, image)
+            cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
+        windows = schedule(total, cached or 0, self._backend.chunk_size if serving.chunked else None)
+        chunks, hidden, ready, points = [], None, None, []
+        image_ids = prompt.input_ids == self._executor.adapter.config.image_token_id
+        for window in windows:
+            past = None if keys is None else Past.of(keys, values, window.end - window.start)
+            if ready is None and runner is not None:
+                ready = runner.warmed_without_deepstack(window.end - window.start, past is not None)
+            part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past)
+            points.append(part_points)
+            keys = part.keys if keys is None else torch.cat([keys, part.keys])
+            values = part.values if values is None else torch.cat([values, part.values])
+            hidden = part
+            chunks.append(ChunkRun(window.start, window.end, part.bucket,
+                                   int(image_ids[window.start:window.end].sum())))
+        if cache_key is not None:
+            self._prefix_cache.insert(tap_mode, cache_key, keys, values)
+        evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0,
+                                   image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
+        return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
+                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
+
+    def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
+        return image_span(prompt.input_ids, self._executor.adapter.config.image_token_id)
 
     @torch.inference_mode()
     def _score(self, answer: Answer, force: Sequence[Sequence[int]]) -> Generation:
@@ -197,9 +293,12 @@ class TransformersBackend:
         graph_backend: str = "auto",
         buckets: BucketPolicy | None = None,
         runner_class: type[PrefillGraphRunner] = PrefillGraphRunner,
+        chunk_size: int = DEFAULT_CHUNK_TOKENS,
     ) -> None:
         self.loaded = loaded
         self.max_new_tokens = max_new_tokens
+        self.chunk_size = chunk_size  # a chunked request's prefill, in chunks of at most this many tokens
+        self._context_rows = 0  # the most rows a chunk or a prefix hit may follow (0: none planned)
         self.runner_variant = runner_variant
         self.graph_backend = GraphBackend.resolve(graph_backend, loaded.device)
         self.buckets = buckets or BucketPolicy(None, loaded.adapter.max_positions)
@@ -237,10 +336,14 @@ class TransformersBackend:
         return self.runner_class(
             adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
             buckets=self._capture, variant=self.runner_variant, graph_backend=self.graph_backend,
+            context_rows=self._context_rows,
         )
 
-    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int]) -> None:
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int], serving: Sequence[Serving] = ()) -> None:
         self._capture = self.buckets.captured(prompt_lengths)
+        # Chunks and prefix hits replay in context graphs, captured with the others before any request.
+        parts = any(s.chunked or s.prefix_cache for s in serving)
+        self._context_rows = max(prompt_lengths, default=0) if parts else 0
 
     @contextmanager
     def session(self, mode: str) -> Iterator[TransformersSession]:
@@ -248,7 +351,11 @@ class TransformersBackend:
             runner = self.runner if mode == "bcg" else None
         except (RuntimeError, ValueError) as err:
             raise ArmFailure(f"graph capture failed: {err}") from err
-        yield TransformersSession(LMExecutor(self.loaded.adapter, runner), self)
+        session = TransformersSession(LMExecutor(self.loaded.adapter, runner), self)
+        try:
+            yield session
+        finally:
+            session.close()
 
     def bucket_of(self, num_tokens: int) -> int | None:
         # Planning asks before capture: the policy's ladder, which the capture then covers.
@@ -258,30 +365,25 @@ class TransformersBackend:
     def probe(self, mode: str, target: Request, deepstack: str,
               prefix: Sequence[tuple[Request, str]] = ()) -> Probed:
         """`target`'s prefill with the hidden state at every probe point (design §7), DeepStack
-        `deepstack` at the LM entry. In `bcg`, by the probe graph of a runner built like the run's
-        (class, variant, graph backend, captured buckets), after replaying `prefix`: a fresh runner
+        `deepstack` at the LM entry, served as in the run (its chunks, its prefix-cache hit: the
+        points are then of the rows it computed). In a fresh session of `mode` whose runner is built
+        like the run's (class, variant, graph backend, captured buckets), after serving `prefix`: it
         holds only the state this case leaves, so `parity localize` reproduces it exactly."""
         adapter = self.loaded.adapter
-        prompt, live = self.prepared(target), self._tapped(target, deepstack)
-        if mode == "eager":  # eager keeps no state between requests: the prefix changes nothing
-            _, points = LMExecutor(adapter, None).prefill(prompt, live, probe=True)
-            return Probed(adapter.body.probe_points(), points)
-        runner = self._new_runner()
+        runner = self._new_runner() if mode == "bcg" else None
+        session = TransformersSession(LMExecutor(adapter, runner), self)
         try:
-            executor = LMExecutor(adapter, runner)
             for request, action in prefix:
-                executor.prefill(self.prepared(request), self._tapped(request, action))
-            prefill, points = executor.prefill(prompt, live, probe=True)
+                session.prefill(request, DeepStack(action).tap_mode)
+            _, _, served = session.prefill(target, DeepStack(deepstack).tap_mode, probe=True)
         finally:
-            runner.close()
-        if prefill.bucket is None:
-            raise LocalizationError(f"the {points.shape[0]}-token prompt did not replay in any captured bucket "
-                                    f"{self._capture}")
-        return Probed(adapter.body.probe_points(), points)
-
-    def _tapped(self, request: Request, deepstack: str) -> torch.Tensor | None:
-        # The same tap as the arm's (`record` passes DeepStack through, `zero` hands on zeros).
-        return apply_tap(DeepStack(deepstack).tap_mode, self.prepared(request).deepstack)[0]
+            session.close()
+            if runner is not None:
+                runner.close()
+        if mode == "bcg" and None in served.buckets:
+            raise LocalizationError(f"the {served.points.shape[0]}-token prefill did not replay in any captured "
+                                    f"bucket {self._capture}")
+        return Probed(adapter.body.probe_points(), served.points)
 
     def prompt_length(self, request: Request) -> int:
         # Planning asks for the same image request's length several times (each scenario, each check).
@@ -310,6 +412,8 @@ class TransformersBackend:
             "captured_buckets": list(self._capture),
             "deepstack_slot_bytes": self._runner.deepstack_slot_bytes if self._runner else None,
             "preset_seed": self.loaded.seed,
+            "chunk_size": self.chunk_size,  # what the family scenarios' serving used (design §10)
+            "prefix_cache_page": PAGE_TOKENS,
         }
 
     def close(self) -> None:
@@ -328,6 +432,7 @@ def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) ->
     buckets = BucketPolicy.parse(options.buckets, loaded.adapter.max_positions)
     try:
         return TransformersBackend(loaded, max_new_tokens=max_new_tokens, runner_variant=RunnerVariant(options.runner),
-                                   graph_backend=options.graph_backend, buckets=buckets)
+                                   graph_backend=options.graph_backend, buckets=buckets,
+                                   chunk_size=options.chunk_size or DEFAULT_CHUNK_TOKENS)
     except ValueError as err:  # e.g. --graph-backend cuda with the model on the CPU
         raise UsageError(str(err)) from None

@@ -234,7 +234,9 @@ class EngineBackend(abc.ABC):
     def evidence(self, requests: Sequence[TaggedRequest]):
         return arm_evidence(requests, self.max_bucket, self.tag_images)
 
-    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = ()) -> None:
+    def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = (), serving: Sequence = ()) -> None:
+        # A server has its serving features set by its flags; no family scenario reaches one yet
+        # (registry.BackendInfo.scenarios).
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise UsageError(f"unknown mode {', '.join(unknown)}; known: {', '.join(MODES)}")

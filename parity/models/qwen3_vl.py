@@ -6,6 +6,7 @@ Eager and graph arms share everything here; only the LM body call differs (trans
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -78,7 +79,8 @@ class Qwen3VLAdapter:
             raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
 
     @torch.inference_mode()
-    def prepare(self, fixture: Fixture | None, prompt: str) -> PreparedPrompt:
+    def prepare(self, fixture: Fixture | None, prompt: str, encoder: Callable[..., Any] | None = None) -> PreparedPrompt:
+        """The request's LM inputs; `encoder` stands in for the vision tower (encoder graphs)."""
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
                   for k, v in self.processor_inputs(fixture, prompt).items()}
         input_ids = inputs["input_ids"]  # [1, T]
@@ -86,7 +88,7 @@ class Qwen3VLAdapter:
         deepstack = None
         grid = inputs.get("image_grid_thw")
         if fixture is not None:
-            vision = self.visual(inputs["pixel_values"].to(self.dtype), grid_thw=grid, return_dict=True)
+            vision = (encoder or self.visual)(inputs["pixel_values"].to(self.dtype), grid_thw=grid, return_dict=True)
             image_rows = input_ids[0] == self.config.image_token_id
             embeds[image_rows] = vision.pooler_output.to(self.dtype)
             if self.deepstack_count:

@@ -7,7 +7,7 @@ import re
 from typing import Iterator
 
 from parity.engines import registry
-from parity.evidence import Evidence
+from parity.evidence import Evidence, ServingEvidence
 from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
@@ -67,8 +67,32 @@ def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
     shown = {True: "yes", False: "no", None: "unknown"}
     ranks = "".join(f" · {r.rank}: replayed {shown[r.prefill_replayed]}, tap calls {r.tap_calls}"
                     for r in evidence.ranks)
+    serving = "" if evidence.serving is None else serving_text(evidence.serving)
     return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}")
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}{serving}")
+
+
+def serving_text(serving: ServingEvidence) -> str:
+    """The serving path a family scenario's request reached (design §10), in the words of its rule."""
+    parts = []
+    if serving.chunks:
+        rows = "/".join(str(c.image_rows) for c in serving.chunks)
+        where = ", ".join(f"[{c.start},{c.end})→{c.bucket or 'eager'}" for c in serving.chunks)
+        parts.append(f"{len(serving.chunks)} prefill part(s) {where}, image rows per part {rows}")
+    if serving.cached_tokens:
+        span = serving.image_span
+        place = ("" if span is None else " (inside the image)" if span[0] < serving.cached_tokens < span[1]
+                 else " (past the image)" if serving.cached_tokens >= span[1] else " (before the image)")
+        parts.append(f"{serving.cached_tokens} prompt rows from the prefix cache{place}")
+    if serving.buffer_growth is not None:
+        parts.append(f"DeepStack buffer grown {serving.buffer_growth[0]}→{serving.buffer_growth[1]} rows")
+    if serving.graph_ready is not None:
+        parts.append("graph warm before it" if serving.graph_ready else "graph captured by an image request")
+    if serving.encoder is not None:
+        e = serving.encoder
+        parts.append(f"encoder graph '{e.key}' {'replayed' if e.replayed else 'captured'} for grid "
+                     f"{'x'.join(map(str, e.grid))}")
+    return "".join(f" · {part}" for part in parts)
 
 
 def arm_evidence_text(arm: ArmResult) -> str:

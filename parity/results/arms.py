@@ -9,7 +9,9 @@ from typing import Any
 
 from parity.arms import ARM_ORDER
 from parity.arms import arm as arm_of
-from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence
+from parity.evidence import (
+    ChunkRun, DeepStackRecord, EncoderRun, Evidence, LeakWitness, RankEvidence, ServingEvidence,
+)
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
 from parity.results.fields import (
     MAX_COUNT, SHA256_HEX, Invalid, get, ints, is_logprob, logprobs, non_negative_int, number, shared_int,
@@ -72,11 +74,50 @@ def _evidence(raw: Any, where: str) -> Evidence:
         max_bucket=count("max_bucket", True, 1), leak=_leak(raw.get("leak"), f"{where}.leak"),
         ranks=tuple(_rank(r, f"{where}.ranks[{i}]")
                     for i, r in enumerate(get(raw, "ranks", list, where, optional=True) or [])),
+        serving=_serving(raw.get("serving"), f"{where}.serving"),
     )
     problem = evidence.inconsistency()
     if problem:
         raise Invalid(f"{where} is inconsistent: {problem}")
     return evidence
+
+
+def _serving(raw: Any, where: str) -> ServingEvidence | None:
+    # Optional: only a family scenario's requests record their serving path.
+    if raw is None:
+        return None
+
+    def pair(key: str) -> tuple[int, int] | None:
+        value = get(raw, key, list, where, optional=True)
+        if value is None:
+            return None
+        if len(value) != 2:
+            raise Invalid(f"{where}.{key} must be [a, b]")
+        return ints(value, f"{where}.{key}")  # type: ignore[return-value]
+
+    chunks = []
+    for i, chunk in enumerate(get(raw, "chunks", list, where)):
+        cwhere = f"{where}.chunks[{i}]"
+        if not isinstance(chunk, list) or len(chunk) != 4:
+            raise Invalid(f"{cwhere} must be [start, end, bucket or null, image rows]")
+        start, end, rows = ints([chunk[0], chunk[1], chunk[3]], cwhere)
+        bucket = None if chunk[2] is None else ints([chunk[2]], cwhere, minimum=1)[0]
+        chunks.append(ChunkRun(start, end, bucket, rows))
+    encoder_raw = get(raw, "encoder", dict, where, optional=True)
+    encoder = None
+    if encoder_raw is not None:
+        ewhere = f"{where}.encoder"
+        grid = ints(get(encoder_raw, "grid", list, ewhere), f"{ewhere}.grid", minimum=1)
+        if len(grid) != 3:
+            raise Invalid(f"{ewhere}.grid must be [t, h, w]")
+        encoder = EncoderRun(grid, non_negative_int(get(encoder_raw, "patches", int, ewhere), f"{ewhere}.patches", 1),
+                             get(encoder_raw, "key", str, ewhere), get(encoder_raw, "replayed", bool, ewhere))
+    return ServingEvidence(
+        chunks=tuple(chunks),
+        cached_tokens=non_negative_int(get(raw, "cached_tokens", int, where), f"{where}.cached_tokens"),
+        image_span=pair("image_span"), buffer_growth=pair("buffer_growth"),
+        graph_ready=get(raw, "graph_ready", bool, where, optional=True), encoder=encoder,
+    )
 
 
 def _leak(raw: Any, where: str) -> LeakWitness | None:

@@ -18,7 +18,7 @@ from parity.buckets import AUTO, prefill_bucket_ladder, smallest_fitting
 from parity.metrics import Tolerances, compare
 from parity.plan import read_plan
 from parity.results import (
-    CASE_IMAGE, SCHEMA, SEQUENCE_REQUESTS, ArmResult, CaseResult, FixtureInfo, RunResult,
+    SCHEMA, SEQUENCE_REQUESTS, ArmResult, CaseResult, FixtureInfo, RequestSpec, RunResult,
 )
 from parity.verdict import FOUR_ARM_CHECKS, POWER_CHECK, sequence_check
 
@@ -161,7 +161,8 @@ def replays_fit_their_buckets(run: RunResult) -> None:
                 # Only when every prefill replayed is prompt_tokens the prompt of those replays (a server
                 # names the longest prefill that ran eagerly); a prompt longer than every bucket is
                 # prefilled in chunks, each in its own bucket.
-                whole = evidence.prefill_replayed and tokens is not None and (
+                chunked = evidence.serving is not None and bool(evidence.serving.chunks)  # each chunk has its own
+                whole = evidence.prefill_replayed and tokens is not None and not chunked and (
                     evidence.max_bucket is None or tokens <= evidence.max_bucket)
                 if whole and bucket < tokens:
                     raise request.contradiction(arm, f"{where}, smaller than its {tokens}-token prompt "
@@ -215,32 +216,49 @@ def answers_fit_max_new_tokens(run: RunResult) -> None:
 def one_fingerprint_per_request(run: RunResult) -> None:
     """Every arm of a request is handed the same DeepStack rows before its tap acts on them, and
     every request of one image and prompt the same rows as every other (the vision tower is
-    deterministic: another fingerprint is another seed, checkpoint or dtype)."""
-    by_input: dict[tuple[str, str], tuple[str, ArmResult]] = {}
+    deterministic: another fingerprint is another seed, checkpoint or dtype). A request whose
+    image goes through the encoder graphs in graph mode (layout) is held to it within each mode:
+    those graphs are under test, and rows that differ from eager's are what they get wrong."""
+    by_input: dict[tuple, tuple[str, ArmResult]] = {}
     for request in _requests(run):
-        recorded = [arm for arm in _ran(request) if arm.deepstack_record is not None]
-        for arm in recorded:
-            record = arm.deepstack_record
-            if record.action != arm.deepstack:
-                raise request.contradiction(
-                    arm, f"{request.at(arm)}.deepstack_record.action is {record.action!r}, but the arm "
-                         f"runs DeepStack {arm.deepstack!r}")
-            first = recorded[0].deepstack_record
-            seen = (record.sha256, record.shape, record.dtype, record.nonzero_rows)
-            if seen != (first.sha256, first.shape, first.dtype, first.nonzero_rows):
-                raise request.contradiction(
-                    arm, f"{request.at(arm)}.deepstack_record differs from {recorded[0].name}'s "
-                         f"(sha256 {record.sha256[:12]}… vs {first.sha256[:12]}…): the arms of one request "
-                         "see the same DeepStack rows before zeroing")
-            if request.fixture is None or not record.nonzero_rows:
-                continue
-            where, other = by_input.setdefault((request.fixture.sha256, request.prompt), (request.at(arm), arm))
-            if other.deepstack_record.sha256 != record.sha256:
-                theirs = other.deepstack_record.sha256
-                raise request.contradiction(
-                    arm, f"{request.at(arm)}.deepstack_record (sha256 {record.sha256[:12]}…) differs from {where}'s "
-                         f"({theirs[:12]}…) for the same image and prompt: DeepStack computed by another seed, "
-                         "checkpoint or dtype")
+        spec = _spec(request)
+        per_mode = spec is not None and spec.serving.encoder_graph
+        for mode in ("eager", "bcg") if per_mode else (None,):
+            _one_fingerprint(request, [arm for arm in _ran(request) if arm.deepstack_record is not None
+                                       and mode in (None, arm.mode)], by_input, mode or "")
+
+
+def _spec(request: _Request) -> RequestSpec | None:
+    if request.request_index is None or not request.case.is_sequence:
+        return None
+    label = request.case.requests[request.request_index].label
+    return next((s for s in SEQUENCE_REQUESTS.get(request.case.scenario, ()) if s.label == label), None)
+
+
+def _one_fingerprint(request: _Request, recorded: list[ArmResult], by_input: dict, mode: str) -> None:
+    for arm in recorded:
+        record = arm.deepstack_record
+        if record.action != arm.deepstack:
+            raise request.contradiction(
+                arm, f"{request.at(arm)}.deepstack_record.action is {record.action!r}, but the arm "
+                     f"runs DeepStack {arm.deepstack!r}")
+        first = recorded[0].deepstack_record
+        seen = (record.sha256, record.shape, record.dtype, record.nonzero_rows)
+        if seen != (first.sha256, first.shape, first.dtype, first.nonzero_rows):
+            raise request.contradiction(
+                arm, f"{request.at(arm)}.deepstack_record differs from {recorded[0].name}'s "
+                     f"(sha256 {record.sha256[:12]}… vs {first.sha256[:12]}…): the arms of one request "
+                     "see the same DeepStack rows before zeroing")
+        if request.fixture is None or not record.nonzero_rows:
+            continue
+        key = (request.fixture.sha256, request.fixture.size, request.prompt, mode)  # same bytes, other size: another image
+        where, other = by_input.setdefault(key, (request.at(arm), arm))
+        if other.deepstack_record.sha256 != record.sha256:
+            theirs = other.deepstack_record.sha256
+            raise request.contradiction(
+                arm, f"{request.at(arm)}.deepstack_record (sha256 {record.sha256[:12]}…) differs from {where}'s "
+                     f"({theirs[:12]}…) for the same image and prompt: DeepStack computed by another seed, "
+                     "checkpoint or dtype")
 
 
 def power_needs_deepstack(run: RunResult) -> None:
@@ -275,15 +293,11 @@ def _power_pair(case: CaseResult) -> tuple[ArmResult, ArmResult] | None:
     if not case.is_sequence:
         zero, normal = case.arm(EAGER_ZERO), case.arm(EAGER_NORMAL)
     else:
-        specs = {spec.label: spec for spec in SEQUENCE_REQUESTS.get(case.scenario, ())}
-        by_action: dict[str, ArmResult] = {}
-        for request in case.requests:
-            spec = specs.get(request.label)
-            if spec is not None and spec.image == CASE_IMAGE:
-                for arm in request.arms:
-                    if arm.mode == "eager":
-                        by_action.setdefault(arm.deepstack, arm)
-        zero, normal = by_action.get("zero"), by_action.get("normal")
+        # The power request's own eager arms: the same image and prompt, DeepStack zeroed or not.
+        power = next((spec.label for spec in SEQUENCE_REQUESTS.get(case.scenario, ()) if spec.power), None)
+        request = next((r for r in case.requests if r.label == power), None)
+        arms = {} if request is None else {a.name: a for a in request.arms}
+        zero, normal = arms.get(EAGER_ZERO), arms.get(EAGER_NORMAL)
     if zero is None or normal is None or zero.failed or normal.failed:
         return None
     return zero, normal

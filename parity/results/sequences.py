@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from parity.design import EXTENDED_TEXT, LONG_TEXT, OTHER_TEXT, SAME_TEXT, TALL_IMAGE, TWIN_IMAGE, WIDE_IMAGE
+from parity.fixtures import LAYOUT_SIZES
 from parity.results import CASE_IMAGE, SEQUENCE_REQUESTS, CaseResult, FixtureInfo, RequestResult, RequestSpec
 from parity.results.arms import read_arms, read_fixture
 from parity.results.fields import Invalid, get
@@ -49,7 +51,8 @@ def read_requests(raw: Any, where: str, scenario: str, fixture: FixtureInfo | No
 
 def _check_request(request: RequestResult, spec: RequestSpec, where: str, fixture: FixtureInfo | None,
                    prompt: str) -> None:
-    """The request is what its scenario sends: the case's image, its twin, or no image."""
+    """The request is what its scenario sends: the case's image, its twin, its wide or tall form,
+    or no image; and the case's prompt, or the form of it the scenario sends."""
     got = request.fixture
     if spec.image is None:
         if got is not None:
@@ -57,16 +60,30 @@ def _check_request(request: RequestResult, spec: RequestSpec, where: str, fixtur
         return
     if got is None:
         raise Invalid(f"{where}.fixture is null, but {spec.label!r} is an image request")
-    if request.prompt != prompt:
-        raise Invalid(f"{where}.prompt differs from the case's prompt, which {spec.label!r} sends")
+    _check_prompt(request.prompt, spec, where, prompt)
+    if spec.image in (WIDE_IMAGE, TALL_IMAGE):
+        if got.size != LAYOUT_SIZES[spec.image]:
+            raise Invalid(f"{where}.fixture is {got.size[0]}x{got.size[1]}, but {spec.label!r} sends the "
+                          f"{spec.image} form of the case's image ({LAYOUT_SIZES[spec.image][0]}x"
+                          f"{LAYOUT_SIZES[spec.image][1]})")
+        return
     if fixture is None:
         return
     same = (got.sha256, got.size) == (fixture.sha256, fixture.size)
     if spec.image == CASE_IMAGE and not same:
         raise Invalid(f"{where}.fixture is not the case's image ({fixture.name}, sha256 {fixture.sha256[:12]}…), "
                       f"which {spec.label!r} sends")
-    if spec.image != CASE_IMAGE and (same or got.size != fixture.size):
+    if spec.image == TWIN_IMAGE and (same or got.size != fixture.size):
         raise Invalid(f"{where}.fixture must be the twin of the case's image (same size, other pixels)")
+
+
+def _check_prompt(sent: str, spec: RequestSpec, where: str, prompt: str) -> None:
+    if spec.text == SAME_TEXT and sent != prompt:
+        raise Invalid(f"{where}.prompt differs from the case's prompt, which {spec.label!r} sends")
+    if spec.text in (EXTENDED_TEXT, LONG_TEXT) and not (sent.startswith(prompt) and len(sent) > len(prompt)):
+        raise Invalid(f"{where}.prompt must be the case's prompt lengthened, which {spec.label!r} sends")
+    if spec.text == OTHER_TEXT and sent == prompt:
+        raise Invalid(f"{where}.prompt is the case's prompt, but {spec.label!r} asks another question")
 
 
 def completed(case: CaseResult) -> CaseResult:

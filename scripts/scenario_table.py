@@ -1,0 +1,58 @@
+"""The embedded engine's scenario table (docs/scenarios.md): every runner variant against every
+scenario, on every built-in fixture, in one dtype; each cell is the verdicts of that scenario's
+cases (one code when they agree).
+
+    python scripts/scenario_table.py [--dtype bfloat16] [--fixture NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from parity.arms import select_arms  # noqa: E402
+from parity.backends.options import apply_thread_policy  # noqa: E402
+from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
+from parity.design import RUNNER_VARIANTS, SCENARIOS  # noqa: E402
+from parity.experiment import run_experiment  # noqa: E402
+from parity.fixtures import builtin_fixture, builtin_fixtures, default_prompts  # noqa: E402
+from parity.graph_runner import RunnerVariant  # noqa: E402
+from parity.models import load_model  # noqa: E402
+from parity.planning import CaseSpec, RunSpec  # noqa: E402
+
+TOKENS = 12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--fixture", action="append", help="a built-in fixture (default: all of them)")
+    args = parser.parse_args()
+    apply_thread_policy(None, True)
+    loaded = load_model("tiny-qwen3-vl", dtype=args.dtype)
+    fixtures = [builtin_fixture(n) for n in args.fixture] if args.fixture else builtin_fixtures()
+    cases = tuple(CaseSpec(f, default_prompts(f)[0]) for f in fixtures)
+    print(f"tiny-qwen3-vl, {args.dtype}, {len(cases)} fixture(s), {TOKENS} new tokens; rows: scenarios, "
+          "columns: --runner\n")
+    print("| scenario | " + " | ".join(f"`{v}`" for v in RUNNER_VARIANTS) + " |")
+    print("|---" * (len(RUNNER_VARIANTS) + 1) + "|")
+    cells: dict[str, dict[str, str]] = {s: {} for s in SCENARIOS}
+    for variant in RUNNER_VARIANTS:
+        spec = RunSpec(model=loaded.name, arms=select_arms("all"), cases=cases, scenarios=SCENARIOS,
+                       max_new_tokens=TOKENS)
+        run = run_experiment(spec, TransformersBackend(loaded, max_new_tokens=TOKENS,
+                                                       runner_variant=RunnerVariant(variant)))
+        for scenario in SCENARIOS:
+            codes = Counter(c.verdict.code for c in run.cases if c.scenario == scenario)
+            cells[scenario][variant] = ", ".join(f"{code} ×{n}" if len(codes) > 1 else code
+                                                 for code, n in codes.most_common())
+    for scenario in SCENARIOS:
+        print(f"| `{scenario}` | " + " | ".join(cells[scenario][v] for v in RUNNER_VARIANTS) + " |")
+
+
+if __name__ == "__main__":
+    main()
