@@ -1,8 +1,9 @@
 """Every GPU check of the graph runner in one call (see scripts/gpu_check.sh).
 
 1. Verdicts: each embedded preset x runner variant x dtype (fp32, bf16) x scenario (four-arm, reuse,
-   stream) on the `cuda` graph backend, against the verdict a correct harness must give; failing
-   cases are localized on the GPU too (the first divergent layer is in the summary).
+   stream) on the `cuda` graph backend, against the verdict a correct harness must give; then the
+   bug family (docs/scenarios.md): the fixed runner on each family scenario, each planted variant on
+   its own; failing cases are localized on the GPU too (the first divergent layer is in the summary).
 2. Replay vs eager prefill time per bucket (<= 512 tokens) for tiny-qwen3-vl and mid-qwen3-vl (bf16).
 3. The DeepStack slot's memory: exactly max_tokens x hidden x n x dtype bytes, 0 without DeepStack.
 
@@ -25,6 +26,7 @@ import torch
 
 from parity.arms import select_arms
 from parity.backends.transformers_backend import TransformersBackend
+from parity.design import FAMILY_SCENARIOS, PLANTED_BUGS
 from parity.experiment import run_experiment
 from parity.planning import CaseSpec, RunSpec
 from parity.fixtures import builtin_fixture, default_prompts
@@ -38,14 +40,22 @@ PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack")
 TIMED_PRESETS = ("tiny-qwen3-vl", "mid-qwen3-vl")
 BUCKETS = (16, 32, 64, 128, 256, 512)
 SCENARIOS = ("four-arm", "reuse", "stream")
+# The bug family: the fixed runner on each scenario, each planted variant on its own (docs/scenarios.md).
+FAMILY_RUNS = tuple(("fixed", s) for s in FAMILY_SCENARIOS) + tuple((v, s) for v, (s, _) in PLANTED_BUGS.items())
+# What each planted variant gives on its own scenario, alone in a run (docs/scenarios.md's table).
+PLANTED_VERDICTS = {"chunk-misaligned": "FAIL_GRAPH_DIVERGES", "prefix-offset": "FAIL_GRAPH_DIVERGES",
+                    "growth-rebind": "FAIL_STALE_STATE", "warmup-specialized": "FAIL_DEEPSTACK_DROPPED",
+                    "layout-keyed": "FAIL_GRAPH_DIVERGES"}
 
 
 def expected_verdict(preset: str, runner: str, scenario: str) -> str:
-    """What tests/test_end_to_end.py says each variant gives, on any device."""
+    """What tests/test_end_to_end.py and docs/scenarios.md say each variant gives, on any device."""
     if "nodeepstack" in preset:  # nothing to drop or leak, and no power: no scenario proves anything
         return "INCONCLUSIVE_NO_POWER"
     if runner == "fixed":
         return "PASS"
+    if runner in PLANTED_VERDICTS:
+        return PLANTED_VERDICTS[runner]
     if runner == "legacy":  # no slot: the first image request of any scenario already drops DeepStack
         return "FAIL_DEEPSTACK_DROPPED"
     # no-clear: the slot is refreshed on presence; only a sequence's absence lets stale rows through.
@@ -59,33 +69,33 @@ def verdict_matrix(device: str, graph_backend: str, runs_dir: Path) -> list[dict
     for dtype in ("float32", "bfloat16"):
         for preset in PRESETS:
             loaded = load_model(preset, device=device, dtype=dtype)
-            for runner in ("fixed", "legacy", "no-clear"):
-                for scenario in SCENARIOS:
-                    want = expected_verdict(preset, runner, scenario)
-                    name = f"{preset}-{dtype}-{runner}-{scenario}"
-                    start = time.perf_counter()
-                    try:
-                        spec = RunSpec(model=preset, arms=select_arms("all"), cases=(case,), scenarios=(scenario,))
-                        backend = TransformersBackend(loaded, max_new_tokens=20, runner_variant=RunnerVariant(runner),
-                                                      graph_backend=graph_backend)
-                        run = run_experiment(spec, backend)
-                        got, reason = run.verdict.code, run.verdict.reason
-                        # bcg vs eager: tells a bf16 near-tie flip (small delta) from a real divergence.
-                        first = run.cases[0].comparisons[0] if run.cases[0].comparisons else None
-                        graph_vs_eager = tuple_text(first, run.logprob_tol) if first else "—"
-                        if run.cases[0].localization is not None:
-                            graph_vs_eager += f"; {localization_sentence(run.cases[0])}"
-                        folder = runs_dir / name
-                        folder.mkdir(parents=True)
-                        write_results(run, folder / "results.json")
-                        (folder / "report.md").write_text(render_markdown(run))
-                    except Exception as err:  # a check that crashes is a finding, not the end of the script
-                        got, reason, graph_vs_eager = "CRASH", f"{err.__class__.__name__}: {err}", "—"
-                        traceback.print_exc()
-                    rows.append({"preset": preset, "dtype": dtype, "runner": runner, "scenario": scenario,
-                                 "expected": want, "got": got, "ok": got == want, "reason": reason, "graph_vs_eager": graph_vs_eager,
-                                 "seconds": round(time.perf_counter() - start, 2)})
-                    print(f"{name:55} {got:28} {'ok' if got == want else 'UNEXPECTED (want ' + want + ')'}", flush=True)
+            runs = [(r, s) for r in ("fixed", "legacy", "no-clear") for s in SCENARIOS] + list(FAMILY_RUNS)
+            for runner, scenario in runs:
+                want = expected_verdict(preset, runner, scenario)
+                name = f"{preset}-{dtype}-{runner}-{scenario}"
+                start = time.perf_counter()
+                try:
+                    spec = RunSpec(model=preset, arms=select_arms("all"), cases=(case,), scenarios=(scenario,))
+                    backend = TransformersBackend(loaded, max_new_tokens=20, runner_variant=RunnerVariant(runner),
+                                                  graph_backend=graph_backend)
+                    run = run_experiment(spec, backend)
+                    got, reason = run.verdict.code, run.verdict.reason
+                    # bcg vs eager: tells a bf16 near-tie flip (small delta) from a real divergence.
+                    first = run.cases[0].comparisons[0] if run.cases[0].comparisons else None
+                    graph_vs_eager = tuple_text(first, run.logprob_tol) if first else "—"
+                    if run.cases[0].localization is not None:
+                        graph_vs_eager += f"; {localization_sentence(run.cases[0])}"
+                    folder = runs_dir / name
+                    folder.mkdir(parents=True)
+                    write_results(run, folder / "results.json")
+                    (folder / "report.md").write_text(render_markdown(run))
+                except Exception as err:  # a check that crashes is a finding, not the end of the script
+                    got, reason, graph_vs_eager = "CRASH", f"{err.__class__.__name__}: {err}", "—"
+                    traceback.print_exc()
+                rows.append({"preset": preset, "dtype": dtype, "runner": runner, "scenario": scenario,
+                             "expected": want, "got": got, "ok": got == want, "reason": reason, "graph_vs_eager": graph_vs_eager,
+                             "seconds": round(time.perf_counter() - start, 2)})
+                print(f"{name:55} {got:28} {'ok' if got == want else 'UNEXPECTED (want ' + want + ')'}", flush=True)
             del loaded
     return rows
 
