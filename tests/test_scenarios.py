@@ -146,3 +146,32 @@ def test_the_command_line_lists_the_family_and_refuses_it_on_a_server(parity_cli
         assert variant in help_text
     refused = parity_cli("run", "--backend", "sglang", "--scenario", "chunked")
     assert refused.exit_code == 2 and "the sglang backend cannot serve it yet" in refused.output
+
+
+def _family_arm(doc, scenario, request, arm="bcg_normal"):
+    case = next(c for c in doc["cases"] if c["scenario"] == scenario)
+    return case["requests"][request]["arms"][arm]
+
+
+@pytest.mark.parametrize("scenario, request_index, edit, code, needle", [
+    # Evidence removed or emptied: the path is no longer shown, so never a PASS.
+    (CHUNKED, 0, lambda s: s.clear(), 2, "lacks 'chunks'"),
+    # A hit edited away leaves a replay smaller than its prompt: a story no execution tells.
+    (PREFIX, 1, lambda s: s.update(cached_tokens=0, chunks=[]), 2, "a replayed prompt fits its bucket"),
+    (GROWTH, 1, lambda s: s.update(buffer_growth=None), 3, "the DeepStack buffer did not grow"),
+    (WARMUP, 1, lambda s: s.update(graph_ready=False), 3, "was not captured before it arrived"),
+    # Evidence that cannot describe one execution is refused outright.
+    (CHUNKED, 0, lambda s: s["chunks"].pop(1), 2, "chunks must follow each other"),
+    (LAYOUT, 1, lambda s: s["encoder"].update(grid=[1, 8]), 2, "grid must be [t, h, w]"),
+])
+def test_an_edited_serving_path_never_passes(real_run, parity_cli, tmp_path, scenario, request_index, edit, code,
+                                             needle):
+    import json
+
+    _, doc, exit_code = real_run("default")
+    assert exit_code == 0
+    edit(_family_arm(doc, scenario, request_index)["evidence"]["serving"])
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(path))
+    assert result.exit_code == code and needle in result.output, result.output
