@@ -16,7 +16,8 @@ from typing import Sequence
 from parity.backends.protocol import Request
 from parity.engines import registry
 from parity.errors import UsageError
-from parity.fixtures import Fixture, builtin_fixture, builtin_names, image_fixture
+from parity.design import RUNNER_VARIANTS, SEQUENCE_REQUESTS
+from parity.fixtures import LAYOUT_SIZES, Fixture, builtin_fixture, builtin_names, image_fixture
 from parity.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
 from parity.results.loader import load_results
@@ -56,7 +57,7 @@ def localize_results(options: LocalizeOptions) -> Localized:
         return Localized(run, ())
     user = _user_fixtures(options.images)
     requests = {case.id: _requests(case, user) for case in cases}
-    backend = _backend(run, options.device)
+    backend = _backend(run, options.device, requests)
     try:
         threshold = options.threshold or config.get("localize_threshold")
         run = localize_run(run, backend, requests, threshold, only=options.case)
@@ -73,7 +74,11 @@ def _check_config(config, path: Path) -> None:
                          "(written by an older parity?)")
     buckets = config["captured_buckets"]
     problems = {
-        "runner": config["runner"] not in ("fixed", "legacy", "no-clear"),
+        "runner": config["runner"] not in RUNNER_VARIANTS,
+        # A file from before the chunked scenario has none, and no chunked case.
+        "chunk_size": config.get("chunk_size") is not None and not (
+            isinstance(config["chunk_size"], int) and not isinstance(config["chunk_size"], bool)
+            and config["chunk_size"] > 0),
         "graph_backend": config["graph_backend"] not in ("cuda", "emulated"),
         "dtype": config["dtype"] not in ("float32", "bfloat16", "float16"),
         "captured_buckets": not isinstance(buckets, list)
@@ -105,9 +110,11 @@ def _user_fixtures(paths: Sequence[str]) -> list[Fixture]:
 
 
 def _requests(case: CaseResult, user: Sequence[Fixture]) -> tuple[Request, ...]:
+    """The case's requests as the run sent them, each with its scenario's serving features."""
     if not case.is_sequence:
         return (Request(_fixture(case.fixture, user, case.id), case.prompt),)
-    return tuple(Request(_fixture(r.fixture, user, case.id), r.prompt) for r in case.requests)
+    specs = {spec.label: spec for spec in SEQUENCE_REQUESTS[case.scenario]}
+    return tuple(Request(_fixture(r.fixture, user, case.id), r.prompt, specs[r.label].serving) for r in case.requests)
 
 
 def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) -> Fixture | None:
@@ -122,8 +129,11 @@ def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) ->
         fixture = builtin_fixture(info.name)
         if _matches(fixture, info):
             return fixture
-    # A built-in given twice or as a file is stored under another name (`rgb-stripes-2`).
-    same = [f for f in map(builtin_fixture, known) if _matches(f, info)]
+    # A built-in given twice or as a file is stored under another name (`rgb-stripes-2`); the layout
+    # scenario sends a built-in resized, and a user image resized.
+    candidates = [*map(builtin_fixture, known), *user]
+    candidates += [f.reshaped(layout) for f in list(candidates) for layout in LAYOUT_SIZES]
+    same = [f for f in candidates if _matches(f, info)]
     if same:
         return dataclasses.replace(same[0], name=info.name)
     if info.name in known:
@@ -140,10 +150,11 @@ def _matches(fixture: Fixture, info: FixtureInfo) -> bool:
 
 # --- the model -----------------------------------------------------------------------------------
 
-def _backend(run: RunResult, device: str | None):
+def _backend(run: RunResult, device: str | None, requests: dict[str, tuple[Request, ...]]):
     import torch
 
     from parity.backends.options import apply_thread_policy
+    from parity.backends.serving import DEFAULT_CHUNK_TOKENS
     from parity.backends.transformers_backend import TransformersBackend
     from parity.buckets import BucketPolicy
     from parity.graph_runner import RunnerVariant
@@ -171,8 +182,11 @@ def _backend(run: RunResult, device: str | None):
     backend = TransformersBackend(loaded, max_new_tokens=int(config.get("max_new_tokens", 1)),
                                   runner_variant=RunnerVariant(config["runner"]),
                                   graph_backend=str(config["graph_backend"]) if device == ran_on else "auto",
-                                  buckets=BucketPolicy(captured, loaded.adapter.max_positions))
-    backend.prepare(("bcg",), captured)  # each bucket size is a prompt length that needs exactly that bucket
+                                  buckets=BucketPolicy(captured, loaded.adapter.max_positions),
+                                  chunk_size=config.get("chunk_size") or DEFAULT_CHUNK_TOKENS)
+    # Each bucket size is a prompt length that needs exactly that bucket; the run's serving features
+    # decide whether its context graphs were captured too.
+    backend.prepare(("bcg",), captured, sorted({r.serving for rs in requests.values() for r in rs}, key=repr))
     return backend
 
 

@@ -175,3 +175,17 @@ def test_an_edited_serving_path_never_passes(real_run, parity_cli, tmp_path, sce
     path.write_text(json.dumps(doc))
     result = parity_cli("verdict", str(path))
     assert result.exit_code == code and needle in result.output, result.output
+
+
+@pytest.mark.parametrize("scenario, variant", [(LAYOUT, "layout-keyed"), (GROWTH, "growth-rebind")])
+def test_parity_localize_rebuilds_a_family_case(parity_cli, scenario, variant):
+    """The command rebuilds the case from its file (the resized images, the serving features, the
+    runner's state after the requests before it) and finds what the run found."""
+    result, doc, out = parity_cli.run("--scenario", scenario, "--runner", variant, "--max-new-tokens", "6")
+    assert result.exit_code == 1
+    stored = doc["cases"][0]["localization"]
+    again = parity_cli("localize", str(out / "results.json"))
+    assert again.exit_code == 0, again.output
+    first = stored["points"][stored["first_divergent"]]
+    where = "before any DeepStack add" if first["deepstack_block"] is None else "after DeepStack block 0 is added"
+    assert f"first divergent layer (request {stored['request'] + 1}): {first['layer']}, {where}" in again.output
