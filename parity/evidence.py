@@ -234,7 +234,8 @@ class Evidence:
             replayed = [c.bucket for c in self.serving.chunks if c.bucket is not None]
             if self.serving.chunks and (set(replayed) != set(self.buckets)
                                         or bool(self.prefill_replayed) != (len(replayed) == len(self.serving.chunks))):
-                return "its chunks' buckets are not the arm's buckets, or prefill_replayed is not 'every chunk replayed'"
+                return ("its chunks' buckets are not the arm's buckets, or prefill_replayed is not "
+                        "'every chunk replayed'")
         return self._rank_inconsistency()
 
     def _rank_inconsistency(self) -> str | None:

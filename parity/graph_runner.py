@@ -159,7 +159,8 @@ class PrefillGraphRunner:
             None if width is None
             else Slot("deepstack", torch.zeros(max_tokens, width, dtype=dtype, device=device), padding)
         )
-        self._slot_bytes = 0 if self._deepstack is None else self._deepstack.buffer.numel() * self._deepstack.buffer.element_size()
+        buffer = None if self._deepstack is None else self._deepstack.buffer
+        self._slot_bytes = 0 if buffer is None else buffer.numel() * buffer.element_size()
         self.context_rows = context_rows if self.buckets else 0
         self._past: Past | None = None
         if self.context_rows:

@@ -123,8 +123,8 @@ class TransformersSession(Generates):
         if not (request.serving.encoder_graph and self._executor.runner is not None and request.fixture):
             return self._backend.prepared(request), None
         if self._encoder_graphs is None:
-            adapter = self._backend.loaded.adapter
-            self._encoder_graphs = EncoderGraphs(adapter.visual, self._backend.runner_variant is not RunnerVariant.LAYOUT_KEYED)
+            by_grid = self._backend.runner_variant is not RunnerVariant.LAYOUT_KEYED
+            self._encoder_graphs = EncoderGraphs(self._backend.loaded.adapter.visual, by_grid)
         prompt = self._backend.loaded.adapter.prepare(request.fixture, request.prompt, self._encoder_graphs)
         return prompt, self._encoder_graphs.runs[-1]
 
@@ -168,18 +168,24 @@ class TransformersSession(Generates):
     def _serve(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, tap_mode: str,
                encoder: EncoderRun | None, probe: bool = False) -> Served:
         """The prompt's prefill as the request's serving features schedule it (design §10)."""
+        if request.serving.chunked or request.serving.prefix_cache:
+            return self._serve_in_parts(request, prompt, deepstack, tap_mode, encoder, probe)
+        runner = self._executor.runner
+        ready = runner.warmed_without_deepstack(prompt.input_ids.shape[0]) if runner is not None else None
+        prefill, points = self._executor.prefill(prompt, deepstack, probe=probe)
+        evidence = None
+        if request.serving.recorded:
+            # Once grown, the buffer stays grown: every later request is served past the growth.
+            grown = runner.growths if runner is not None else []
+            evidence = ServingEvidence(image_span=self._image_span(prompt),
+                                       buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
+                                       graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
+        return Served(prefill, 1, (prefill.bucket,), evidence, points)
+
+    def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
+                        tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
+        """After the prefix cache's hit, in chunks: each part after the keys and values before it."""
         serving, executor, runner = request.serving, self._executor, self._executor.runner
-        if not (serving.chunked or serving.prefix_cache):
-            ready = runner.warmed_without_deepstack(prompt.input_ids.shape[0]) if runner is not None else None
-            prefill, points = executor.prefill(prompt, deepstack, probe=probe)
-            evidence = None
-            if serving.recorded:
-                # Once grown, the buffer stays grown: every later request is served past the growth.
-                grown = runner.growths if runner is not None else []
-                evidence = ServingEvidence(image_span=self._image_span(prompt),
-                                           buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
-                                           graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
-            return Served(prefill, 1, (prefill.bucket,), evidence, points)
         total = prompt.input_ids.shape[0]
         cache_key = cached = keys = values = None
         if serving.prefix_cache:

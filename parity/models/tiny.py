@@ -206,15 +206,16 @@ def _scale_up_init(model) -> None:
             torch.nn.init.normal_(param, std=param.shape[-1] ** -0.5)
 
 
-POSITION_GAIN = 32.0
+POSITION_GAIN = 16.0
 
 
 @torch.no_grad()
 def _make_layout_matter(model) -> None:
-    """Scale the vision tower's learned position embeddings up to about half the patch embeddings':
-    at the common init they are a few percent of them, so an image encoded with another grid's
-    positions (the layout scenario's bug) would move its DeepStack rows by 3% and its answer by
-    less than bf16's noise; scaled, by about 60%, while other pixels still move them twice as far."""
+    """Scale the vision tower's learned position embeddings up: at the common init they are a few
+    percent of the patch embeddings, so an image encoded with another grid's positions (the layout
+    scenario's bug) moved its DeepStack rows by 3% and its answer by less than bf16's noise; scaled,
+    by about 34%, while other pixels still move them by 135%. A larger gain moves bf16 answers more
+    for a correct replay too (scripts/measure_noise.py: at 32, one flip that was not a near-tie)."""
     model.model.visual.pos_embed.weight.mul_(POSITION_GAIN)
 
 
