@@ -1,4 +1,4 @@
-"""The DeepStack bug family (design §6b, docs/scenarios.md): the fixed runner passes every family
+"""The DeepStack bug family (design §10, docs/scenarios.md): the fixed runner passes every family
 scenario, each planted variant fails its own, and a run that did not reach a scenario's path is
 never a PASS."""
 
