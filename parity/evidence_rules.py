@@ -96,7 +96,7 @@ def _bucket_fault(label: str, tokens: int, buckets: tuple[int, ...], rules: Rule
 
 def path_not_reached(proves: str, evidence: Evidence | None, earlier: Evidence | None) -> str | None:
     """Why a graph arm's evidence does not show the serving path its request must reach (design
-    §6b), or None. `earlier`: the evidence of the scenario's previous request with a path."""
+    §10), or None. `earlier`: the evidence of the scenario's previous request with a path."""
     serving = None if evidence is None else evidence.serving
     if serving is None:
         return "it recorded no serving evidence"
