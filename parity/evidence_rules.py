@@ -119,9 +119,10 @@ def path_not_reached(proves: str, evidence: Evidence | None, earlier: Evidence |
         if serving.encoder is None:
             return "its image did not go through the encoder graphs"
         before = None if earlier is None or earlier.serving is None else earlier.serving.encoder
-        if before is not None and before.grid != serving.encoder.grid and before.patches != serving.encoder.patches:
-            return (f"its image has {serving.encoder.patches} patches and the one before {before.patches}: "
-                    "not the same token count on another grid")
+        now = serving.encoder
+        if before is not None and (before.patches != now.patches or before.grid == now.grid):
+            return (f"its image has {now.patches} patches on grid {'x'.join(map(str, now.grid))}, the one before "
+                    f"{before.patches} on {'x'.join(map(str, before.grid))}: not the same token count on another grid")
     return None
 
 

@@ -117,8 +117,7 @@ def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend) -> tupl
     """The growth scenario's long requests lengthened with filler until their prompts are longer
     than the bucket of every request that replays: with `--buckets auto`, past every bucket the run
     captures, so the DeepStack buffer sized for those must grow."""
-    long = [(c, i) for c in planned for i, r in enumerate(c.requests) if not r.replays]
-    if not long:
+    if all(r.replays for c in planned for r in c.requests):
         return tuple(planned)
     buckets = [backend.bucket_of(backend.prompt_length(r.request)) for c in planned for r in c.requests if r.replays]
     largest = max((b for b in buckets if b is not None), default=None)

@@ -111,6 +111,7 @@ def test_layout_needs_equal_tokens_on_another_grid():
     wide = with_encoder((1, 8, 16), 128)
     assert path_not_reached("encoder graph", with_encoder((1, 16, 8), 128), wide) is None
     assert "not the same token count" in path_not_reached("encoder graph", with_encoder((1, 16, 16), 256), wide)
+    assert "not the same token count on another grid" in path_not_reached("encoder graph", wide, wide)
     assert "did not go through the encoder graphs" in path_not_reached("encoder graph", Evidence(
         1, 1, True, (64,), 1, serving=ServingEvidence()), wide)
 
