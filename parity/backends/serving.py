@@ -1,5 +1,7 @@
-"""How the embedded engine schedules one prompt's prefill, as a server does (design §10): which
-rows come from the prefix cache, and in which chunks the rest is computed.
+"""How the embedded engine serves one prompt's prefill, as a server does (design §10): the one
+place that decides eager vs replay for a prefill (`LMExecutor`), which rows come from the prefix
+cache and in which chunks the rest is computed, and what one mode keeps between requests
+(`PromptServer`: the prefix cache, the vision-encoder graphs).
 
 A server fills its prefix cache with every prompt it prefilled and matches new prompts against it
 by whole pages; the rows after the hit are prefilled in chunks of at most the chunk size, each
@@ -10,10 +12,17 @@ session is the reference for a graph session's every chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from parity.graph_runner import Window
+from parity.backends.protocol import Request
+from parity.encoder_graphs import EncoderGraphs
+from parity.evidence import ChunkRun, EncoderRun, ServingEvidence
+from parity.graph_runner import PrefillGraphRunner, Window
+from parity.lm_body import Past
+from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
+from parity.tap import apply_tap
 
 # The prefix cache matches whole pages of this many tokens: small enough that, on every built-in
 # fixture, a hit on the whole first prompt ends past the image and one up to the image ends inside it.
@@ -65,3 +74,145 @@ def schedule(total: int, cached: int, chunk: int | None) -> tuple[Window, ...]:
 def image_span(input_ids: torch.Tensor, image_token_id: int) -> tuple[int, int] | None:
     rows = (input_ids == image_token_id).nonzero().flatten().tolist()
     return (rows[0], rows[-1] + 1) if rows else None
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """One prompt prefill's outputs (real rows only) and how it ran."""
+
+    hidden: torch.Tensor  # [T, H]
+    keys: torch.Tensor  # [T, layers, kv_heads, head_dim]
+    values: torch.Tensor
+    bucket: int | None  # the bucket it replayed in; None: eager
+
+
+class LMExecutor:
+    """The one place that decides eager vs replay for a prefill."""
+
+    def __init__(self, adapter: Qwen3VLAdapter, runner: PrefillGraphRunner | None) -> None:
+        self.adapter = adapter
+        self.runner = runner
+
+    def will_replay(self, num_tokens: int, past: Past | None = None) -> bool:
+        return (self.runner is not None and self.runner.can_replay(num_tokens)
+                and (past is None or past.keys.shape[0] <= self.runner.context_rows))
+
+    def prefill(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None, probe: bool = False,
+                window: Window | None = None, past: Past | None = None):
+        """(Prefill, probe points [T, P, H] or None): the whole prompt, or, with a `window`, its
+        rows `[start, end)` after `past` (DeepStack is the whole prompt's either way)."""
+        embeds, positions = prompt.input_embeds, prompt.positions
+        if window is not None:
+            embeds, positions = embeds[window.start:window.end], positions[:, window.start:window.end]
+        num_tokens = embeds.shape[0]
+        bucket = None
+        if self.will_replay(num_tokens, past):
+            outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past)
+            bucket = self.runner.bucket_for(num_tokens)
+        elif self.runner is not None:  # graph mode, no graph fits: eager, through the engine's buffer
+            outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past)
+        else:
+            rows = deepstack if window is None else window.of(deepstack)
+            outputs = self.adapter.body(embeds, positions, rows, probe=probe, past=past)
+        points = outputs[3] if probe else None
+        return Prefill(outputs[0], outputs[1], outputs[2], bucket), points
+
+
+@dataclass(frozen=True)
+class Served:
+    """A prompt's whole prefill as the engine scheduled it: the last part's outputs with every
+    row's keys and values, the buckets its parts replayed in, and the serving path's evidence."""
+
+    prefill: Prefill
+    parts: int
+    buckets: tuple[int | None, ...]
+    serving: ServingEvidence | None
+    points: torch.Tensor | None = None  # with probe: [computed rows, P, H], the rows not from the cache
+
+
+class PromptServer:
+    """What one mode's engine does with a request before its first decode step, as a server does
+    it (design §10): its LM inputs (in graph mode through the encoder graphs when it asks for
+    them), the tap, and the prompt's prefill scheduled by its serving features, with what a server
+    keeps between requests (its prefix cache, its vision-encoder graphs)."""
+
+    def __init__(self, executor: LMExecutor, prepared: Callable[[Request], PreparedPrompt], chunk_size: int,
+                 encoder_by_grid: bool = True) -> None:
+        self._executor = executor
+        self._prepared_once = prepared  # the run's LM inputs of a request, prepared once for every arm
+        self._chunk_size = chunk_size
+        self._encoder_by_grid = encoder_by_grid
+        self._prefix_cache = PrefixCache()
+        self._encoder_graphs: EncoderGraphs | None = None
+
+    def close(self) -> None:
+        if self._encoder_graphs is not None:
+            self._encoder_graphs.close()
+
+    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None]:
+        """The request's LM inputs; in graph mode, through the encoder graphs when it asks for them."""
+        if not (request.serving.encoder_graph and self._executor.runner is not None and request.fixture):
+            return self._prepared_once(request), None
+        if self._encoder_graphs is None:
+            self._encoder_graphs = EncoderGraphs(self._executor.adapter.visual, self._encoder_by_grid)
+        prompt = self._executor.adapter.prepare(request.fixture, request.prompt, self._encoder_graphs)
+        return prompt, self._encoder_graphs.runs[-1]
+
+    def prefill(self, request: Request, tap_mode: str, probe: bool = False):
+        """(prompt, the tap's record, the request's whole prefill as served): what a request does
+        before its first decode step, and all a probe needs."""
+        prompt, encoder = self._prepared(request)
+        # The tap at the LM entry, outside anything a graph captured.
+        deepstack, record = apply_tap(tap_mode, prompt.deepstack)
+        return prompt, record, self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
+
+    def _serve(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, tap_mode: str,
+               encoder: EncoderRun | None, probe: bool = False) -> Served:
+        """The prompt's prefill as the request's serving features schedule it (design §10)."""
+        if request.serving.chunked or request.serving.prefix_cache:
+            return self._serve_in_parts(request, prompt, deepstack, tap_mode, encoder, probe)
+        runner = self._executor.runner
+        ready = runner.warmed_without_deepstack(prompt.input_ids.shape[0]) if runner is not None else None
+        prefill, points = self._executor.prefill(prompt, deepstack, probe=probe)
+        evidence = None
+        if request.serving.recorded:
+            # Once grown, the buffer stays grown: every later request is served past the growth.
+            grown = runner.growths if runner is not None else []
+            evidence = ServingEvidence(image_span=self._image_span(prompt),
+                                       buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
+                                       graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
+        return Served(prefill, 1, (prefill.bucket,), evidence, points)
+
+    def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
+                        tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
+        """After the prefix cache's hit, in chunks: each part after the keys and values before it."""
+        serving, executor, runner = request.serving, self._executor, self._executor.runner
+        total = prompt.input_ids.shape[0]
+        cache_key = cached = keys = values = None
+        if serving.prefix_cache:
+            image = None if request.fixture is None else request.fixture.sha256
+            cache_key = token_keys(prompt.input_ids, self._executor.adapter.config.image_token_id, image)
+            cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
+        windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
+        chunks, hidden, ready, points = [], None, None, []
+        image_ids = prompt.input_ids == self._executor.adapter.config.image_token_id
+        for window in windows:
+            past = None if keys is None else Past.of(keys, values, window.end - window.start)
+            if ready is None and runner is not None:
+                ready = runner.warmed_without_deepstack(window.end - window.start, past is not None)
+            part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past)
+            points.append(part_points)
+            keys = part.keys if keys is None else torch.cat([keys, part.keys])
+            values = part.values if values is None else torch.cat([values, part.values])
+            hidden = part
+            chunks.append(ChunkRun(window.start, window.end, part.bucket,
+                                   int(image_ids[window.start:window.end].sum())))
+        if cache_key is not None:
+            self._prefix_cache.insert(tap_mode, cache_key, keys, values)
+        evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0,
+                                   image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
+        return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
+                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
+
+    def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
+        return image_span(prompt.input_ids, self._executor.adapter.config.image_token_id)

@@ -1,5 +1,6 @@
-"""The in-process backend: a request is one prefill (eager body, or a graph replay in bcg arms),
-then KV-cached greedy decode steps that run the same way in every arm, as a server does it.
+"""The in-process backend: a request is its prompt served (`serving.PromptServer`: one prefill,
+eager or a graph replay in bcg arms, in parts under chunking or after a prefix hit), then KV-cached
+greedy decode steps that run the same way in every arm, as a server does it.
 
 Everything but the prefill's execution is shared by the arms: input preparation (once per request
 and run), the tap at the LM entry, the decode loop and the teacher-forced scoring, which reuses the
@@ -12,7 +13,7 @@ import math
 import platform
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -23,83 +24,27 @@ from parity.backends.options import BackendOptions, apply_thread_policy
 from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
 from parity.errors import ArmFailure, UsageError
-from parity.backends.serving import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, PrefixCache, image_span, schedule, token_keys
+from parity.backends.serving import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, LMExecutor, Prefill, PromptServer
 from parity.design import Serving
-from parity.encoder_graphs import EncoderGraphs
-from parity.evidence import ChunkRun, EncoderRun, Evidence, ServingEvidence
-from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant, Window
-from parity.lm_body import KVCache, Past
+from parity.evidence import Evidence
+from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
+from parity.lm_body import KVCache
 from parity.localization import LocalizationError, Probed
 from parity.models import LoadedModel
-from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
-from parity.tap import apply_tap
+from parity.models.qwen3_vl import PreparedPrompt
 
 TOP_K = 5
 
 
-@dataclass(frozen=True)
-class Prefill:
-    """One prompt prefill's outputs (real rows only) and how it ran."""
-
-    hidden: torch.Tensor  # [T, H]
-    keys: torch.Tensor  # [T, layers, kv_heads, head_dim]
-    values: torch.Tensor
-    bucket: int | None  # the bucket it replayed in; None: eager
-
-
-class LMExecutor:
-    """The one place that decides eager vs replay for a prefill."""
-
-    def __init__(self, adapter: Qwen3VLAdapter, runner: PrefillGraphRunner | None) -> None:
-        self.adapter = adapter
-        self.runner = runner
-
-    def will_replay(self, num_tokens: int, past: Past | None = None) -> bool:
-        return (self.runner is not None and self.runner.can_replay(num_tokens)
-                and (past is None or past.keys.shape[0] <= self.runner.context_rows))
-
-    def prefill(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None, probe: bool = False,
-                window: Window | None = None, past: Past | None = None):
-        """(Prefill, probe points [T, P, H] or None): the whole prompt, or, with a `window`, its
-        rows `[start, end)` after `past` (DeepStack is the whole prompt's either way)."""
-        embeds, positions = prompt.input_embeds, prompt.positions
-        if window is not None:
-            embeds, positions = embeds[window.start:window.end], positions[:, window.start:window.end]
-        num_tokens = embeds.shape[0]
-        bucket = None
-        if self.will_replay(num_tokens, past):
-            outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past)
-            bucket = self.runner.bucket_for(num_tokens)
-        elif self.runner is not None:  # graph mode, no graph fits: eager, through the engine's buffer
-            outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past)
-        else:
-            rows = deepstack if window is None else window.of(deepstack)
-            outputs = self.adapter.body(embeds, positions, rows, probe=probe, past=past)
-        points = outputs[3] if probe else None
-        return Prefill(outputs[0], outputs[1], outputs[2], bucket), points
-
-
-@dataclass(frozen=True)
-class Served:
-    """A prompt's whole prefill as the engine scheduled it: the last part's outputs with every
-    row's keys and values, the buckets its parts replayed in, and the serving path's evidence."""
-
-    prefill: Prefill
-    parts: int
-    buckets: tuple[int | None, ...]
-    serving: ServingEvidence | None
-    points: torch.Tensor | None = None  # with probe: [computed rows, P, H], the rows not from the cache
-
-
 class TransformersSession(Generates):
-    """One mode's engine: its executor, and what a server keeps between requests (its prefix
-    cache, its vision-encoder graphs)."""
+    """One mode's session: its prompts served by a `PromptServer` (which keeps what a server keeps
+    between requests), then decoded and scored the same way in every mode."""
 
     def __init__(self, executor: LMExecutor, backend: "TransformersBackend") -> None:
         self._executor = executor
         self._backend = backend
-        self._prefix_cache = PrefixCache()
-        self._encoder_graphs: EncoderGraphs | None = None
+        self._server = PromptServer(executor, backend.prepared, backend.chunk_size,
+                                    encoder_by_grid=backend.runner_variant is not RunnerVariant.LAYOUT_KEYED)
 
     def answer(self, request: Request, deepstack: str) -> Answer:
         return self._failing_as_arm(self._answer, request, DeepStack(deepstack).tap_mode)
@@ -115,26 +60,10 @@ class TransformersSession(Generates):
             raise ArmFailure(f"{err.__class__.__name__}: {err}") from err
 
     def close(self) -> None:
-        if self._encoder_graphs is not None:
-            self._encoder_graphs.close()
-
-    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None]:
-        """The request's LM inputs; in graph mode, through the encoder graphs when it asks for them."""
-        if not (request.serving.encoder_graph and self._executor.runner is not None and request.fixture):
-            return self._backend.prepared(request), None
-        if self._encoder_graphs is None:
-            by_grid = self._backend.runner_variant is not RunnerVariant.LAYOUT_KEYED
-            self._encoder_graphs = EncoderGraphs(self._backend.loaded.adapter.visual, by_grid)
-        prompt = self._backend.loaded.adapter.prepare(request.fixture, request.prompt, self._encoder_graphs)
-        return prompt, self._encoder_graphs.runs[-1]
+        self._server.close()
 
     def prefill(self, request: Request, tap_mode: str, probe: bool = False):
-        """(prompt, the tap's record, the request's whole prefill as served): what a request does
-        before its first decode step, and all a probe needs."""
-        prompt, encoder = self._prepared(request)
-        # The tap at the LM entry, outside anything a graph captured.
-        deepstack, record = apply_tap(tap_mode, prompt.deepstack)
-        return prompt, record, self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
+        return self._server.prefill(request, tap_mode, probe)
 
     @torch.inference_mode()
     def _answer(self, request: Request, tap_mode: str) -> Answer:
@@ -164,57 +93,6 @@ class TransformersSession(Generates):
         )
         # Scoring reuses this very prefill, so a forced score measures what this execution computed.
         return Answer(generation, (prompt, prefill, first))
-
-    def _serve(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, tap_mode: str,
-               encoder: EncoderRun | None, probe: bool = False) -> Served:
-        """The prompt's prefill as the request's serving features schedule it (design §10)."""
-        if request.serving.chunked or request.serving.prefix_cache:
-            return self._serve_in_parts(request, prompt, deepstack, tap_mode, encoder, probe)
-        runner = self._executor.runner
-        ready = runner.warmed_without_deepstack(prompt.input_ids.shape[0]) if runner is not None else None
-        prefill, points = self._executor.prefill(prompt, deepstack, probe=probe)
-        evidence = None
-        if request.serving.recorded:
-            # Once grown, the buffer stays grown: every later request is served past the growth.
-            grown = runner.growths if runner is not None else []
-            evidence = ServingEvidence(image_span=self._image_span(prompt),
-                                       buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
-                                       graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
-        return Served(prefill, 1, (prefill.bucket,), evidence, points)
-
-    def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
-                        tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
-        """After the prefix cache's hit, in chunks: each part after the keys and values before it."""
-        serving, executor, runner = request.serving, self._executor, self._executor.runner
-        total = prompt.input_ids.shape[0]
-        cache_key = cached = keys = values = None
-        if serving.prefix_cache:
-            image = None if request.fixture is None else request.fixture.sha256
-            cache_key = token_keys(prompt.input_ids, self._executor.adapter.config.image_token_id, image)
-            cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
-        windows = schedule(total, cached or 0, self._backend.chunk_size if serving.chunked else None)
-        chunks, hidden, ready, points = [], None, None, []
-        image_ids = prompt.input_ids == self._executor.adapter.config.image_token_id
-        for window in windows:
-            past = None if keys is None else Past.of(keys, values, window.end - window.start)
-            if ready is None and runner is not None:
-                ready = runner.warmed_without_deepstack(window.end - window.start, past is not None)
-            part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past)
-            points.append(part_points)
-            keys = part.keys if keys is None else torch.cat([keys, part.keys])
-            values = part.values if values is None else torch.cat([values, part.values])
-            hidden = part
-            chunks.append(ChunkRun(window.start, window.end, part.bucket,
-                                   int(image_ids[window.start:window.end].sum())))
-        if cache_key is not None:
-            self._prefix_cache.insert(tap_mode, cache_key, keys, values)
-        evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0,
-                                   image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
-        return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
-                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
-
-    def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
-        return image_span(prompt.input_ids, self._executor.adapter.config.image_token_id)
 
     @torch.inference_mode()
     def _score(self, answer: Answer, force: Sequence[Sequence[int]]) -> Generation:
