@@ -109,12 +109,14 @@ def cli() -> None:
 @click.option("--buckets", default="auto", show_default=True, callback=int_list,
               help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
                    "(a server backend's graph capture sizes).")
-@click.option("--scenario", type=click.Choice([*SCENARIOS, "all"]), default="four-arm", show_default=True,
-              help="; ".join(f"{name}: {line}" for name, line in SCENARIO_SUMMARIES.items())
-              + "; all: every scenario the backend runs.")
+@click.option("--scenario", "scenario_names", type=click.Choice([*SCENARIOS, "all"]), multiple=True,
+              help="Repeatable (default four-arm). "
+              + "; ".join(f"{name}: {line}" for name, line in SCENARIO_SUMMARIES.items())
+              + "; all: every scenario.")
 @click.option("--chunk-size", type=click.IntRange(1, None), default=None,
-              help="The chunked scenario's prefill chunk, in tokens (transformers backend; default 8, which "
-                   "splits every built-in fixture's image over two chunks or more).")
+              help="The chunked scenario's prefill chunk, in tokens (default 8, which splits every built-in "
+                   "fixture's image over two chunks or more; a server's --chunked-prefill-size or "
+                   "--max-num-batched-tokens).")
 @click.option("--repeat", type=click.IntRange(1, MAX_REPEAT), default=1, show_default=True,
               help="Run every arm N times (at most 100); an arm that does not reproduce itself is "
                    "INCONCLUSIVE_NONDETERMINISTIC.")
@@ -151,19 +153,17 @@ def run(**options) -> None:
     from parity.sharding import Shard, check_not_empty
 
     o = options
-    scenario = o["scenario"]
-    if scenario != FOUR_ARM and o["arm_selection"].strip() != "all":
-        raise UsageError(f"--arms {o['arm_selection']} with --scenario {scenario}: a sequence scenario "
+    named = o["scenario_names"] or (FOUR_ARM,)
+    scenarios = SCENARIOS if "all" in named else tuple(dict.fromkeys(named))
+    sequence = next((s for s in scenarios if s != FOUR_ARM), None)
+    if sequence is not None and o["arm_selection"].strip() != "all":
+        raise UsageError(f"--arms {o['arm_selection']} with --scenario {sequence}: a sequence scenario "
                          "compares every request in both modes, so it needs all arms; give --arms all, or "
                          "--scenario four-arm to choose arms")
-    served = registry.info(o["backend"]).scenarios
-    if scenario not in (*served, "all"):
-        raise UsageError(f"--scenario {scenario}: the {o['backend']} backend cannot serve it yet (it serves "
-                         f"{', '.join(served)}); the embedded engine serves every scenario (--backend transformers)")
     spec = RunSpec(
         model=o["model"], arms=select_arms(o["arm_selection"]),
         cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"]),
-        scenarios=served if scenario == "all" else (scenario,),
+        scenarios=scenarios,
         max_new_tokens=o["max_new_tokens"], logprob_tol=o["logprob_tol"], tie_margin=o["tie_margin"],
         repeat=o["repeat"], localize_threshold=o["localize_threshold"],
         shard=Shard.parse(o["shard_spec"]) if o["shard_spec"] is not None else None,

@@ -32,7 +32,7 @@ GROWTH = "growth"
 WARMUP = "warmup"
 LAYOUT = "layout"
 FAMILY_SCENARIOS = (CHUNKED, PREFIX, GROWTH, WARMUP, LAYOUT)
-CORE_SCENARIOS = (FOUR_ARM, REUSE, STREAM)  # what every backend serves
+CORE_SCENARIOS = (FOUR_ARM, REUSE, STREAM)  # the slot itself (design §5)
 SCENARIOS = (*CORE_SCENARIOS, *FAMILY_SCENARIOS)
 SEQUENCE_SCENARIOS = (REUSE, STREAM, *FAMILY_SCENARIOS)
 # One line each, for `--help` and the reports.
@@ -46,6 +46,15 @@ SCENARIO_SUMMARIES: Mapping[str, str] = MappingProxyType({
     WARMUP: "text requests before the first image (graphs must not specialise to no DeepStack)",
     LAYOUT: "two images of equal tokens and other grids (encoder graphs keyed by more than token count)",
 })
+
+# The chunked scenario's chunk, in tokens, on every backend (--chunk-size): it splits every built-in
+# fixture's image rows over two chunks or more.
+DEFAULT_CHUNK_TOKENS = 8
+
+# The prefix cache matches whole pages of this many tokens, on every backend (a server's page or block
+# size): small enough that, on every built-in fixture, a hit on the whole first prompt ends past the
+# image and one up to the image ends inside it.
+PAGE_TOKENS = 8
 
 # What a request sends besides the DeepStack action.
 CASE_IMAGE = "case"  # a request with the case's own image
@@ -72,8 +81,21 @@ class Serving:
 
     chunked: bool = False  # prefill in chunks of --chunk-size tokens
     prefix_cache: bool = False  # reuse, and fill, the prefix cache
+    # Start on an emptied prefix cache (the sequence's first request: what it caches is then all the
+    # sequence reuses, and its DeepStack covers its whole prompt in every arm).
+    empty_cache: bool = False
     encoder_graph: bool = False  # the vision encoder by captured graphs (graph mode only)
     recorded: bool = False  # record the serving path's evidence (every family scenario's request)
+
+    @property
+    def server_profile(self) -> str | None:
+        """What a server engine must be started with for it, its flags holding for the server's life
+        (design §10): "chunked" (a small prefill chunk), "prefix" (the prefix cache on), or None
+        (the run's default servers: whole prefills, no prefix cache)."""
+        return "chunked" if self.chunked else "prefix" if self.prefix_cache else None
+
+
+SERVER_PROFILES = (None, "chunked", "prefix")  # every `Serving.server_profile`, in the order sessions serve them
 
 
 @dataclass(frozen=True)
@@ -94,6 +116,7 @@ class RequestSpec:
 
 _CHUNKS = Serving(chunked=True, recorded=True)
 _CACHE = Serving(prefix_cache=True, recorded=True)
+_CACHE_FIRST = Serving(prefix_cache=True, empty_cache=True, recorded=True)
 _ENCODER = Serving(encoder_graph=True, recorded=True)
 _RECORDED = Serving(recorded=True)
 
@@ -110,7 +133,7 @@ SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
                           proves=PROVES_CHUNKS),
               RequestSpec("twin image, in chunks", TWIN_IMAGE, "normal", serving=_CHUNKS, proves=PROVES_CHUNKS),
               RequestSpec("text only, in chunks", None, "normal", serving=_CHUNKS)),
-    PREFIX: (RequestSpec("image (fills the prefix cache)", CASE_IMAGE, "normal", power=True, serving=_CACHE),
+    PREFIX: (RequestSpec("image (fills the prefix cache)", CASE_IMAGE, "normal", power=True, serving=_CACHE_FIRST),
              RequestSpec("image, question extended (prefix-cache hit)", CASE_IMAGE, "normal",
                          text=EXTENDED_TEXT, serving=_CACHE, proves=PROVES_CACHE_HIT),
              RequestSpec("image, other question (a shorter hit, up to the image)", CASE_IMAGE, "normal",

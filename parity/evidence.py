@@ -231,11 +231,11 @@ class Evidence:
             problem = self.serving.inconsistency()
             if problem:
                 return problem
+            # The chunks are the generation's prefills; the arm also holds its scoring requests'.
             replayed = [c.bucket for c in self.serving.chunks if c.bucket is not None]
-            if self.serving.chunks and (set(replayed) != set(self.buckets)
-                                        or bool(self.prefill_replayed) != (len(replayed) == len(self.serving.chunks))):
-                return ("its chunks' buckets are not the arm's buckets, or prefill_replayed is not "
-                        "'every chunk replayed'")
+            if not set(replayed) <= set(self.buckets) or (self.prefill_replayed and len(replayed) < len(self.serving.chunks)):
+                return ("its chunks' buckets are not among the arm's buckets, or prefill_replayed is true but a "
+                        "chunk ran eagerly")
         return self._rank_inconsistency()
 
     def _rank_inconsistency(self) -> str | None:

@@ -94,35 +94,49 @@ def _bucket_fault(label: str, tokens: int, buckets: tuple[int, ...], rules: Rule
     return None
 
 
-def path_not_reached(proves: str, evidence: Evidence | None, earlier: Evidence | None) -> str | None:
+def path_not_reached(proves: str, evidence: Evidence | None, earlier: Evidence | None,
+                     cannot: str | None = None) -> str | None:
     """Why a graph arm's evidence does not show the serving path its request must reach (design
-    §10), or None. `earlier`: the evidence of the scenario's previous request with a path."""
+    §10), or None. `earlier`: the evidence of the scenario's previous request with a path; `cannot`:
+    why the backend has no such path (`BackendInfo.unreachable`), which then replaces the hint."""
+    found = _not_reached(proves, evidence, earlier)
+    if found is None:
+        return None
+    fact, hint = found
+    if cannot is not None:
+        return f"{fact}, and the backend cannot reach it: {cannot}"
+    return f"{fact}{hint}"
+
+
+def _not_reached(proves: str, evidence: Evidence | None, earlier: Evidence | None) -> tuple[str, str] | None:
+    """(what the evidence lacks, a hint at how to reach it), or None."""
     serving = None if evidence is None else evidence.serving
     if serving is None:
-        return "it recorded no serving evidence"
+        return "it recorded no serving evidence", ""
     if proves == PROVES_CHUNKS:
         with_image = [c for c in serving.chunks if c.image_rows]
         if len(with_image) < 2:
             return (f"its image rows fell in {len(with_image)} chunk(s), not two or more (chunks "
-                    f"{[(c.start, c.end) for c in serving.chunks]}); give a smaller --chunk-size")
+                    f"{[(c.start, c.end) for c in serving.chunks]})", "; give a smaller --chunk-size")
         if any(c.bucket is None for c in serving.chunks):
-            return "not every chunk replayed a graph"
+            return "not every chunk replayed a graph", ""
     elif proves == PROVES_CACHE_HIT and not serving.cached_tokens:
-        return "no prompt row came from the prefix cache"
+        return "no prompt row came from the prefix cache", ""
     elif proves == PROVES_GROWTH and serving.buffer_growth is None:
-        return ("the DeepStack buffer did not grow (the request fit it: with an explicit --buckets list, "
-                "it may fit the largest bucket)")
+        return ("the DeepStack buffer did not grow",
+                " (the request fit it: with an explicit --buckets list, it may fit the largest bucket)")
     elif proves == PROVES_WARM_GRAPH and serving.graph_ready is not True:
         return ("its bucket's graph was not captured before it arrived, at start-up or by a request without "
-                "DeepStack (an earlier image request captured it)")
+                "DeepStack", " (an earlier image request captured it)")
     elif proves == PROVES_ENCODER_GRAPH:
         if serving.encoder is None:
-            return "its image did not go through the encoder graphs"
+            return "its image did not go through the encoder graphs", ""
         before = None if earlier is None or earlier.serving is None else earlier.serving.encoder
         now = serving.encoder
         if before is not None and (before.patches != now.patches or before.grid == now.grid):
             return (f"its image has {now.patches} patches on grid {'x'.join(map(str, now.grid))}, the one before "
-                    f"{before.patches} on {'x'.join(map(str, before.grid))}: not the same token count on another grid")
+                    f"{before.patches} on {'x'.join(map(str, before.grid))}: not the same token count on another "
+                    "grid", "")
     return None
 
 

@@ -28,9 +28,9 @@ from parity.localization import CanLocalize, auto_threshold, localize_run
 from parity.metrics import Tolerances, auto_tolerances
 from parity.plan import PLAN_KEY, plan_json
 from parity.planning import (
-    PlannedCase, RunSpec, arms_for, check_lengths, generations, in_shard, plan_cases, plan_entry, shard_assignment,
+    PlannedCase, RunSpec, arms_for, check_lengths, generations, in_shard, plan_cases, plan_entry, serving_order,
+    shard_assignment,
 )
-from parity.design import WARMUP
 from parity.results import FOUR_ARM, ArmResult, CaseResult, FixtureInfo, RequestResult, RunResult
 from parity.self_check import self_checked
 from parity.sharding import shard_config
@@ -153,8 +153,7 @@ def _run_mode(spec: RunSpec, backend: Backend, planned: Sequence[PlannedCase], m
               announce: Callable[[str, str], object]) -> None:
     try:
         with backend.session(mode) as session:
-            # A warm-up case must be the first a session serves: a graph server warms up before any image.
-            for case in sorted(planned, key=lambda c: c.scenario != WARMUP):
+            for case in serving_order(planned):
                 runner = _run_four_arm if case.scenario == FOUR_ARM else _run_sequence
                 runner(spec, session, case, mode, collected, announce)
     except ArmFailure as failure:  # the mode never came up, or died mid-run

@@ -154,7 +154,7 @@ def _backend(run: RunResult, device: str | None, requests: dict[str, tuple[Reque
     import torch
 
     from parity.backends.options import apply_thread_policy
-    from parity.backends.serving import DEFAULT_CHUNK_TOKENS
+    from parity.design import DEFAULT_CHUNK_TOKENS
     from parity.backends.transformers_backend import TransformersBackend
     from parity.buckets import BucketPolicy
     from parity.graph_runner import RunnerVariant

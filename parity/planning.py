@@ -17,7 +17,7 @@ from parity.fixtures import Fixture, Prompt
 from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.plan import PlanEntry, scenario_case_id, text_sha256
 from parity.design import (
-    CASE_IMAGE, EXTENDED_TEXT, FOUR_ARM, OTHER_TEXT, REUSE, SEQUENCE_REQUESTS, TWIN_IMAGE, RequestSpec,
+    CASE_IMAGE, EXTENDED_TEXT, FOUR_ARM, OTHER_TEXT, REUSE, SEQUENCE_REQUESTS, TWIN_IMAGE, WARMUP, SERVER_PROFILES, RequestSpec,
 )
 from parity.sharding import Shard, assignment, case_cost
 from parity.verdict import SEQUENCE_POWER_ARM
@@ -92,7 +92,7 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
                                                  power=r.power, replays=r.replays)
                                  for r in SEQUENCE_REQUESTS[scenario])
             planned.append(PlannedCase(scenario_case_id(scenario, case.id), scenario, case, requests, arms))
-    planned = _past_every_bucket(planned, backend)
+    planned = _past_every_bucket(planned, backend, spec.max_new_tokens)
     ids = [p.id for p in planned]
     if len(set(ids)) != len(ids):
         raise UsageError(f"two cases share an id ({', '.join(sorted({i for i in ids if ids.count(i) > 1}))})")
@@ -113,13 +113,15 @@ def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image:
     return Request(fixture, prompt, spec.serving)  # a LONG_TEXT one is lengthened once the plan is whole
 
 
-def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend) -> tuple[PlannedCase, ...]:
+def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend, new_tokens: int) -> tuple[PlannedCase, ...]:
     """The growth scenario's long requests lengthened with filler until their prompts are longer
-    than the bucket of every request that replays: with `--buckets auto`, past every bucket the run
-    captures, so the DeepStack buffer sized for those must grow."""
+    than the bucket of every request that replays, its scoring prefills (the prompt and up to
+    `new_tokens` more) included: with `--buckets auto`, past every bucket the run captures, so the
+    DeepStack buffer sized for those must grow."""
     if all(r.replays for c in planned for r in c.requests):
         return tuple(planned)
-    buckets = [backend.bucket_of(backend.prompt_length(r.request)) for c in planned for r in c.requests if r.replays]
+    buckets = [backend.bucket_of(backend.prompt_length(r.request) + new_tokens)
+               for c in planned for r in c.requests if r.replays]
     largest = max((b for b in buckets if b is not None), default=None)
     out = []
     for case in planned:
@@ -132,6 +134,18 @@ def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend) -> tupl
                 requests[i] = replace(req, request=replace(req.request, prompt=text))
         out.append(replace(case, requests=tuple(requests)))
     return tuple(out)
+
+
+def serving_order(planned: Sequence[PlannedCase]) -> list[PlannedCase]:
+    """The order a session serves the cases in: grouped by the server profile their requests need
+    (`design.Serving.server_profile`), so a server engine starts one server per profile and mode,
+    and a warm-up case first of its group (a graph server warms up before any image); otherwise
+    in plan order."""
+    def key(case: PlannedCase) -> tuple[int, bool]:
+        profile = case.requests[0].request.serving.server_profile
+        return SERVER_PROFILES.index(profile), case.scenario != WARMUP
+
+    return sorted(planned, key=key)
 
 
 def planned_arm_runs(spec: RunSpec) -> int:

@@ -15,8 +15,9 @@ from parity.design import (  # noqa: F401  (the comparisons, as verdict readers 
     BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, FOUR_ARM_CHECKS, FOUR_ARMS, POWER_CHECK, SEQUENCE_POWER_ARM,
     SEQUENCE_REQUESTS, Check, RequestSpec, power_request,
 )
+from parity.engines import registry
 from parity.evidence_rules import Rules, bucket_fault, not_replayed_reason, path_not_reached, runs_of, tap_fired
-from parity.metrics import NOISE_FLOOR, Tolerances, compare, first_divergence, tuple_text
+from parity.metrics import NOISE_FLOOR, compare, first_divergence, tuple_text
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 from parity.sharding import unmerged_note
 
@@ -187,7 +188,7 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
         return leak
     by_key = {(c.a, c.b, c.request): c for c in comparisons}
     if case.is_sequence:
-        return _sequence_verdict(case, all_groups, by_key, n, rules.tolerances)
+        return _sequence_verdict(case, all_groups, by_key, n, rules)
     verdict = _four_arm_verdict(by_key, tol)
     if verdict.code == PASS and rules.runner == NO_CLEAR_RUNNER:
         verdict = Verdict(PASS, f"{verdict.reason}; note: --runner no-clear leaks state only from one request "
@@ -196,9 +197,11 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
     return verdict
 
 
-def _path_verdict(case: CaseResult, all_groups: tuple[Group, ...], n: int) -> Verdict | None:
+def _path_verdict(case: CaseResult, all_groups: tuple[Group, ...], n: int, backend: str) -> Verdict | None:
     """INCONCLUSIVE_NOT_REPLAYED when a request's graph arm does not show the serving path its
-    scenario is about (design §10): what never ran cannot pass."""
+    scenario is about (design §10): what never ran cannot pass. Where the engine has no such path
+    to configure, the reason says so."""
+    cannot = registry.info(backend).unreachable
     earlier = None
     for group in all_groups:
         spec = request_spec(case, group)
@@ -206,7 +209,7 @@ def _path_verdict(case: CaseResult, all_groups: tuple[Group, ...], n: int) -> Ve
         if spec is None or spec.proves is None or arm is None:
             continue
         for label, evidence, _ in runs_of(arm):
-            why = path_not_reached(spec.proves, evidence, earlier)
+            why = path_not_reached(spec.proves, evidence, earlier, cannot.get(spec.proves))
             if why:
                 return Verdict(INCONCLUSIVE_NOT_REPLAYED,
                                f"{group.where(n)}{label} did not reach the {case.scenario} scenario's path "
@@ -224,12 +227,16 @@ def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
             leak = None if arm is None or arm.evidence is None else arm.evidence.leak
             if leak is None:
                 continue
-            earlier = [g for g in all_groups if g.request is not None and g.request < (group.request or 0)
-                       and g.fixture is not None and g.fixture.sha256 == leak.source_sha256]
+            same = [g for g in all_groups if g.request is not None and g.fixture is not None
+                    and g.fixture.sha256 == leak.source_sha256]
+            earlier = [g for g in same if g.request < (group.request or 0)]
+            later = [g for g in same if g.request > (group.request or 0)]
             if earlier:
                 source = f"request {earlier[-1].request + 1} ({earlier[-1].label})"
             elif group.fixture is not None and group.fixture.sha256 == leak.source_sha256:
                 source = "its own earlier steps"
+            elif later:  # a sequence is scored after all its requests ran
+                source = f"request {later[0].request + 1} ({later[0].label}), served before this one was scored"
             else:
                 source = "an earlier request" + (f" (image {leak.source_sha256[:12]})" if leak.source_sha256 else "")
             return Verdict(FAIL_STALE_STATE,
@@ -263,7 +270,8 @@ def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:
 
 
 def _sequence_verdict(case: CaseResult, all_groups: tuple[Group, ...], by_key: Mapping, n: int,
-                      tolerances: Tolerances) -> Verdict:
+                      rules: Rules) -> Verdict:
+    tolerances = rules.tolerances
     tol = tolerances.logprob_tol
     power_group = all_groups[power_request(case.scenario)]
     power = by_key[(POWER_CHECK.a, POWER_CHECK.b, power_group.request)]
@@ -271,7 +279,7 @@ def _sequence_verdict(case: CaseResult, all_groups: tuple[Group, ...], by_key: M
         return Verdict(INCONCLUSIVE_NO_POWER,
                        f"{power_group.where(n)}{_describe(power, tol)}: zeroing DeepStack does not change the eager "
                        "answer to the sequence's image request, so the sequence proves nothing about DeepStack")
-    reached = _path_verdict(case, all_groups, n)  # rule 5b: a family scenario must reach its path
+    reached = _path_verdict(case, all_groups, n, rules.backend)  # rule 5b: a family scenario must reach its path
     if reached is not None:
         return reached
     for group in all_groups:

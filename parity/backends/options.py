@@ -40,8 +40,9 @@ class BackendOptions:
     @property
     def server(self) -> dict[str, Any]:
         """The `ServerSettings` fields these options give a server engine."""
+        chunk = {} if self.chunk_size is None else {"chunk_size": self.chunk_size}
         return {"model": self.model, "concurrent": self.concurrent, "gpus": tuple(self.gpus),
-                "ready_timeout": self.ready_timeout, "mem_fraction": self.mem_fraction}
+                "ready_timeout": self.ready_timeout, "mem_fraction": self.mem_fraction, **chunk}
 
 
 def apply_thread_policy(requested: int | None, embedded: bool) -> None:

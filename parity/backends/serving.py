@@ -22,13 +22,8 @@ from parity.evidence import ChunkRun, EncoderRun, ServingEvidence
 from parity.graph_runner import PrefillGraphRunner, Window
 from parity.lm_body import Past
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
+from parity.design import PAGE_TOKENS
 from parity.tap import apply_tap
-
-# The prefix cache matches whole pages of this many tokens: small enough that, on every built-in
-# fixture, a hit on the whole first prompt ends past the image and one up to the image ends inside it.
-PAGE_TOKENS = 8
-# A chunk of this many tokens splits every built-in fixture's image rows over two chunks or more.
-DEFAULT_CHUNK_TOKENS = 8
 
 TokenKey = tuple  # one prompt token as the cache matches it: (token id, image sha256 or None)
 
@@ -57,6 +52,9 @@ class PrefixCache:
 
     def insert(self, action: str, key: tuple[TokenKey, ...], keys: torch.Tensor, values: torch.Tensor) -> None:
         self._entries.setdefault(action, []).append((key, keys, values))
+
+    def empty(self, action: str) -> None:
+        self._entries.pop(action, None)
 
 
 def token_keys(input_ids: torch.Tensor, image_token_id: int, image_sha256: str | None) -> tuple[TokenKey, ...]:
@@ -192,6 +190,8 @@ class PromptServer:
         if serving.prefix_cache:
             image = None if request.fixture is None else request.fixture.sha256
             cache_key = token_keys(prompt.input_ids, self._executor.adapter.config.image_token_id, image)
+            if serving.empty_cache:
+                self._prefix_cache.empty(tap_mode)
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
         chunks, hidden, ready, points = [], None, None, []

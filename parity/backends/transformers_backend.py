@@ -24,8 +24,8 @@ from parity.backends.options import BackendOptions, apply_thread_policy
 from parity.backends.protocol import Answer, Generates, Generation, Request
 from parity.buckets import BucketPolicy
 from parity.errors import ArmFailure, UsageError
-from parity.backends.serving import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, LMExecutor, Prefill, PromptServer
-from parity.design import Serving
+from parity.backends.serving import LMExecutor, Prefill, PromptServer
+from parity.design import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, Serving
 from parity.evidence import Evidence
 from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
 from parity.lm_body import KVCache

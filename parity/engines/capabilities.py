@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from parity.design import CORE_SCENARIOS
 from parity.evidence import Evidence
 
 if TYPE_CHECKING:
@@ -63,9 +62,9 @@ class BackendInfo:
     own_options: tuple[EngineOption, ...] = ()  # options only it has (the command line adds them)
     not_replayed_hint: Callable[[Evidence | None], str] = _buckets_hint
     graph_label: Callable[[Mapping[str, Any]], str | None] = lambda config: None  # the graph path, from config
-    # The scenarios it can serve (`--scenario all` runs these): a family scenario needs its serving
-    # features (chunks, prefix cache, buffer growth, encoder graphs) wired to the backend's evidence.
-    scenarios: tuple[str, ...] = CORE_SCENARIOS
+    # A family scenario's path (design.PROVES_*) the engine has no way to reach, and why: the verdict
+    # adds it to the INCONCLUSIVE reason of a request that did not reach the path.
+    unreachable: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def uses(self) -> frozenset[str]:

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in 
 
 CONTROL_FILE = "control.json"
 RECORDS_FILE = "records.jsonl"
+CAPTURES_FILE = "captures.jsonl"  # one line per graph capture a server ran (its buckets)
 CONTROL_MODES = ("record", "zero")
 
 
@@ -126,6 +127,15 @@ class TapChannel:
     def disarm(self) -> None:
         self.control_path.unlink(missing_ok=True)
 
+    def captured_buckets(self) -> frozenset[int] | None:
+        """Every prefill bucket the server's graph runners recorded capturing so far (None: none
+        recorded one): read once a server is ready, these are the graphs it captured at start-up."""
+        path = self.folder / CAPTURES_FILE
+        if not path.exists():
+            return None
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return frozenset(int(b) for line in lines for b in line.get("buckets", ()))
+
     def entries(self, tag: str) -> list[TapEntry]:
         """The entries of `tag`, in the order the hook saw them."""
         if not self.records_path.exists():
@@ -145,6 +155,12 @@ class TapChannel:
         if not isinstance(raw, dict) or raw.get("mode") not in CONTROL_MODES or not isinstance(raw.get("tag"), str):
             raise TapChannelError(f"{self.control_path}: expected mode and tag, got {raw!r}")
         return Control(raw["mode"], raw["tag"])
+
+    def record_capture(self, buckets) -> None:
+        """A graph runner captured these buckets (the server's side of `captured_buckets`)."""
+        with open(self.folder / CAPTURES_FILE, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"pid": os.getpid(), "role": process_role(),
+                                  "buckets": sorted(int(b) for b in buckets)}) + "\n")
 
     def append(self, entry: TapEntry) -> None:
         # One short O_APPEND write per line: concurrent writers (TP ranks) do not interleave.

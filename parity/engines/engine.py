@@ -22,13 +22,15 @@ from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry, tap_mode
 from parity.engines.flags import flag_values
 from parity.engines.evidence import EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record
-from parity.engines.http import ServerRejected, ServerUnreachable, get_json
+from parity.engines.http import ServerRejected, ServerUnreachable, get_json, post_admin
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server, ServerPool, parsed, post_tagged
 from parity.engines.prompts import ChatPrompts, CheckpointFacts
 from parity.engines.settings import EnginePackage
 from parity.engines.standin_calls import StandinLog
+from parity.design import SERVER_PROFILES
 from parity.errors import ArmFailure, UsageError
+from parity.evidence import ChunkRun, ServingEvidence
 from parity.fixtures import Fixture
 from parity.presets import PRESETS
 
@@ -45,8 +47,9 @@ class Completion:
 
 @dataclass(frozen=True)
 class _Served:
-    """What scoring an answer needs of its request: the same tap, image and prompt."""
+    """What scoring an answer needs of its request: the same server, tap, image and prompt."""
 
+    server: Server
     tap: str
     request: Request
     image: Any
@@ -56,29 +59,37 @@ class _Served:
 
 @dataclass(frozen=True)
 class EngineSession(Generates):
-    """A ready server in one mode; requests go one at a time, each tagged, the tap set before each."""
+    """A mode's servers; requests go one at a time, each tagged, the tap set before each, each to
+    the server of the mode whose flags give the request's serving features (`EngineBackend.profile`)."""
 
-    server: Server
+    mode: str
     backend: "EngineBackend"
 
     @property
     def process(self) -> launcher.ServerProcess:
-        return self.server.process
+        """The mode's running server's process (the one that served the last request)."""
+        keys = [k for k in self.backend.pool.running if self.backend.mode_of(k) == self.mode]
+        if not keys:
+            raise ArmFailure(f"{self.mode}: no server of this mode is running")
+        return self.backend.pool.acquire(keys[0]).process
 
     def answer(self, request: Request, deepstack: str) -> Answer:
         tap = tap_mode(deepstack)
-        if not self.process.alive():
-            raise self.process.exited_failure()
         engine = self.backend
+        server = engine.server_for(self.mode, request.serving.server_profile)
+        if not server.process.alive():
+            raise server.process.exited_failure()
         image = engine.image_input(request.fixture)
-        doc, entries = self.post_tagged(tap, request.fixture, lambda tag: engine.generate_body(
+        doc, entries = engine.post_tagged(server, tap, request, lambda tag: engine.generate_body(
             request, image, engine.settings.max_new_tokens, tag))
-        completion = parsed(self.process, engine.parse_completion, doc)
+        completion = parsed(server.process, engine.parse_completion, doc)
         first = TaggedRequest(len(completion.prompt_ids), image is not None, entries)
-        self._check_fired(first, "request")  # before scoring: a silent tap fails the arm at once
-        generation = replace(completion.generation, deepstack_record=request_record(first),
-                             evidence=engine.evidence([first]))
-        return Answer(generation, _Served(tap, request, image, completion.prompt_ids, first))
+        engine.check_tap(server, first, "request")  # before scoring: a silent tap fails the arm at once
+        evidence = engine.evidence([first])
+        if request.serving.recorded:
+            evidence = replace(evidence, serving=engine.serving_evidence(server, request, doc, first))
+        generation = replace(completion.generation, deepstack_record=request_record(first), evidence=evidence)
+        return Answer(generation, _Served(server, tap, request, image, completion.prompt_ids, first))
 
     def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
         served: _Served = answer.state
@@ -86,34 +97,15 @@ class EngineSession(Generates):
         requests, scores, start = [served.first], [], time.perf_counter()
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
-            doc, entries = self.post_tagged(served.tap, served.request.fixture, lambda tag: engine.score_body(
+            doc, entries = engine.post_tagged(served.server, served.tap, served.request, lambda tag: engine.score_body(
                 served.request, served.image, served.prompt_ids, tokens, tag))
-            scores.append(parsed(self.process, lambda d: engine.parse_scores(d, tokens), doc))
+            scores.append(parsed(served.server.process, lambda d: engine.parse_scores(d, tokens), doc))
             length = engine.scored_length(doc, served.prompt_ids, tokens)
             requests.append(TaggedRequest(length, served.image is not None, entries))
-            self._check_fired(requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
-        return replace(answer.generation, evidence=engine.evidence(requests), forced=tuple(scores[:-1]),
+            engine.check_tap(served.server, requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
+        evidence = replace(engine.evidence(requests), serving=answer.generation.evidence.serving)
+        return replace(answer.generation, evidence=evidence, forced=tuple(scores[:-1]),
                        self_forced=scores[-1], forced_seconds=time.perf_counter() - start)
-
-    def post_tagged(self, tap: str, fixture: Fixture | None, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
-        """One request under its own tag; its answer and the tap records that belong to it. A
-        stand-in op called while serving it fails the arm naming the op, whatever the answer."""
-        try:
-            tag, doc, entries = post_tagged(self.server, tap, self.backend.request_path, body_for,
-                                            self.backend.belongs)
-        except ArmFailure as failure:
-            raise self.server.standin_failure() or failure from None
-        failure = self.server.standin_failure()
-        if failure is not None:
-            raise failure
-        self.backend.tag_images[tag] = fixture.sha256 if fixture is not None else None
-        return doc, tuple(entries)
-
-    def _check_fired(self, request: TaggedRequest, what: str) -> None:
-        try:
-            check_fired(request, self.backend.facts.deepstack_layers, what, self.backend.ranks)
-        except EvidenceFault as silence:
-            raise self.process.failure(str(silence)) from None
 
 
 class EngineBackend(abc.ABC):
@@ -124,6 +116,7 @@ class EngineBackend(abc.ABC):
     version_path: str  # GET: a JSON document with the server's "version"
     tap_hint: str  # how to make a tap that never fired fire (install hints, the engine's plugin switch)
     package: EnginePackage  # the engine's Python package and parity's plugin entry point for it
+    cache_flush_path: str  # POST: empties a server's prefix cache
 
     def __init__(self, settings: Any, prompts: ChatPrompts, facts: CheckpointFacts) -> None:
         self.settings = settings
@@ -134,6 +127,9 @@ class EngineBackend(abc.ABC):
         self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
                                settings.stop_grace, self.explain_exit)
         self._modes: tuple[str, ...] = MODES
+        self._roles: dict[str, tuple[str, str | None]] = {}  # server key -> (mode, server profile)
+        self._first_profile: str | None = None  # the profile the run's sessions serve first
+        self._captured: dict[str, frozenset[int] | None] = {}  # server key -> buckets captured at start-up
         self._commands: dict[str, list[str]] = {}
         self._tap_processes: dict[str, list[str]] = {}
         self._version: str | None = None
@@ -149,9 +145,14 @@ class EngineBackend(abc.ABC):
         """What the run's modes and prompt lengths decide before any launch (capture sizes)."""
 
     @abc.abstractmethod
-    def server_spec(self, mode: str, placement: Placement, stem: str,
-                    channel: TapChannel) -> tuple[launcher.ServerSpec, StandinLog | None]:
-        """The mode's server, and the log its stand-in ops write calls to (None: no stand-ins)."""
+    def server_spec(self, mode: str, placement: Placement, stem: str, channel: TapChannel,
+                    profile: str | None = None) -> tuple[launcher.ServerSpec, StandinLog | None]:
+        """The mode's server with the profile's serving features (`design.Serving.server_profile`),
+        and the log its stand-in ops write calls to (None: no stand-ins)."""
+
+    @abc.abstractmethod
+    def cached_tokens(self, doc: dict) -> int | None:
+        """The prompt tokens a generation answer says came from the prefix cache (None: not said)."""
 
     @abc.abstractmethod
     def image_input(self, fixture: Fixture | None) -> Any:
@@ -234,30 +235,109 @@ class EngineBackend(abc.ABC):
     def evidence(self, requests: Sequence[TaggedRequest]):
         return arm_evidence(requests, self.max_bucket, self.tag_images)
 
+    def post_tagged(self, server: Server, tap: str, request: Request, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
+        """One request under its own tag; its answer and the tap records that belong to it. A
+        stand-in op called while serving it fails the arm naming the op, whatever the answer. On a
+        prefix-cache server, an ablated request runs on an empty cache and leaves it empty: rows it
+        computed without DeepStack must never be reused by another request, nor it reuse theirs; a
+        sequence's first request starts on an empty cache too (`design.Serving.empty_cache`)."""
+        isolated = tap != "record" and request.serving.prefix_cache
+        if isolated or request.serving.empty_cache:
+            self._flush_cache(server)
+        try:
+            tag, doc, entries = post_tagged(server, tap, self.request_path, body_for, self.belongs)
+        except ArmFailure as failure:
+            raise server.standin_failure() or failure from None
+        failure = server.standin_failure()
+        if failure is not None:
+            raise failure
+        if isolated:
+            self._flush_cache(server)
+        self.tag_images[tag] = request.fixture.sha256 if request.fixture is not None else None
+        return doc, tuple(entries)
+
+    def _flush_cache(self, server: Server) -> None:
+        try:
+            post_admin(f"{server.process.base_url}{self.cache_flush_path}")
+        except (ServerRejected, ServerUnreachable) as err:
+            raise server.process.failure(f"the prefix cache could not be emptied around an ablated request: {err}")
+
+    def check_tap(self, server: Server, request: TaggedRequest, what: str) -> None:
+        try:
+            check_fired(request, self.facts.deepstack_layers, what, self.ranks)
+        except EvidenceFault as silence:
+            raise server.process.failure(str(silence)) from None
+
+    def serving_evidence(self, server: Server, request: Request, doc: dict, first: TaggedRequest) -> ServingEvidence:
+        """What the server's own records show of a family request's serving path (design §10): its
+        prefills in order (the chunks, after the rows the answer says came from the prefix cache),
+        each one's bucket when replayed and its image rows (DeepStack rows the tap saw), and whether
+        every graph it replayed was captured at start-up. A server's DeepStack buffers are sized once
+        (`BackendInfo.unreachable`), and no encoder graph is recorded, so neither is claimed."""
+        cached = self.cached_tokens(doc) or 0
+        prefills = first.prefills(first.ranks[0]) if first.ranks else ()
+        chunks: list[ChunkRun] = []
+        if all(e.raw_tokens for e in prefills):
+            start = cached
+            for e in prefills:
+                rows = int(e.raw_tokens)
+                chunks.append(ChunkRun(start, start + rows, e.tokens if e.replay else None,
+                                       e.record.nonzero_rows if e.record is not None else 0))
+                start += rows
+        replayed = {e.tokens for e in prefills if e.replay}
+        captured = self._captured.get(server.process.name)
+        ready = None if not replayed else (captured is not None and replayed <= captured)
+        return ServingEvidence(chunks=tuple(chunks), cached_tokens=cached, graph_ready=ready)
+
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = (), serving: Sequence = ()) -> None:
-        # A server has its serving features set by its flags; no family scenario reaches one yet
-        # (registry.BackendInfo.scenarios).
+        # A server has its serving features set by its flags: each profile gets its own servers
+        # when its first request comes (`server_for`); only the default ones start in stages here.
         unknown = [m for m in modes if m not in MODES]
         if unknown:
             raise UsageError(f"unknown mode {', '.join(unknown)}; known: {', '.join(MODES)}")
         self._modes = tuple(modes)
+        # The profile `planning.serving_order` serves first.
+        self._first_profile = min((s.server_profile for s in serving), key=SERVER_PROFILES.index, default=None)
         self.plan_run(self._modes, prompt_lengths)
         self.plan = self.plan_launch(self._modes)
         if self.settings.concurrent and len(modes) > 1:
             for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
-                self.pool.launch(tuple(m for m in stage if m in modes))
+                self.pool.launch(tuple(self.server_key(m, None) for m in stage if m in modes))
 
     @contextmanager
     def session(self, mode: str) -> Iterator[EngineSession]:
-        with self.pool.serving(mode) as server:
-            yield EngineSession(server, self)
+        """The mode's session, its first server ready (ArmFailure when it cannot come up)."""
+        try:
+            self.server_for(mode, self._first_profile)
+            yield EngineSession(mode, self)
+        finally:  # free the GPUs as soon as the mode is done; a later session launches anew
+            self.pool.stop([k for k in self.pool.running if self.mode_of(k) == mode])
 
-    def _start(self, mode: str, count: int) -> Server:
-        stem = f"{self.name}-{mode}" if count == 1 else f"{self.name}-{mode}-{count}"
+    def server_key(self, mode: str, profile: str | None) -> str:
+        """A server's name: its mode, with the serving profile its flags give ("bcg-chunked")."""
+        key = mode if profile is None else f"{mode}-{profile}"
+        self._roles[key] = (mode, profile)
+        return key
+
+    def mode_of(self, key: str) -> str:
+        return self._roles.get(key, (key, None))[0]
+
+    def server_for(self, mode: str, profile: str | None) -> Server:
+        """The mode's server for a serving profile (`design.Serving.server_profile`). A server's flags
+        hold for its life, so each profile has its own, and only one of a mode's runs at a time (the
+        experiment serves a profile's cases together, `planning.serving_order`)."""
+        key = self.server_key(mode, profile)
+        self.pool.stop([k for k in self.pool.running if self.mode_of(k) == mode and k != key])
+        return self.pool.acquire(key)
+
+    def _start(self, key: str, count: int) -> Server:
+        mode, profile = self._roles.get(key, (key, None))
+        stem = f"{self.name}-{key}" if count == 1 else f"{self.name}-{key}-{count}"
         channel = TapChannel(self.settings.run_dir / f"{stem}.tap")
         channel.create()
-        spec, standins = self.server_spec(mode, self.plan.placements[mode], stem, channel)
-        self._commands[mode] = list(spec.command[len(self.settings.launch_command):])
+        spec, standins = self.server_spec(mode, self.plan.placements[mode], stem, channel, profile)
+        spec = replace(spec, name=key)
+        self._commands[key] = list(spec.command[len(self.settings.launch_command):])
         return Server(launcher.start_server(spec), channel, standins)
 
     def _probe(self, server: Server) -> ArmFailure | None:
@@ -265,16 +345,16 @@ class EngineBackend(abc.ABC):
         problem = self.started_problem(server)
         if problem is not None:
             return server.process.failure(problem)
-        session = EngineSession(server, self)
+        probe = Request(None, PROBE_PROMPT)
         try:
-            _, entries = session.post_tagged("record", None, lambda tag: self.generate_body(
-                Request(None, PROBE_PROMPT), None, 1, tag))
+            _, entries = self.post_tagged(server, "record", probe, lambda tag: self.generate_body(probe, None, 1, tag))
         except ArmFailure as failure:
             return failure
         if not entries:
             return server.process.failure(f"the tap never fired: the hook recorded nothing for a request in the "
                                           f"server's model process; {self.tap_hint}")
         self._tap_processes[server.process.name] = processes(entries)
+        self._captured[server.process.name] = server.channel.captured_buckets()
         failure = self.check_started(server, entries)
         if failure is None and self._version is None:
             self._version = self._server_version(server.process)
@@ -303,8 +383,9 @@ class EngineBackend(abc.ABC):
             "dtype": settings.facts.dtype or self.facts.dtype,
             "deepstack_layers": self.facts.deepstack_layers,
             **self.engine_config(),
-            f"{name}_servers": {m: self._commands.get(m, planned[m]) for m in self._modes},
+            f"{name}_servers": {**{m: self._commands.get(m, planned[m]) for m in self._modes}, **self._commands},
             f"{name}_concurrent": settings.concurrent,
+            "chunk_size": settings.chunk_size,  # the chunked profile's servers' prefill chunk (design §10)
             f"{name}_start_order": [list(s) for s in self.plan.stages] if settings.concurrent else None,
             f"{name}_gpus": {m: None if p.gpus is None else list(p.gpus) for m, p in self.plan.placements.items()
                              if m in self._modes},

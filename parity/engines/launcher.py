@@ -35,7 +35,7 @@ POLL_S = 0.5
 class ServerSpec:
     """What to launch for one execution mode; host and port are added at start."""
 
-    name: str  # the mode, "eager" or "bcg"
+    name: str  # the server key: its mode ("eager", "bcg"), with a serving profile ("bcg-chunked")
     command: tuple[str, ...]
     log_path: Path
     env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))

@@ -1,5 +1,6 @@
-"""Each mode's server of a server backend: started on demand or in stages, probed once ready,
-stopped when its session ends or the backend closes; and tagged requests to it.
+"""The servers of a server backend, each under its key (a mode, or a mode with serving features:
+`EngineBackend.server_key`): started on demand or in stages, probed once ready, stopped when their
+session ends or the backend closes; and tagged requests to them.
 
 An engine backend supplies how to start a mode's server and how to probe it (its command line,
 its request bodies); the life of the servers and what a failure means are the same for every
@@ -10,9 +11,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from parity.errors import ArmFailure
 from parity.engines import launcher
@@ -35,9 +35,9 @@ class Server:
         return None if problem is None else self.process.failure(problem)
 
 
-StartFn = Callable[[str, int], Server]  # (mode, its launch count) -> a started server
+StartFn = Callable[[str, int], Server]  # (server key, its launch count) -> a started server
 ProbeFn = Callable[[Server], "ArmFailure | None"]
-ExplainFn = Callable[[str, ArmFailure], ArmFailure]  # a mode's start-up failure, with the engine's hint
+ExplainFn = Callable[[str, ArmFailure], ArmFailure]  # a server's start-up failure, with the engine's hint
 
 
 class ServerPool:
@@ -53,48 +53,51 @@ class ServerPool:
     def launch_count(self) -> int:
         return sum(self._launches.values())
 
-    def launch(self, modes: Sequence[str]) -> None:
-        """Start `modes` together and wait until each is ready and probed (or failed)."""
+    def launch(self, keys: Sequence[str]) -> None:
+        """Start these servers together and wait until each is ready and probed (or failed)."""
         started = []
-        for mode in modes:
-            count = self._launches[mode] = self._launches.get(mode, 0) + 1
+        for key in keys:
+            count = self._launches[key] = self._launches.get(key, 0) + 1
             try:
-                server = self._start(mode, count)
+                server = self._start(key, count)
             except ArmFailure as failure:
-                self._failures[mode] = failure
+                self._failures[key] = failure
                 continue
-            self._servers[mode] = server  # registered before waiting: a Ctrl-C in start-up still stops it
+            self._servers[key] = server  # registered before waiting: a Ctrl-C in start-up still stops it
             started.append(server)
         failures = launcher.wait_ready([s.process for s in started], self.ready_timeout, self.ready_poll)
         for server in started:
-            mode = server.process.name
-            failure = server.standin_failure() or failures.get(mode)  # a stand-in call names the op
+            key = server.process.name
+            failure = server.standin_failure() or failures.get(key)  # a stand-in call names the op
             if failure is not None and self._explain is not None and server.process.exit_code() is not None:
-                failure = self._explain(mode, failure)
+                failure = self._explain(key, failure)
             failure = failure or self._probe(server)
             if failure is not None:
-                self._servers.pop(mode, None)
+                self._servers.pop(key, None)
                 server.process.stop(self.stop_grace)
-                self._failures[mode] = failure
+                self._failures[key] = failure
 
-    @contextmanager
-    def serving(self, mode: str) -> Iterator[Server]:
-        """The mode's ready server (launched now if need be); stopped when the block ends."""
-        if mode not in self._servers and mode not in self._failures:
-            self.launch((mode,))
-        if mode in self._failures:
-            raise self._failures[mode]
-        server = self._servers[mode]
-        try:
-            yield server
-        finally:
-            # Free the GPU as soon as the mode is done; a later session of the mode launches anew.
-            self._servers.pop(mode, None)
-            server.process.stop(self.stop_grace)
+    def acquire(self, key: str) -> Server:
+        """The ready server `key` (launched now if need be), or the failure that kept it down."""
+        if key not in self._servers and key not in self._failures:
+            self.launch((key,))
+        if key in self._failures:
+            raise self._failures[key]
+        return self._servers[key]
+
+    def stop(self, keys: Sequence[str]) -> None:
+        """Stop these servers if running (freeing their GPUs); a later `acquire` launches anew."""
+        for key in keys:
+            server = self._servers.pop(key, None)
+            if server is not None:
+                server.process.stop(self.stop_grace)
+
+    @property
+    def running(self) -> tuple[str, ...]:
+        return tuple(self._servers)
 
     def close(self) -> None:
-        for mode in list(self._servers):
-            self._servers.pop(mode).process.stop(self.stop_grace)
+        self.stop(list(self._servers))
 
 
 # --- tagged requests ----------------------------------------------------------------------------------

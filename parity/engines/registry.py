@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
-from parity.design import SCENARIOS
 from parity.engines.capabilities import BackendInfo, EngineOption
 from parity.engines.sglang.entry import SGLANG
 from parity.engines.vllm.entry import VLLM
@@ -23,7 +22,7 @@ if TYPE_CHECKING:
 TRANSFORMERS = BackendInfo(
     name="transformers", factory="parity.backends.transformers_backend:from_options",
     options=frozenset({"runner", "localize_threshold", "buckets", "graph_backend", "threads", "chunk_size"}),
-    localizes=True, scenarios=SCENARIOS,
+    localizes=True,
 )
 
 

@@ -7,6 +7,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from parity.design import DEFAULT_CHUNK_TOKENS
 from parity.engines import launcher
 from parity.engines.fix_records import installed_version
 from parity.errors import BackendUnavailableError, UsageError
@@ -50,6 +51,7 @@ class ServerSettings:
     launch_command: tuple[str, ...] = ()  # the engine's own server command unless replaced
     stop_grace: float = launcher.STOP_GRACE_S
     ready_poll: float = launcher.POLL_S
+    chunk_size: int = DEFAULT_CHUNK_TOKENS  # the chunked profile's prefill chunk, in tokens (design §10)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mem_fraction < 1.0:

@@ -101,11 +101,15 @@ def _same_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 # --- the rules, one function each ------------------------------------------------------------------
 
 def forced_matches_own_scores(run: RunResult) -> None:
-    """Where an arm's tokens equal reference r's (up to step i), `forced[r][i]` is the arm's own score."""
+    """Where an arm's tokens equal reference r's (up to step i), `forced[r][i]` is the arm's own score.
+    Not asked of an arm whose leak witness fired: the engine handed its steps stale DeepStack rows, so
+    a scoring prefill and the generation saw different inputs; the arm is FAIL_STALE_STATE anyway."""
     dtype = str(run.config.get("dtype"))
     floor = FORCED_NOISE_FLOOR.get(dtype, REDUCED_PRECISION_FORCED_FLOOR)
     for request in _requests(run):
         for arm in _ran(request):
+            if arm.evidence is not None and arm.evidence.leak is not None:
+                continue
             for name, scores in arm.forced.items():
                 reference = request.arm(name)
                 for i in range(_same_prefix(arm.token_ids, reference.token_ids) if scores is not None else 0):
@@ -223,9 +227,12 @@ def one_fingerprint_per_request(run: RunResult) -> None:
     for request in _requests(run):
         spec = _spec(request)
         per_mode = spec is not None and spec.serving.encoder_graph
+        # A server's record covers the rows of the request's first prefill with DeepStack (a chunk,
+        # or what the prefix cache left): requests are compared within their serving profile.
+        profile = None if spec is None else spec.serving.server_profile
         for mode in ("eager", "bcg") if per_mode else (None,):
             _one_fingerprint(request, [arm for arm in _ran(request) if arm.deepstack_record is not None
-                                       and mode in (None, arm.mode)], by_input, mode or "")
+                                       and mode in (None, arm.mode)], by_input, mode or "", profile)
 
 
 def _spec(request: _Request) -> RequestSpec | None:
@@ -235,7 +242,8 @@ def _spec(request: _Request) -> RequestSpec | None:
     return next((s for s in SEQUENCE_REQUESTS.get(request.case.scenario, ()) if s.label == label), None)
 
 
-def _one_fingerprint(request: _Request, recorded: list[ArmResult], by_input: dict, mode: str) -> None:
+def _one_fingerprint(request: _Request, recorded: list[ArmResult], by_input: dict, mode: str,
+                     profile: str | None) -> None:
     for arm in recorded:
         record = arm.deepstack_record
         if record.action != arm.deepstack:
@@ -251,7 +259,7 @@ def _one_fingerprint(request: _Request, recorded: list[ArmResult], by_input: dic
                      "see the same DeepStack rows before zeroing")
         if request.fixture is None or not record.nonzero_rows:
             continue
-        key = (request.fixture.sha256, request.fixture.size, request.prompt, mode)  # same bytes, other size: another image
+        key = (request.fixture.sha256, request.fixture.size, request.prompt, mode, profile)  # same bytes, other size: another image
         where, other = by_input.setdefault(key, (request.at(arm), arm))
         if other.deepstack_record.sha256 != record.sha256:
             theirs = other.deepstack_record.sha256

@@ -270,7 +270,7 @@ def routes(state: core.State) -> core.Routes:
 
     backend = state.args.cuda_graph_backend_prefill
     return core.Routes(
-        ready_path="/ready",
+        ready_path="/ready", admin_paths=("/flush_cache",),
         gets={"/ready": lambda: (200 if state.ready.is_set() else 503, {"ready": state.ready.is_set()}),
               "/server_info": lambda: (200, {"version": VERSION, "cuda_graph_backend_prefill": backend})},
         post_path="/generate", post=generate,

@@ -94,3 +94,33 @@ def test_a_server_that_exits_at_start_fails_its_mode(tmp_path: Path, engine: Eng
     assert result.verdict.code == "ERROR" and "exited during start-up with code 1" in result.verdict.reason
     assert all(arm.failed for arm in result.cases[0].arms)
     assert_nothing_left(tmp_path)
+
+
+def test_a_servers_serving_evidence_is_read_from_its_own_records() -> None:
+    """design §10: each prefill the tap saw is a chunk after the cached rows, with its bucket when
+    replayed and its DeepStack rows as image rows; a request's graph was ready only when every bucket
+    it replayed was captured before the server's first request."""
+    from types import SimpleNamespace
+
+    from parity.design import Serving
+    from parity.engines.channel import TapEntry
+    from parity.engines.engine import EngineBackend
+    from parity.engines.evidence import TaggedRequest
+    from parity.evidence import DeepStackRecord
+
+    def prefill(raw: int, bucket: int | None, image_rows: int) -> TapEntry:
+        record = DeepStackRecord((raw, 12), "float32", image_rows, 1.0, "ab", "normal") if image_rows else None
+        return TapEntry("t", 7, "sglang::scheduler", True, bucket or raw, raw, bucket is not None, record)
+
+    decode = TapEntry("t", 7, "sglang::scheduler", False, 1, 1, False, None)
+    request = TaggedRequest(40, True, (prefill(8, 8, 3), prefill(8, 8, 8), prefill(8, None, 1), decode))
+    server = SimpleNamespace(process=SimpleNamespace(name="bcg-prefix"))
+    engine = SimpleNamespace(cached_tokens=lambda doc: doc["cached"], _captured={"bcg-prefix": frozenset({8, 16})})
+    serving = EngineBackend.serving_evidence(engine, server, Serving(prefix_cache=True), {"cached": 16}, request)
+    assert [(c.start, c.end, c.bucket, c.image_rows) for c in serving.chunks] == [
+        (16, 24, 8, 3), (24, 32, 8, 8), (32, 40, None, 1)]
+    assert serving.cached_tokens == 16 and serving.inconsistency() is None and serving.graph_ready is True
+    engine._captured = {"bcg-prefix": frozenset({16})}  # bucket 8 was captured later, by a request
+    assert EngineBackend.serving_evidence(engine, server, Serving(), {"cached": 0}, request).graph_ready is False
+    eager = TaggedRequest(24, True, (prefill(24, None, 8),))
+    assert EngineBackend.serving_evidence(engine, server, Serving(), {"cached": 0}, eager).graph_ready is None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from parity.design import CORE_SCENARIOS as SCENARIOS  # what a server backend serves
+from parity.design import CORE_SCENARIOS as SCENARIOS  # what the stand-in servers serve
 from parity.results import REUSE, STREAM, write_results
 from parity.results.loader import load_results
 from parity.verdict import judge_run

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from parity.arms import MODES
+from parity.design import SERVER_PROFILES
 from parity.engines.sglang import cpu_patches, deepstack_slot, plugin, servers
 
 SGLANG_VERSION = "0.5.23"
@@ -352,6 +353,14 @@ def test_the_fix_plugin_hooks_exist_with_their_parameters(src: Source) -> None:
                       "num_deepstack_embeddings", "def _uses_eager_prefill_tail") == []
 
 
+def test_what_the_family_scenarios_read_is_there(src: Source) -> None:
+    # The warm-up proof (buckets captured at start-up), the prefix cache's emptying and its count.
+    assert check_callable(src, plugin.CAPTURE_TARGET, ("self",)) == []
+    assert check_text(src, deepstack_slot.RUNNER_MODULE, f"self.{plugin.CAPTURED_FIELD} = ") == []
+    assert check_routes(src, (servers.CACHE_FLUSH_PATH,)) == []
+    assert check_text(src, "sglang.srt.managers.tokenizer_manager", '"cached_tokens"') == []
+
+
 def test_what_the_cpu_changes_replace_is_still_there(src: Source) -> None:
     assert check_text(src, cpu_patches.ATTENTION_HOOK, f'"{cpu_patches.ATTENTION_COMPATIBILITY_SOURCE}"',
                       'attention_backend == "torch_native"', "declare_resolution", "resolving_view") == []
@@ -365,7 +374,8 @@ def test_cpu_server_flags_exist(src: Source) -> None:
     settings = servers.SglangSettings(model="/ckpt", max_new_tokens=20, run_dir=Path("."), device="cpu",
                                       graph_backend="emulated")
     for mode in MODES:
-        assert check_flags(src, servers.server_flags(settings, mode, 0.7)) == []
+        for profile in SERVER_PROFILES:  # each family scenario's servers (design §10)
+            assert check_flags(src, servers.server_flags(settings, mode, 0.7, profile)) == []
     assert "SGLANG_USE_CPU_ENGINE" in (src.text("sglang/srt/utils/common.py") or "")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from parity.backends.protocol import Request
+from parity.design import Serving
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines import gpus, launcher
@@ -72,6 +73,41 @@ def test_sequential_sessions_launch_one_server_at_a_time(tmp_path: Path, process
 
 
 # --- failures are verdicts ---------------------------------------------------------------------------------
+
+def test_each_serving_profile_has_its_own_server_one_per_mode_at_a_time(tmp_path: Path, processor) -> None:
+    """design §10: a server's flags hold for its life, so a chunked or prefix-cache request goes to a
+    server started for it; the mode's other server is stopped first, and an ablated request on the
+    prefix-cache server runs on an emptied cache and leaves it empty."""
+    chunked, prefix = Serving(chunked=True, recorded=True), Serving(prefix_cache=True, recorded=True)
+    backend = make_backend(tmp_path, processor, "--standin-warmup", "text")
+    backend.prepare(("eager",), serving=[prefix, Serving(), chunked])
+    try:
+        with backend.session("eager") as session:
+            first = session.process.pid  # the session starts with the profile served first: the default
+            plain = session.generate(Request(None, "Name a color."), "normal")
+            assert plain.evidence.serving is None  # only a family request records its serving path
+            parts = session.generate(Request(None, "Name a color.", chunked), "normal")
+            assert not running(first) and session.process.pid != first
+            serving = parts.evidence.serving
+            assert serving.cached_tokens == 0 and serving.chunks[0].start == 0 and serving.inconsistency() is None
+            session.generate(Request(None, "Name a color.", prefix), "normal")
+            flushes = lambda: (tmp_path / "sglang-eager-prefix.log").read_text().count("admin /flush_cache")
+            assert flushes() == 0  # a normal request keeps and fills the cache
+            session.generate(Request(None, "Name a color.", prefix), "zero")
+            assert flushes() == 4  # before and after the generation, and its scoring
+            last = session.process.pid
+        assert not running(last)
+    finally:
+        backend.close()
+    servers_run = backend.config()["sglang_servers"]
+    assert set(servers_run) == {"eager", "eager-chunked", "eager-prefix"} and backend.launch_count == 3
+    assert "--disable-radix-cache" in servers_run["eager"] and "--chunked-prefill-size" not in servers_run["eager"]
+    chunk = servers_run["eager-chunked"]
+    assert chunk[chunk.index("--chunked-prefill-size") + 1] == "8" and "--disable-radix-cache" in chunk
+    prefix_flags = servers_run["eager-prefix"]
+    assert "--disable-radix-cache" not in prefix_flags and prefix_flags[prefix_flags.index("--page-size") + 1] == "8"
+    assert_nothing_left(tmp_path)
+
 
 def test_readiness_timeout_is_an_arm_failure(tmp_path: Path, processor) -> None:
     # Long enough for a loaded machine to start the stand-in and log its pid before the timeout.

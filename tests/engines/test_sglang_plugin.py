@@ -221,7 +221,7 @@ def test_inert_without_the_control_variable(tmp_path: Path) -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_register_adds_an_after_hook_on_prepare_mm_inputs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_register_adds_the_tap_and_the_capture_recorder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     registry = types.ModuleType("sglang.srt.plugins.hook_registry")
     registry.HookType = SimpleNamespace(AFTER="after")
@@ -232,9 +232,15 @@ def test_register_adds_an_after_hook_on_prepare_mm_inputs(tmp_path: Path, monkey
     monkeypatch.setenv(plugin.ENV_VAR, str(tmp_path / "tap"))
 
     plugin.register()
-    ((target, hook, kind),) = calls
+    ((target, hook, kind), (capture_target, recorder, capture_kind)) = calls
     assert target == "sglang.srt.managers.mm_utils.prepare_mm_inputs" and kind == "after"
     assert isinstance(hook, TapHook) and hook.channel.folder == tmp_path / "tap"
+    assert capture_target.endswith("PrefillCudaGraphRunner.capture") and capture_kind == "after"
+    # The recorder writes the runner's buckets where parity reads what a server captured at start-up.
+    hook.channel.create()
+    assert hook.channel.captured_buckets() is None
+    recorder(None, SimpleNamespace(capture_num_tokens=[64, 16, 32]))
+    assert hook.channel.captured_buckets() == frozenset({16, 32, 64})
 
 
 def test_answers_with_non_finite_logprobs_are_rejected() -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from parity.engines.vllm import backend as vllm_backend
 from parity.fixtures import builtin_fixture
-from parity.design import CORE_SCENARIOS as SCENARIOS  # what a server backend serves
+from parity.design import CORE_SCENARIOS as SCENARIOS  # what the stand-in servers serve
 from parity.results import FOUR_ARM, REUSE, STREAM, RunResult, write_results
 from parity.results.loader import load_results
 from parity.verdict import judge_run

@@ -57,6 +57,23 @@ def test_the_servers_differ_only_in_the_cudagraph_mode(tmp_path: Path, graph_mod
     assert env[servers.BREAKABLE_ENV] == breakable and env[plugin.ENV_VAR] == str(tmp_path.resolve())
 
 
+def test_each_serving_profile_sets_its_features_alike_in_both_servers() -> None:
+    """design §10: the chunked profile's step budget is the chunk (and as many sequences at most);
+    the prefix profile turns prefix caching on, reports cached tokens, and caches whole blocks of the
+    scenario's page; the default servers never reuse a prefix."""
+    s = settings(chunk_size=16)
+    sizes = s.capture.sizes_for([300])
+    for mode in ("eager", "bcg"):
+        default, chunked, prefix = (servers.server_flags(s, mode, 0.7, sizes, p) for p in (None, "chunked", "prefix"))
+        assert "--no-enable-prefix-caching" in default and "--enable-prefix-caching" not in default
+        assert chunked[chunked.index("--max-num-batched-tokens") + 1] == "16" and chunked.count("--max-num-batched-tokens") == 1
+        assert chunked[chunked.index("--max-num-seqs") + 1] == "16" and "--no-enable-prefix-caching" in chunked
+        assert "--no-enable-prefix-caching" not in prefix and "--enable-prompt-tokens-details" in prefix
+        assert prefix[prefix.index("--block-size") + 1] == "16"
+    env = servers.server_env(s, TapChannel(Path("/tmp/x")), servers.plan_launch(s).placements["bcg"])
+    assert env[servers.DEV_MODE_ENV] == "1"  # /reset_prefix_cache empties the cache around an ablated request
+
+
 def test_capture_sizes_are_vllms_ladder_up_to_what_the_run_needs() -> None:
     assert [servers.ladder_ceiling(n) for n in (1, 2, 3, 5, 8, 9, 255, 256, 257, 300)] == \
         [1, 2, 4, 8, 8, 16, 256, 256, 272, 304]

@@ -29,7 +29,7 @@ from parity.engines.settings import check_cpu_placement, resolve_graph_backend
 from parity.engines.prompts import ImageFiles
 from parity.engines.sglang import client, deepstack_slot, kernel_standin, plugin, server_checks
 from parity.engines.sglang.servers import (
-    MAX_MEM_FRACTION, SglangSettings, buckets_given, check_gpu_count,
+    CACHE_FLUSH_PATH, MAX_MEM_FRACTION, SglangSettings, buckets_given, check_gpu_count,
     fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 from parity.errors import ArmFailure, UsageError
@@ -47,6 +47,7 @@ class SglangBackend(EngineBackend):
     name = "sglang"
     request_path = "/generate"
     version_path = "/server_info"
+    cache_flush_path = CACHE_FLUSH_PATH
     package = server_checks.PACKAGE
     tap_hint = ("install parity in the server's Python environment (pip install -e '.[sglang]') so the "
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in "
@@ -92,10 +93,11 @@ class SglangBackend(EngineBackend):
         self.settings = replace(self.settings, sglang_args=(*self.settings.sglang_args,
                                                             "--cuda-graph-max-bs-prefill", str(cap)))
 
-    def server_spec(self, mode: str, placement: Placement, stem: str, channel: TapChannel):
+    def server_spec(self, mode: str, placement: Placement, stem: str, channel: TapChannel,
+                    profile: str | None = None):
         fraction = self._fraction(mode, placement)
         calls = self.settings.run_dir / f"{stem}.standin-calls.jsonl" if self.settings.on_cpu else None
-        command = (*self.settings.launch_command, *server_flags(self.settings, mode, fraction))
+        command = (*self.settings.launch_command, *server_flags(self.settings, mode, fraction, profile))
         env = server_env(channel, placement, self.settings, calls)
         spec = launcher.ServerSpec(name=mode, command=command, log_path=self.settings.run_dir / f"{stem}.log",
                                    env=MappingProxyType(env))
@@ -120,18 +122,18 @@ class SglangBackend(EngineBackend):
         return fraction
 
     def explain_exit(self, mode: str, failure: ArmFailure) -> ArmFailure:
-        if isinstance(failure, launcher.ExitedDuringStartup) and mode == "bcg":
+        if isinstance(failure, launcher.ExitedDuringStartup) and self.mode_of(mode) == "bcg":
             return ArmFailure(f"{failure}; {BCG_START_HINT}", log_tail=failure.log_tail)
         return failure
 
     def check_started(self, server: Server, entries: Sequence[TapEntry]) -> ArmFailure | None:
         """The dtype the model really runs in, and the fix in place when asked for."""
-        mode = server.process.name
-        served = self._served_dtype[mode] = server_checks.served_dtype(entries)
+        key = server.process.name
+        served = self._served_dtype[key] = server_checks.served_dtype(entries)
         problem = server_checks.dtype_problem(served, self.server_facts.dtype)
         if problem is None:
-            problem, self._fix_records[mode] = server_checks.fix_problem(server.channel.folder, self.settings.fix,
-                                                                         mode)
+            problem, self._fix_records[key] = server_checks.fix_problem(server.channel.folder, self.settings.fix,
+                                                                        self.mode_of(key))
         return None if problem is None else server.process.failure(problem)
 
     # --- requests ------------------------------------------------------------------------------
@@ -154,6 +156,9 @@ class SglangBackend(EngineBackend):
 
     def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:
         return len(prompt_ids) + len(tokens)
+
+    def cached_tokens(self, doc: dict) -> int | None:
+        return client.cached_tokens(doc)
 
     # --- reporting -----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.backends.protocol import Generation
 from parity.engines.engine import Completion
-from parity.engines.http import ServerRejected, finite
+from parity.engines.http import ServerRejected, count_or_none, finite
 
 TOP_LOGPROBS = 5
 
@@ -72,6 +72,11 @@ def parse_completion(doc: Mapping[str, Any]) -> Completion:
     finite(logprobs, "output", "/generate")
     generation = Generation(token_ids, text, logprobs, top_logprobs, deepstack_record=None, evidence=None)
     return Completion(generation, prompt_ids)
+
+
+def cached_tokens(doc: Mapping[str, Any]) -> int | None:
+    """The prompt tokens the radix cache supplied (`meta_info.cached_tokens`), when the answer says."""
+    return count_or_none((doc.get("meta_info") or {}).get("cached_tokens"))
 
 
 def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...]:

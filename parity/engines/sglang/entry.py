@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 import click
 
+from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
 from parity.engines.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
 from parity.evidence import Evidence
 
@@ -36,7 +37,7 @@ def graph_label(config: Mapping[str, Any]) -> str | None:
 SGLANG = BackendInfo(
     name="sglang", factory="parity.engines.sglang.backend:from_options",
     # SGLang's buckets come from its own flags (--sglang-arg), not --buckets.
-    options=frozenset({"graph_backend", "threads", *SERVER_OPTIONS}),
+    options=frozenset({"graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
     runbook="docs/sglang-runbook.md", servers_key="sglang_servers", volatile_keys=("sglang_tap_processes",),
     records_ranks=True, version_in_every_run=True, package="sglang",
     own_options=(
@@ -47,4 +48,12 @@ SGLANG = BackendInfo(
             "help": "Run parity's DeepStack slot fix inside the SGLang servers (SGLang 0.5.23 only)."}),
     ),
     not_replayed_hint=not_replayed_hint, graph_label=graph_label,
+    # docs/scenarios.md, "The real engines".
+    unreachable={
+        PROVES_GROWTH: ("SGLang 0.5.23 keeps no DeepStack buffer across batches (prepare_mm_inputs builds one per "
+                        "batch, and parity's deepstack-slot fix sizes its slot once, at the largest captured bucket); "
+                        "a prompt past every bucket runs eagerly, so nothing can grow"),
+        PROVES_ENCODER_GRAPH: ("SGLang 0.5.23's vision-encoder graphs (SGLANG_VIT_ENABLE_CUDA_GRAPH, "
+                               "srt/multimodal/vit_cuda_graph_runner.py) are not started or recorded by parity yet"),
+    },
 )

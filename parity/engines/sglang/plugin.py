@@ -49,6 +49,8 @@ DEEPSTACK_KEY = "input_deepstack_embeds"
 RAW_LENGTHS_FIELD = "extend_seq_lens_cpu"  # ForwardBatch: per-request extend lengths, unpadded
 FORWARD_MODE_FIELD = "forward_mode"  # ForwardBatch: ForwardMode, with is_extend()
 REPLAY_FORWARD_NAME = "replay_layer_forward"  # what BCG installs as the LM instance's forward
+CAPTURE_TARGET = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture"
+CAPTURED_FIELD = "capture_num_tokens"  # PrefillCudaGraphRunner: the prefill buckets it captures
 
 
 # --- the hook --------------------------------------------------------------------------------------
@@ -142,6 +144,18 @@ class TapHook:
         return handed, record
 
 
+@dataclass(frozen=True)
+class CaptureRecorder:
+    """An AFTER hook on the prefill runner's `capture`: which buckets were captured, and so existed
+    before any request (the warm-up scenario's proof, design §10)."""
+
+    channel: TapChannel
+
+    def __call__(self, result: Any, runner: Any, *args: Any, **kwargs: Any) -> None:
+        self.channel.record_capture(getattr(runner, CAPTURED_FIELD, ()) or ())
+        return None
+
+
 # --- entry point -----------------------------------------------------------------------------------
 
 def activate(environ: Mapping[str, str] = os.environ) -> TapHook | None:
@@ -166,5 +180,6 @@ def register() -> None:
 
     if hook is not None:
         HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
+        HookRegistry.register(CAPTURE_TARGET, CaptureRecorder(hook.channel), HookType.AFTER)
     if fix is not None:
         fix.register()

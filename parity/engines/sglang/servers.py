@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from parity.arms import MODES, load_arms
 from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
+from parity.design import PAGE_TOKENS
 from parity.errors import UsageError
 from parity.engines.flags import flag_values, int_flag
 from parity.engines.flags import split_user_args as split_args
@@ -25,12 +26,11 @@ from parity.engines.startup import standin_env
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, plugin
 
 LAUNCH_MODULE = ("-m", "sglang.launch_server")
-# Same kernels, same seed, no prefix reuse (a cached image prefix would skip DeepStack), docs/engines/sglang-0.5.23.md §7.
+# Same kernels, same seed (docs/engines/sglang-0.5.23.md §7).
 DETERMINISM_FLAGS = (
     "--attention-backend", "fa3",
     "--enable-deterministic-inference",
     "--random-seed", "0",
-    "--disable-radix-cache",
 )
 # On a CPU (docs/engines/sglang-cpu.md): SGLang's CPU engine with torch_native attention, which refuses the
 # deterministic flag (its eager path is deterministic on a CPU without it); a bounded KV pool
@@ -39,8 +39,12 @@ CPU_FLAGS = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--random-seed", "0",
-    "--disable-radix-cache",
 )
+# The serving features of a profile (design.Serving.server_profile), for the server's whole life. No
+# prefix reuse except where the scenario is about it: a cached image prefix skips DeepStack.
+NO_PREFIX_CACHE = ("--disable-radix-cache",)
+CHUNK_FLAG = "--chunked-prefill-size"
+CACHE_FLUSH_PATH = "/flush_cache"
 CPU_MAX_TOTAL_TOKENS = 4096
 BUCKET_FLAGS = ("--cuda-graph-bs-prefill", "--cuda-graph-max-bs-prefill")
 MEM_FRACTION_FLAG = "--mem-fraction-static"
@@ -167,14 +171,21 @@ def mode_flags(mode: str) -> tuple[str, ...]:
     return declared.pop()
 
 
-def server_flags(settings: SglangSettings, mode: str, mem_fraction: float) -> tuple[str, ...]:
+def profile_flags(profile: str | None, chunk_size: int) -> tuple[str, ...]:
+    if profile == "prefix":  # radix matches rounded down to pages: a hit can end inside the image
+        return ("--page-size", str(PAGE_TOKENS))
+    return (*NO_PREFIX_CACHE, *((CHUNK_FLAG, str(chunk_size)) if profile == "chunked" else ()))
+
+
+def server_flags(settings: SglangSettings, mode: str, mem_fraction: float, profile: str | None = None) -> tuple[str, ...]:
     # User flags last: they may add anything not reserved, in both servers alike.
+    served = profile_flags(profile, settings.chunk_size)
     if settings.on_cpu:
         bounded = () if flag_values(settings.sglang_args, "--max-total-tokens") is not None else (
             "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
-        return (MODEL_FLAG, settings.model, *CPU_FLAGS, *bounded, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
+        return (MODEL_FLAG, settings.model, *CPU_FLAGS, *served, *bounded, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
                 *mode_flags(mode), *settings.sglang_args)
-    return (MODEL_FLAG, settings.model, *DETERMINISM_FLAGS, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
+    return (MODEL_FLAG, settings.model, *DETERMINISM_FLAGS, *served, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
             *mode_flags(mode), *settings.sglang_args)
 
 

@@ -27,7 +27,7 @@ from parity.engines.fix_records import read_records
 from parity.engines.settings import EnginePackage, check_cpu_placement, resolve_graph_backend
 from parity.engines.vllm import client, cpu_ops, deepstack_clear, plugin
 from parity.engines.vllm.servers import (
-    READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
+    CACHE_FLUSH_PATH, READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
 )
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
@@ -44,6 +44,7 @@ class VllmBackend(EngineBackend):
     name = "vllm"
     request_path = client.CHAT_PATH
     version_path = "/version"
+    cache_flush_path = CACHE_FLUSH_PATH
     package = PACKAGE
     tap_hint = ("install parity in the server's Python environment (pip install -e '.[vllm]') so the "
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in VLLM_PLUGINS "
@@ -78,8 +79,9 @@ class VllmBackend(EngineBackend):
         # Scoring sends the prompt with up to max_new_tokens answer tokens: those prefills replay too.
         self._sizes = self.capture.sizes_for([n + self.settings.max_new_tokens for n in prompt_lengths])
 
-    def server_spec(self, mode: str, placement: Placement, stem: str, channel: TapChannel):
-        flags = server_flags(self.settings, mode, placement.mem_fraction, self._sizes)
+    def server_spec(self, mode: str, placement: Placement, stem: str, channel: TapChannel,
+                    profile: str | None = None):
+        flags = server_flags(self.settings, mode, placement.mem_fraction, self._sizes, profile)
         calls = self.settings.run_dir / f"{stem}.standin-calls.jsonl" if self.settings.on_cpu else None
         env = server_env(self.settings, channel, placement, calls)
         self._envs[mode] = environment_of(env)
@@ -157,6 +159,9 @@ class VllmBackend(EngineBackend):
 
     def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:
         return len(doc.get("prompt_token_ids") or ())
+
+    def cached_tokens(self, doc: dict) -> int | None:
+        return client.cached_tokens(doc)
 
     # --- reporting -----------------------------------------------------------------------------
 

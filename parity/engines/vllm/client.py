@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.backends.protocol import Generation
 from parity.engines.engine import Completion
-from parity.engines.http import ServerRejected, finite
+from parity.engines.http import ServerRejected, count_or_none, finite
 
 TOP_LOGPROBS = 5
 CHAT_PATH = "/v1/chat/completions"
@@ -92,6 +92,13 @@ def parse_completion(doc: Mapping[str, Any]) -> Completion:
     finite(logprobs, "output", CHAT_PATH)
     generation = Generation(token_ids, text, logprobs, top, deepstack_record=None, evidence=None)
     return Completion(generation, prompt_ids)
+
+
+def cached_tokens(doc: Mapping[str, Any]) -> int | None:
+    """The prompt tokens the prefix cache supplied (`usage.prompt_tokens_details.cached_tokens`, given
+    by a server started with --enable-prompt-tokens-details), when the answer says."""
+    details = ((doc.get("usage") or {}).get("prompt_tokens_details") or {})
+    return count_or_none(details.get("cached_tokens"))
 
 
 def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...] | None:

@@ -5,7 +5,9 @@ process, only when parity sets `PARITY_VLLM_CPU`; no vLLM file is edited. Each c
 right after its module executes (parity/engines/after_import.py), so a later `from X import f`
 binds the changed name. Always (§2):
 
-- the CPU build's compiled ops answer from torch-native stand-ins (`cpu_ops.py`);
+- the CPU build's compiled ops answer from torch-native stand-ins (`cpu_ops.py`), and the CPU attention
+  backend takes the KV block sizes the stand-in attention pages at (any; declared as GPU attention's
+  multiples of 16, where vLLM's C++ kernel wanted 32: the prefix profile's blocks, design §10);
 - Triton counts as present (`HAS_TRITON`), so vLLM keeps Model Runner V2, the runner parity's tap
   wraps, instead of falling back to V1; parity runs the servers with `TRITON_INTERPRET=1`, so V2's
   Triton kernels run on CPU tensors.
@@ -52,6 +54,7 @@ CPU_WORKER = "vllm.v1.worker.cpu_worker"
 GRAPH_MANAGER = "vllm.v1.worker.gpu.cudagraph_utils"
 GRAPH_WRAPPER = "vllm.compilation.cuda_graph"
 FORWARD_CONTEXT = "vllm.forward_context"
+STANDIN_BLOCK_MULTIPLE = 16  # what GPU attention takes; the stand-in attention pages at any size
 
 
 def mark_triton_present(module: types.ModuleType) -> None:
@@ -83,6 +86,14 @@ def cpu_platform_graphs(module: types.ModuleType) -> None:
     # graphs need attention as a direct call, whose ops the recorder sees.
     platform.opaque_attention_op = classmethod(lambda cls: compiled)
     platform.get_static_graph_wrapper_cls = classmethod(lambda cls: "vllm.compilation.cuda_graph.CUDAGraphWrapper")
+
+
+def standin_block_sizes(module: types.ModuleType) -> None:
+    """The CPU attention backend takes multiples of 16 tokens per KV block (change 0b)."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    module.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
+        lambda kv_cache_spec=None: [MultipleOf(STANDIN_BLOCK_MULTIPLE)])
 
 
 def attention_graph_support(module: types.ModuleType) -> None:
@@ -212,6 +223,7 @@ def install(environ: Mapping[str, str]) -> None:
     from parity.engines.vllm import cpu_ops
 
     cpu_ops.install(torch)
+    after_import(CPU_ATTENTION, standin_block_sizes)
     after_import(TRITON_IMPORTING, mark_triton_present)
     if environ.get(ENV_GRAPH) == GRAPH_EMULATED:
         install_emulated_graphs(torch)

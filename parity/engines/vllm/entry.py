@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import click
 
+from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
 from parity.engines.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
 from parity.evidence import Evidence
 
@@ -20,7 +21,7 @@ def not_replayed_hint(evidence: Evidence | None) -> str:
 
 VLLM = BackendInfo(
     name="vllm", factory="parity.engines.vllm.backend:from_options",
-    options=frozenset({"buckets", "graph_backend", "threads", *SERVER_OPTIONS}),
+    options=frozenset({"buckets", "graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
     runbook="docs/vllm-runbook.md", servers_key="vllm_servers", volatile_keys=("vllm_tap_processes",),
     package="vllm",
     own_options=(
@@ -36,4 +37,12 @@ VLLM = BackendInfo(
             "help": "vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE)."}),
     ),
     not_replayed_hint=not_replayed_hint,
+    # docs/scenarios.md, "The real engines".
+    unreachable={
+        PROVES_GROWTH: ("vLLM 0.33 sizes its DeepStack buffers once, at --max-num-batched-tokens rows "
+                        "(Qwen3VLForConditionalGeneration.__init__), and chunks every longer prefill to fit them, "
+                        "so they never grow"),
+        PROVES_ENCODER_GRAPH: ("vLLM 0.33's vision-encoder graphs (-cc.cudagraph_mm_encoder, "
+                               "v1/worker/encoder_cudagraph.py) are not started or recorded by parity yet"),
+    },
 )

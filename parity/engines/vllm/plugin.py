@@ -49,6 +49,7 @@ class Target:
 # What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/engines/test_vllm_real.py checks each one.
 TARGETS = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "dispatch", "wrap_dispatch"),
+    Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "capture", "wrap_capture"),
     Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step",
            "wrap_step"),
     Target("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration",

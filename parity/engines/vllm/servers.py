@@ -39,7 +39,18 @@ EAGER_CUDAGRAPH_MODE = "NONE"
 # The API server's default on an H100/H200 (docs/engines/vllm-0.33.md §6); raised when a prompt needs more.
 DEFAULT_MAX_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 8192
-DETERMINISM_FLAGS = ("--seed", "0", "--no-enable-prefix-caching", "--generation-config", "vllm")
+DETERMINISM_FLAGS = ("--seed", "0", "--generation-config", "vllm")
+# The serving features of a profile (design.Serving.server_profile), for the server's whole life. No
+# prefix reuse except where the scenario is about it (a cached image prefix skips DeepStack); the
+# prefix profile's answers say how many prompt tokens the cache gave, and its cache can be emptied
+# (a development endpoint, turned on by DEV_MODE_ENV).
+NO_PREFIX_CACHE = ("--no-enable-prefix-caching",)
+# Cache hits land on whole KV blocks: the smallest block vLLM's GPU attention takes (multiples of 16;
+# parity's CPU attention takes it too, cpu_patches), so a hit can end inside the image.
+PREFIX_BLOCK_TOKENS = 16
+PREFIX_CACHE = ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(PREFIX_BLOCK_TOKENS))
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+CACHE_FLUSH_PATH = "/reset_prefix_cache"
 # Defaults the user may override with --vllm-arg (parity reads them back): one image per prompt
 # and no video keep the encoder's start-up profiling small.
 DEFAULT_FLAGS = ("--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}))
@@ -267,12 +278,22 @@ def mode_cudagraph(settings: VllmSettings, mode: str) -> str:
     return EAGER_CUDAGRAPH_MODE if mode == "eager" else settings.graph.cudagraph_mode
 
 
-def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: Sequence[int]) -> tuple[str, ...]:
+def profile_flags(profile: str | None, chunk_size: int) -> tuple[str, ...]:
+    """A chunked prefill is a step budget of the chunk's tokens (so as many sequences at most)."""
+    if profile == "prefix":
+        return PREFIX_CACHE
+    chunked = ("--max-num-batched-tokens", str(chunk_size), "--max-num-seqs", str(chunk_size))
+    return (*NO_PREFIX_CACHE, *(chunked if profile == "chunked" else ()))
+
+
+def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: Sequence[int],
+                 profile: str | None = None) -> tuple[str, ...]:
     """The flags after `vllm serve`. Parity's defaults first, the user's flags after them (argparse
-    keeps the last), the graph flags parity owns in between; only `-cc.cudagraph_mode` differs by mode."""
+    keeps the last), the graph flags parity owns in between; only `-cc.cudagraph_mode` differs by mode,
+    and the profile's serving features by profile."""
     facts = settings.facts
     floor = CPU_MAX_BATCHED_TOKENS if settings.on_cpu else DEFAULT_MAX_BATCHED_TOKENS
-    batched = () if facts.max_batched_tokens is not None else (
+    batched = () if facts.max_batched_tokens is not None or profile == "chunked" else (
         "--max-num-batched-tokens", str(max(floor, max(sizes, default=0))))
     context = () if facts.max_model_len_given else (
         "--max-model-len", str(CPU_MAX_MODEL_LEN if settings.on_cpu else DEFAULT_MAX_MODEL_LEN))
@@ -280,14 +301,15 @@ def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: 
         () if flag_values(settings.vllm_args, "--kv-cache-memory-bytes")
         else ("--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES))))
     return (settings.model, *DETERMINISM_FLAGS, "--gpu-memory-utilization", f"{mem_fraction:.4g}",
-            *context, *batched, *DEFAULT_FLAGS, *cpu,
+            *context, *batched, *profile_flags(profile, settings.chunk_size), *DEFAULT_FLAGS, *cpu,
             f"-cc.cudagraph_mode={mode_cudagraph(settings, mode)}",
             "--cudagraph-capture-sizes", *map(str, sizes), *settings.vllm_args)
 
 
 def server_env(settings: VllmSettings, channel: TapChannel, placement: Placement,
                standin_calls: Path | None = None) -> dict[str, str]:
-    env = {plugin.ENV_VAR: str(channel.folder.resolve()), BREAKABLE_ENV: "1" if settings.graph.breakable else "0"}
+    env = {plugin.ENV_VAR: str(channel.folder.resolve()), BREAKABLE_ENV: "1" if settings.graph.breakable else "0",
+           DEV_MODE_ENV: "1"}
     if settings.fix:
         env[deepstack_clear.ENV_FIX] = settings.fix
     if settings.on_cpu:

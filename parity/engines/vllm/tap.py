@@ -1,7 +1,8 @@
 """parity's tap inside vLLM's model process: one record per engine step, with the DeepStack it saw.
 
-Three points of vLLM 0.33's Model Runner V2 are wrapped (docs/engines/vllm-0.33.md §5.2); all of them run
-eagerly, before the step's forward, in every graph mode:
+Three points of vLLM 0.33's Model Runner V2 are wrapped for each step (docs/engines/vllm-0.33.md §5.2);
+all of them run eagerly, before the step's forward, in every graph mode (and `CudaGraphManager.capture`,
+to record which token counts have graphs once captured):
 
 - `CudaGraphManager.dispatch` returns the step's execution decision (FULL, PIECEWISE or NONE,
   and the padded token count) earlier in the same `execute_model`: kept for the step, with
@@ -79,6 +80,13 @@ class StepTap:
             mode = "BREAKABLE"
         self._dispatched = mode
         return descriptor
+
+    def capture(self, original: Callable, manager: Any, *args: Any, **kwargs: Any) -> Any:
+        """Record the token counts the manager has graphs for once it captured (at start-up, before
+        any request: the warm-up scenario's proof, design §10)."""
+        result = original(manager, *args, **kwargs)
+        self.channel.record_capture(manager.captured_token_counts())
+        return result
 
     def step(self, original: Callable, state: Any, *args: Any, **kwargs: Any) -> Any:
         """Run `prepare_inputs_embeds` as one step; record it when parity armed a request."""
@@ -159,6 +167,10 @@ def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
 
 def wrap_dispatch(original: Callable, tap: StepTap) -> Callable:
     return around(original, tap.dispatch, WRAPPED_FLAG)
+
+
+def wrap_capture(original: Callable, tap: StepTap) -> Callable:
+    return around(original, tap.capture, WRAPPED_FLAG)
 
 
 def wrap_step(original: Callable, tap: StepTap) -> Callable:
