@@ -9,7 +9,7 @@ only read results stay light.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ class EncoderRun:
 
     def to_json(self) -> dict:
         return {"grid": list(self.grid), "patches": self.patches, "key": self.key, "replayed": self.replayed}
+
+
+def image_span(prompt_ids: Sequence[int], image_token_id: int | None) -> tuple[int, int] | None:
+    """The rows [first, last + 1) of a prompt's image tokens, or None."""
+    rows = [i for i, token in enumerate(prompt_ids) if token == image_token_id]
+    return (rows[0], rows[-1] + 1) if rows else None
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 
 from parity.backends.protocol import Request
 from parity.encoder_graphs import EncoderGraphs
-from parity.evidence import ChunkRun, EncoderRun, ServingEvidence
+from parity.evidence import ChunkRun, EncoderRun, ServingEvidence, image_span
 from parity.graph_runner import PrefillGraphRunner, Window
 from parity.lm_body import Past
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
@@ -67,11 +67,6 @@ def schedule(total: int, cached: int, chunk: int | None) -> tuple[Window, ...]:
     """The prefills of a `total`-row prompt after `cached` rows: one, or chunks of `chunk` rows."""
     step = chunk or total
     return tuple(Window(start, min(start + step, total), cached) for start in range(cached, total, step))
-
-
-def image_span(input_ids: torch.Tensor, image_token_id: int) -> tuple[int, int] | None:
-    rows = (input_ids == image_token_id).nonzero().flatten().tolist()
-    return (rows[0], rows[-1] + 1) if rows else None
 
 
 @dataclass(frozen=True)
@@ -215,4 +210,4 @@ class PromptServer:
                       tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
-        return image_span(prompt.input_ids, self._executor.adapter.config.image_token_id)
+        return image_span(prompt.input_ids.tolist(), self._executor.adapter.config.image_token_id)

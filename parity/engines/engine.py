@@ -30,7 +30,7 @@ from parity.engines.settings import EnginePackage
 from parity.engines.standin_calls import StandinLog
 from parity.design import SERVER_PROFILES
 from parity.errors import ArmFailure, UsageError
-from parity.evidence import ChunkRun, ServingEvidence
+from parity.evidence import ChunkRun, ServingEvidence, image_span
 from parity.fixtures import Fixture
 from parity.presets import PRESETS
 
@@ -60,7 +60,7 @@ class _Served:
 @dataclass(frozen=True)
 class EngineSession(Generates):
     """A mode's servers; requests go one at a time, each tagged, the tap set before each, each to
-    the server of the mode whose flags give the request's serving features (`EngineBackend.profile`)."""
+    the server of the mode whose flags give the request's serving features (`design.Serving.server_profile`)."""
 
     mode: str
     backend: "EngineBackend"
@@ -87,7 +87,8 @@ class EngineSession(Generates):
         engine.check_tap(server, first, "request")  # before scoring: a silent tap fails the arm at once
         evidence = engine.evidence([first])
         if request.serving.recorded:
-            evidence = replace(evidence, serving=engine.serving_evidence(server, request, doc, first))
+            evidence = replace(evidence, serving=engine.serving_evidence(server, doc, first,
+                                                                             completion.prompt_ids))
         generation = replace(completion.generation, deepstack_record=request_record(first), evidence=evidence)
         return Answer(generation, _Served(server, tap, request, image, completion.prompt_ids, first))
 
@@ -268,11 +269,13 @@ class EngineBackend(abc.ABC):
         except EvidenceFault as silence:
             raise server.process.failure(str(silence)) from None
 
-    def serving_evidence(self, server: Server, request: Request, doc: dict, first: TaggedRequest) -> ServingEvidence:
+    def serving_evidence(self, server: Server, doc: dict, first: TaggedRequest,
+                         prompt_ids: Sequence[int] = ()) -> ServingEvidence:
         """What the server's own records show of a family request's serving path (design §10): its
         prefills in order (the chunks, after the rows the answer says came from the prefix cache),
         each one's bucket when replayed and its image rows (DeepStack rows the tap saw), and whether
-        every graph it replayed was captured at start-up. A server's DeepStack buffers are sized once
+        every graph it replayed was captured at start-up, and where the prompt's image tokens are
+        (`prompt_ids`, as the server expanded them). A server's DeepStack buffers are sized once
         (`BackendInfo.unreachable`), and no encoder graph is recorded, so neither is claimed."""
         cached = self.cached_tokens(doc) or 0
         prefills = first.prefills(first.ranks[0]) if first.ranks else ()
@@ -287,7 +290,8 @@ class EngineBackend(abc.ABC):
         replayed = {e.tokens for e in prefills if e.replay}
         captured = self._captured.get(server.process.name)
         ready = None if not replayed else (captured is not None and replayed <= captured)
-        return ServingEvidence(chunks=tuple(chunks), cached_tokens=cached, graph_ready=ready)
+        return ServingEvidence(chunks=tuple(chunks), cached_tokens=cached, graph_ready=ready,
+                               image_span=image_span(prompt_ids, self.prompts.image_token_id))
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = (), serving: Sequence = ()) -> None:
         # A server has its serving features set by its flags: each profile gets its own servers
@@ -302,7 +306,7 @@ class EngineBackend(abc.ABC):
         self.plan = self.plan_launch(self._modes)
         if self.settings.concurrent and len(modes) > 1:
             for stage in self.plan.stages:  # shared GPUs: the next stage starts once this one is ready
-                self.pool.launch(tuple(self.server_key(m, None) for m in stage if m in modes))
+                self.pool.launch(tuple(self.server_key(m, self._first_profile) for m in stage if m in modes))
 
     @contextmanager
     def session(self, mode: str) -> Iterator[EngineSession]:

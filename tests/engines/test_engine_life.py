@@ -102,7 +102,6 @@ def test_a_servers_serving_evidence_is_read_from_its_own_records() -> None:
     it replayed was captured before the server's first request."""
     from types import SimpleNamespace
 
-    from parity.design import Serving
     from parity.engines.channel import TapEntry
     from parity.engines.engine import EngineBackend
     from parity.engines.evidence import TaggedRequest
@@ -115,12 +114,14 @@ def test_a_servers_serving_evidence_is_read_from_its_own_records() -> None:
     decode = TapEntry("t", 7, "sglang::scheduler", False, 1, 1, False, None)
     request = TaggedRequest(40, True, (prefill(8, 8, 3), prefill(8, 8, 8), prefill(8, None, 1), decode))
     server = SimpleNamespace(process=SimpleNamespace(name="bcg-prefix"))
-    engine = SimpleNamespace(cached_tokens=lambda doc: doc["cached"], _captured={"bcg-prefix": frozenset({8, 16})})
-    serving = EngineBackend.serving_evidence(engine, server, Serving(prefix_cache=True), {"cached": 16}, request)
+    engine = SimpleNamespace(cached_tokens=lambda doc: doc["cached"], _captured={"bcg-prefix": frozenset({8, 16})},
+                             prompts=SimpleNamespace(image_token_id=9))
+    serving = EngineBackend.serving_evidence(engine, server, {"cached": 16}, request, [1] * 12 + [9] * 12 + [1] * 16)
+    assert serving.image_span == (12, 24)  # the hit of 16 ended inside the image
     assert [(c.start, c.end, c.bucket, c.image_rows) for c in serving.chunks] == [
         (16, 24, 8, 3), (24, 32, 8, 8), (32, 40, None, 1)]
     assert serving.cached_tokens == 16 and serving.inconsistency() is None and serving.graph_ready is True
     engine._captured = {"bcg-prefix": frozenset({16})}  # bucket 8 was captured later, by a request
-    assert EngineBackend.serving_evidence(engine, server, Serving(), {"cached": 0}, request).graph_ready is False
+    assert EngineBackend.serving_evidence(engine, server, {"cached": 0}, request).graph_ready is False
     eager = TaggedRequest(24, True, (prefill(24, None, 8),))
-    assert EngineBackend.serving_evidence(engine, server, Serving(), {"cached": 0}, eager).graph_ready is None
+    assert EngineBackend.serving_evidence(engine, server, {"cached": 0}, eager).graph_ready is None
