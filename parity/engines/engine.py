@@ -1,8 +1,9 @@
-"""One engine backend and its session, written once for every server engine (design §6).
+"""One engine backend, written once for every server engine (design §6).
 
-The backend runs one real server per execution mode on the shared pool, probes it once ready,
-and hands out sessions; a session sends each request under its own tag with the tap set, reads
-back what the tap recorded for that tag, and scores answers teacher-forced in the same server.
+The backend runs real servers on the shared pool, one per execution mode and serving profile
+(design §10), probes each once ready, and hands out sessions (`session.EngineSession`): a session
+sends each request under its own tag with the tap set, reads back what the tap recorded for that
+tag, and scores answers teacher-forced in the same server.
 What differs between engines is declared by `EngineBackend`'s abstract methods: the server
 command and environment of a mode, the request bodies and their parsing, which tap records belong
 to a request, the start-up checks beyond the tap, the exit explanation, and the config keys.
@@ -11,21 +12,21 @@ to a request, the start-up checks beyond the tap, the exit explanation, and the 
 from __future__ import annotations
 
 import abc
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
-from parity.backends.protocol import Answer, Generates, Generation, Request
+from parity.backends.protocol import Generation, Request
 from parity.engines import launcher
-from parity.engines.channel import TapChannel, TapEntry, tap_mode
+from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.flags import flag_values
-from parity.engines.evidence import EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes, request_record
+from parity.engines.evidence import EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes
 from parity.engines.http import ServerRejected, ServerUnreachable, get_json, post_admin
 from parity.engines.placement import LaunchPlan, Placement
-from parity.engines.pool import Server, ServerPool, parsed, post_tagged
+from parity.engines.pool import Server, ServerPool, post_tagged
 from parity.engines.prompts import ChatPrompts, CheckpointFacts
+from parity.engines.session import EngineSession
 from parity.engines.settings import EnginePackage
 from parity.engines.standin_calls import StandinLog
 from parity.design import SERVER_PROFILES
@@ -43,70 +44,6 @@ class Completion:
 
     generation: Generation
     prompt_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class _Served:
-    """What scoring an answer needs of its request: the same server, tap, image and prompt."""
-
-    server: Server
-    tap: str
-    request: Request
-    image: Any
-    prompt_ids: tuple[int, ...]
-    first: TaggedRequest
-
-
-@dataclass(frozen=True)
-class EngineSession(Generates):
-    """A mode's servers; requests go one at a time, each tagged, the tap set before each, each to
-    the server of the mode whose flags give the request's serving features (`design.Serving.server_profile`)."""
-
-    mode: str
-    backend: "EngineBackend"
-
-    @property
-    def process(self) -> launcher.ServerProcess:
-        """The mode's running server's process (the one that served the last request)."""
-        keys = [k for k in self.backend.pool.running if self.backend.mode_of(k) == self.mode]
-        if not keys:
-            raise ArmFailure(f"{self.mode}: no server of this mode is running")
-        return self.backend.pool.acquire(keys[0]).process
-
-    def answer(self, request: Request, deepstack: str) -> Answer:
-        tap = tap_mode(deepstack)
-        engine = self.backend
-        server = engine.server_for(self.mode, request.serving.server_profile)
-        if not server.process.alive():
-            raise server.process.exited_failure()
-        image = engine.image_input(request.fixture)
-        doc, entries = engine.post_tagged(server, tap, request, lambda tag: engine.generate_body(
-            request, image, engine.settings.max_new_tokens, tag))
-        completion = parsed(server.process, engine.parse_completion, doc)
-        first = TaggedRequest(len(completion.prompt_ids), image is not None, entries)
-        engine.check_tap(server, first, "request")  # before scoring: a silent tap fails the arm at once
-        evidence = engine.evidence([first])
-        if request.serving.recorded:
-            evidence = replace(evidence, serving=engine.serving_evidence(server, doc, first,
-                                                                             completion.prompt_ids))
-        generation = replace(completion.generation, deepstack_record=request_record(first), evidence=evidence)
-        return Answer(generation, _Served(server, tap, request, image, completion.prompt_ids, first))
-
-    def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
-        served: _Served = answer.state
-        engine = self.backend
-        requests, scores, start = [served.first], [], time.perf_counter()
-        # Its own tokens last: scores from a prefill are compared with scores from a prefill.
-        for tokens in (*force, answer.generation.token_ids):
-            doc, entries = engine.post_tagged(served.server, served.tap, served.request, lambda tag: engine.score_body(
-                served.request, served.image, served.prompt_ids, tokens, tag))
-            scores.append(parsed(served.server.process, lambda d: engine.parse_scores(d, tokens), doc))
-            length = engine.scored_length(doc, served.prompt_ids, tokens)
-            requests.append(TaggedRequest(length, served.image is not None, entries))
-            engine.check_tap(served.server, requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
-        evidence = replace(engine.evidence(requests), serving=answer.generation.evidence.serving)
-        return replace(answer.generation, evidence=evidence, forced=tuple(scores[:-1]),
-                       self_forced=scores[-1], forced_seconds=time.perf_counter() - start)
 
 
 class EngineBackend(abc.ABC):
