@@ -92,10 +92,10 @@ class Serving:
         """What a server engine must be started with for it, its flags holding for the server's life
         (design §10): "chunked" (a small prefill chunk), "prefix" (the prefix cache on), or None
         (the run's default servers: whole prefills, no prefix cache)."""
-        return "chunked" if self.chunked else "prefix" if self.prefix_cache else None
+        return CHUNKED if self.chunked else PREFIX if self.prefix_cache else None
 
 
-SERVER_PROFILES = (None, "chunked", "prefix")  # every `Serving.server_profile`, in the order sessions serve them
+SERVER_PROFILES = (None, CHUNKED, PREFIX)  # every `Serving.server_profile`, in the order sessions serve them
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 from parity.arms import MODES, load_arms
 from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
-from parity.design import PAGE_TOKENS
+from parity.design import CHUNKED, PAGE_TOKENS, PREFIX
 from parity.errors import UsageError
 from parity.engines.flags import flag_values, int_flag
 from parity.engines.flags import split_user_args as split_args
@@ -172,9 +172,9 @@ def mode_flags(mode: str) -> tuple[str, ...]:
 
 
 def profile_flags(profile: str | None, chunk_size: int) -> tuple[str, ...]:
-    if profile == "prefix":  # radix matches rounded down to pages: a hit can end inside the image
+    if profile == PREFIX:  # radix matches rounded down to pages: a hit can end inside the image
         return ("--page-size", str(PAGE_TOKENS))
-    return (*NO_PREFIX_CACHE, *((CHUNK_FLAG, str(chunk_size)) if profile == "chunked" else ()))
+    return (*NO_PREFIX_CACHE, *((CHUNK_FLAG, str(chunk_size)) if profile == CHUNKED else ()))
 
 
 def server_flags(settings: SglangSettings, mode: str, mem_fraction: float, profile: str | None = None) -> tuple[str, ...]:

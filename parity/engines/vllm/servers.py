@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Mapping, Sequence
 
 from parity.arms import MODES
+from parity.design import CHUNKED, PREFIX
 from parity.errors import UsageError
 from parity.engines.channel import TapChannel
 from parity.engines.flags import flag_values, int_flag, split_user_args
@@ -280,10 +281,10 @@ def mode_cudagraph(settings: VllmSettings, mode: str) -> str:
 
 def profile_flags(profile: str | None, chunk_size: int) -> tuple[str, ...]:
     """A chunked prefill is a step budget of the chunk's tokens (so as many sequences at most)."""
-    if profile == "prefix":
+    if profile == PREFIX:
         return PREFIX_CACHE
     chunked = ("--max-num-batched-tokens", str(chunk_size), "--max-num-seqs", str(chunk_size))
-    return (*NO_PREFIX_CACHE, *(chunked if profile == "chunked" else ()))
+    return (*NO_PREFIX_CACHE, *(chunked if profile == CHUNKED else ()))
 
 
 def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: Sequence[int],
@@ -293,7 +294,7 @@ def server_flags(settings: VllmSettings, mode: str, mem_fraction: float, sizes: 
     and the profile's serving features by profile."""
     facts = settings.facts
     floor = CPU_MAX_BATCHED_TOKENS if settings.on_cpu else DEFAULT_MAX_BATCHED_TOKENS
-    batched = () if facts.max_batched_tokens is not None or profile == "chunked" else (
+    batched = () if facts.max_batched_tokens is not None or profile == CHUNKED else (
         "--max-num-batched-tokens", str(max(floor, max(sizes, default=0))))
     context = () if facts.max_model_len_given else (
         "--max-model-len", str(CPU_MAX_MODEL_LEN if settings.on_cpu else DEFAULT_MAX_MODEL_LEN))
