@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from parity import __version__
+from parity.audit.command import audit
 from parity.cli_options import (
     LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
     tie_margin, warn_ignored,
@@ -35,6 +36,8 @@ MAX_SEED = 2**63 - 1
 STOP_EXITS = (exit_code_of(signal.SIGINT), exit_code_of(signal.SIGTERM))
 # Runs of one arm: past a hundred, a repeat measures nothing more and only multiplies the run.
 MAX_REPEAT = 100
+
+
 class ParityCommandError(click.ClickException):
     """A library error shown as `Error: <one line>` with its documented exit code."""
 
@@ -386,6 +389,9 @@ def models() -> None:
 
     for preset in PRESETS.values():
         click.echo(f"{preset.name:26} {preset.description}")
+
+
+cli.add_command(audit)
 
 
 def main() -> None:

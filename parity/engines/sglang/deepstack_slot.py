@@ -55,6 +55,7 @@ TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/engines/test_sglang_
     "fill": f"{RUNNER_CLASS}._fill_input_embeds_slot",
 }
 DEEPSTACK_KWARG = "input_deepstack_embeds"
+BLOCKS_ATTRIBUTE = "num_deepstack_embeddings"  # on the served model: how many DeepStack blocks it adds
 SLOT_ATTRIBUTE = "_parity_deepstack_slot"
 REPLAYING_BACKENDS = ("breakable", "full")
 
@@ -83,7 +84,7 @@ class DeepStackSlotFix:
         import torch
 
         model = runner.model_runner.model
-        blocks = int(getattr(model, "num_deepstack_embeddings", 0) or 0)
+        blocks = int(getattr(model, BLOCKS_ATTRIBUTE, 0) or 0)
         layer_model = runner.layer_model
         takes = layer_model is not None and DEEPSTACK_KWARG in inspect.signature(layer_model.forward).parameters
         backend = str(runner.prefill_backend_name)

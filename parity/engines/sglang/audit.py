@@ -1,0 +1,155 @@
+"""`parity audit --engine sglang`: SGLang's DeepStack models against its prefill graph runner.
+
+Read from the installed source (docs/engines/sglang-0.5.23.md §1.2, §3, §6):
+- a model class is served under its own name (`EntryClass`); it consumes DeepStack as a side input
+  when the language model the runner captures takes `input_deepstack_embeds`. The runner finds that
+  module the way `model_loader/utils.py::resolve_language_model` and the runner's
+  `_resolve_transformer_layer_model` do: the Omni wrapper's `thinker.model`, else `model`, else
+  `language_model`, then `.model` until a module has `layers`;
+- without a flag, the breakable prefill graph serves a multimodal model only when its architecture
+  is on `configs/model_config.py::multimodal_breakable_cuda_graph_supported_model_archs`; an
+  explicit `--cuda-graph-backend-prefill breakable|full` skips that list;
+- `PrefillCudaGraphRunner.can_replay_locally` keeps a multimodal prefill eager for the
+  architectures of `is_qwen4_exp` (breakable) and under FA4 (full);
+- the runner binds at capture only what `_build_layer_model_forward_kwargs` names: when DeepStack is
+  not among them, a replayed prefill drops it silently;
+- parity's fix (`deepstack_slot.py`) sizes its slot from the served model's
+  `num_deepstack_embeddings` and binds it as the body's `input_deepstack_embeds`: a class that lacks
+  either gets no slot.
+DeepStack is a per-batch tensor in SGLang 0.5.23, not a buffer kept across steps: nothing to clear.
+"""
+
+from __future__ import annotations
+
+from parity.audit.report import COVERED, DROPPED, EAGER, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
+from parity.audit.source_index import SourceIndex, literal_strings
+from parity.engines.sglang.deepstack_slot import BLOCKS_ATTRIBUTE, DEEPSTACK_KWARG, REPLAYING_BACKENDS
+
+PACKAGE = "sglang"
+MODELS = "srt.models"
+CONFIG = "srt.configs.model_config"
+RUNNER_MODULE = "srt.model_executor.runner.prefill_cuda_graph_runner"
+RUNNER = f"{RUNNER_MODULE}.PrefillCudaGraphRunner"
+ALLOWLIST = "multimodal_breakable_cuda_graph_supported_model_archs"
+NAMES = frozenset({DEEPSTACK_KWARG, "use_deepstack", BLOCKS_ATTRIBUTE, "deepstack_visual_indexes",
+                   "separate_deepstack_embeds"})
+DEFAULT_BREAKABLE, EXPLICIT_BREAKABLE, EXPLICIT_FULL = "breakable (default)", "breakable (explicit)", "full (explicit)"
+MODES = (DEFAULT_BREAKABLE, EXPLICIT_BREAKABLE, EXPLICIT_FULL)
+OMNI_WRAPPER = "Qwen3OmniMoeForConditionalGeneration"  # resolve_language_model's one named case
+
+
+class RunnerFacts:
+    """What the installed runner and config decide for every model."""
+
+    def __init__(self, index: SourceIndex) -> None:
+        config = index.module(CONFIG)
+        runner = index.cls(RUNNER)
+        self.found = config is not None and runner is not None and "can_replay_locally" in runner.methods
+        self.allowlist = literal_strings(config.assignments.get(ALLOWLIST)) if config else ()
+        qwen4 = config.functions.get("is_qwen4_exp") if config else None
+        gate = runner.methods["can_replay_locally"].names if self.found else frozenset()
+        # The breakable gate holds for multimodal batches when can_replay_locally checks the
+        # side-channel flag that __init__ derives from is_qwen4_exp.
+        self.breakable_gated = qwen4.strings if qwen4 and {"contains_mm_inputs", "_qwen_bcg_hc_sidechannel"} <= gate \
+            else frozenset()
+        self.full_fa4_gate = {"contains_mm_inputs", "_fa4_prefill"} <= gate
+        kwargs = index.module(RUNNER_MODULE)
+        binder = kwargs.functions.get("_build_layer_model_forward_kwargs") if kwargs else None
+        self.engine_slot = binder is not None and any("deepstack" in n for n in binder.names)
+
+    def lines(self) -> tuple[str, ...]:
+        if not self.found:
+            return (f"{RUNNER}.can_replay_locally or {CONFIG} not found: this is not the SGLang parity "
+                    "knows (0.5.23); every replaying cell is not analysed",)
+        slot = ("binds DeepStack" if self.engine_slot else
+                f"binds no DeepStack (only input_embeds and pp proxies): a replayed prefill drops "
+                f"{DEEPSTACK_KWARG} silently")
+        return (
+            f"{CONFIG}.{ALLOWLIST} holds {len(set(self.allowlist))} architectures; the breakable prefill "
+            "graph serves other multimodal architectures only when asked for explicitly",
+            f"{RUNNER}.can_replay_locally keeps multimodal prefills eager under breakable for "
+            f"{', '.join(sorted(self.breakable_gated)) or 'no architecture'}"
+            + (" and under full with FA4 attention" if self.full_fa4_gate else ""),
+            f"{RUNNER_MODULE}._build_layer_model_forward_kwargs {slot}",
+            "DeepStack is a per-batch tensor (mm_utils.general_mm_embed_routine), kept in no buffer across "
+            "steps: nothing to clear; parity's slot is zeroed for a batch without DeepStack",
+        )
+
+
+def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...]]:
+    facts = RunnerFacts(index)
+    rows = []
+    for module in index.modules_under(MODELS):
+        for name in _entry_classes(module):
+            row = _row(index, facts, f"{module.name}.{name}")
+            if row is not None:
+                rows.append(row)
+    return tuple(rows), facts.lines()
+
+
+def _entry_classes(module) -> tuple[str, ...]:
+    node = module.assignments.get("EntryClass")
+    if node is None:
+        return ()
+    elements = getattr(node, "elts", [node])
+    return tuple(getattr(e, "id", "") for e in elements if getattr(e, "id", "") in module.classes)
+
+
+def _row(index: SourceIndex, facts: RunnerFacts, qualname: str) -> AuditRow | None:
+    subs = index.built(qualname)
+    mentioned = index.mentions(qualname, NAMES).union(*(index.mentions(s, NAMES) for s in subs.values()))
+    if not mentioned:
+        return None
+    module, name = qualname.rsplit(".", 2)[-2:]
+    body = _layer_model(index, qualname)
+    forward = index.defining(body, "forward") if body else None
+    side_input = forward is not None and DEEPSTACK_KWARG in forward.methods["forward"].params
+    if side_input:
+        how = f"LM side input `{DEEPSTACK_KWARG}` ({forward.name}.forward)"
+    else:
+        how = "not a language-model input (used outside the LM)"
+    blocks_from = index.sets(qualname, BLOCKS_ATTRIBUTE)
+    fix_covers = side_input and blocks_from is not None
+    if not side_input:
+        method = "nothing to carry"
+    elif blocks_from is not None:
+        method = f"`{BLOCKS_ATTRIBUTE}` (set by {blocks_from.name}) and `{DEEPSTACK_KWARG}`: present"
+    else:
+        method = f"`{BLOCKS_ATTRIBUTE}` on {name}: absent, so no slot"
+        holder = next((s for s in subs.values() if index.sets(s, BLOCKS_ATTRIBUTE)), None)
+        if holder:
+            method += f" (its sub-model {holder.rsplit('.', 1)[-1]} sets it)"
+    modes = tuple(_cell(mode, facts, name, side_input, fix_covers) for mode in MODES)
+    return AuditRow(module, name, (name,), how, side_input, "none (a per-batch tensor)", modes, method)
+
+
+def _cell(mode: str, facts: RunnerFacts, arch: str, side_input: bool, fix_covers: bool) -> ModeCell:
+    if not side_input:
+        return ModeCell(mode, NOT_AN_INPUT, NOT_AN_INPUT, "no DeepStack reaches the language model: nothing to carry")
+    if not facts.found:
+        return ModeCell(mode, UNKNOWN, UNKNOWN, "the runner is not the one parity knows")
+    if mode == DEFAULT_BREAKABLE and arch not in facts.allowlist:
+        return ModeCell(mode, EAGER, EAGER, f"{arch} is not on {ALLOWLIST}: prefill graph disabled")
+    if mode != EXPLICIT_FULL and arch in facts.breakable_gated:
+        return ModeCell(mode, EAGER, EAGER, "can_replay_locally keeps its multimodal prefills eager")
+    engine = COVERED if facts.engine_slot else DROPPED
+    backend = "full" if mode == EXPLICIT_FULL else "breakable"
+    fixed = COVERED if facts.engine_slot or (fix_covers and backend in REPLAYING_BACKENDS) else DROPPED
+    why = ("replayed with DeepStack bound" if engine == COVERED else
+           "replayed; the captured body has no DeepStack input, so DeepStack is dropped silently")
+    if mode == EXPLICIT_FULL and facts.full_fa4_gate:
+        why += " (eager under FA4 attention)"
+    return ModeCell(mode, engine, fixed, why)
+
+
+def _layer_model(index: SourceIndex, qualname: str) -> str | None:
+    subs = index.built(qualname)
+    if qualname.endswith("." + OMNI_WRAPPER) and "thinker" in subs:
+        current = index.submodel(subs["thinker"], "model")
+    else:
+        current = index.submodel(qualname, "model") or index.submodel(qualname, "language_model")
+    seen: set[str] = set()
+    while current and current not in seen and not index.sets(current, "layers"):
+        seen.add(current)
+        current = index.submodel(current, "model") or current
+    return current

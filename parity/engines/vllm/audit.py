@@ -1,0 +1,109 @@
+"""`parity audit --engine vllm`: vLLM's DeepStack models against its graph modes.
+
+Read from the installed source (docs/engines/vllm-0.33.md §2, §3):
+- a model class is served under the architectures `model_executor/models/registry.py` maps to it;
+- it keeps DeepStack in persistent per-model buffers when its class (or an ancestor) defines
+  `_set_deepstack_input_embeds`; the step's rows are copied in before the forward, the forward
+  reads views of them, and `_clear_deepstack_input_embeds` zeroes them from the Python `forward`;
+- NONE runs that `forward`; PIECEWISE runs it between the compiled pieces; FULL and breakable
+  graphs replay the whole forward without Python, so the clear never runs there and a later step
+  reads rows an earlier one left (a leak, not a drop: the buffers are the graph's own inputs);
+- parity's fix (`deepstack_clear.py`) wraps the setter of the class named in the plugin's targets
+  and the per-step input preparation: it covers a class whose setter *is* that one. A class with a
+  setter of its own is not covered;
+- DeepStack that reaches the language model any other way (a per-call tensor) is not analysed.
+"""
+
+from __future__ import annotations
+
+from parity.audit.report import COVERED, EAGER, LEAKS, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
+from parity.audit.source_index import SourceIndex
+from parity.engines.vllm import deepstack_clear
+from parity.engines.vllm.plugin import TARGETS
+
+PACKAGE = "vllm"
+MODELS = "model_executor.models"
+REGISTRY = f"{MODELS}.registry"
+SETTER, GET, CLEAR = "_set_deepstack_input_embeds", "_get_deepstack_input_embeds", "_clear_deepstack_input_embeds"
+NAMES = frozenset({SETTER, deepstack_clear.BUFFER_ATTR, "use_deepstack", "deepstack_visual_indexes"})
+NONE, PIECEWISE, FULL, BREAKABLE = "NONE", "PIECEWISE", "FULL", "breakable"
+MODES = (NONE, PIECEWISE, FULL, BREAKABLE)
+WHOLE_FORWARD = (FULL, BREAKABLE)  # modes that replay the forward without running its Python
+
+
+def _fixed_setter() -> str | None:
+    """`models.qwen3_vl.Qwen3VLForConditionalGeneration`: the class whose setter parity's fix wraps."""
+    target = next((t for t in TARGETS if t.method == SETTER and t.fix_wrapper), None)
+    return None if target is None else f"{target.module.removeprefix(PACKAGE + '.')}.{target.cls}"
+
+
+def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...]]:
+    registry = index.module(REGISTRY)
+    if registry is None:
+        return (), (f"{REGISTRY} not found: this is not the vLLM parity knows (0.33.0)",)
+    classes: dict[str, list[str]] = {}
+    for node in registry.assignments.values():
+        for key, value in zip(getattr(node, "keys", []), getattr(node, "values", [])):
+            parts = [getattr(e, "value", None) for e in getattr(value, "elts", [])]
+            arch = getattr(key, "value", None)
+            if len(parts) == 2 and all(isinstance(p, str) for p in parts) and isinstance(arch, str):
+                classes.setdefault(f"{MODELS}.{parts[0]}.{parts[1]}", []).append(arch)
+    rows = tuple(row for qualname, archs in sorted(classes.items())
+                 if (row := _row(index, qualname, tuple(archs))) is not None)
+    fixed = _fixed_setter()
+    facts = (
+        f"{REGISTRY}: the architectures each class serves",
+        f"{SETTER} copies a step's rows into the persistent `{deepstack_clear.BUFFER_ATTR}` buffers; "
+        f"{CLEAR} zeroes them from the Python forward, which {NONE} and {PIECEWISE} run and "
+        f"{FULL} and {BREAKABLE} graphs replay without",
+        f"parity's fix wraps {fixed}.{SETTER} and DefaultModelState.prepare_inputs_embeds "
+        "(parity/engines/vllm/plugin.py TARGETS): it covers the classes that use that setter",
+    )
+    return rows, facts
+
+
+def _row(index: SourceIndex, qualname: str, archs: tuple[str, ...]) -> AuditRow | None:
+    if index.cls(qualname) is None or not index.mentions(qualname, NAMES):
+        return None
+    module, name = qualname.rsplit(".", 2)[-2:]
+    setter = index.defining(qualname, SETTER)
+    switch = index.sets(qualname, "use_deepstack")
+    forward = index.defining(qualname, "forward")
+    calls = forward.methods["forward"].calls if forward else frozenset()
+    if switch is not None and switch.constants.get("use_deepstack") is False:
+        return _no_input(module, name, archs, "switched off", f"{switch.name} sets use_deepstack = False")
+    if setter is None and not index.mentions(qualname, frozenset({deepstack_clear.BUFFER_ATTR})):
+        return _no_input(module, name, archs, "not a language-model input", "used outside the LM")
+    if setter is None:
+        cells = tuple(ModeCell(m, EAGER, EAGER, "no graph") if m == NONE else
+                      ModeCell(m, UNKNOWN, UNKNOWN, "DeepStack reaches the LM as a per-call tensor, not the "
+                               "buffers the audit knows") for m in MODES)
+        return AuditRow(module, name, archs, "LM input, passed another way (no buffers)", True, "not analysed",
+                        cells, "nothing it knows to carry")
+    if GET not in calls:
+        return _no_input(module, name, archs, "computed, never read by its forward",
+                         f"{forward.name if forward else name}.forward never calls {GET}: ignored eagerly too")
+    cleared_in_forward = CLEAR in calls
+    fix_covers = setter.qualname == _fixed_setter()
+    cells = tuple(_cell(m, cleared_in_forward, fix_covers) for m in MODES)
+    buffers = f"`{deepstack_clear.BUFFER_ATTR}`, " + (
+        f"cleared by {CLEAR} in {forward.name}.forward" if cleared_in_forward else "never cleared")
+    method = f"{setter.name}.{SETTER}: " + ("the one the fix wraps" if fix_covers else "its own, not wrapped")
+    return AuditRow(module, name, archs, f"LM side input, buffers ({setter.name}.{SETTER})", True, buffers,
+                    cells, method)
+
+
+def _no_input(module: str, name: str, archs: tuple[str, ...], how: str, why: str) -> AuditRow:
+    cells = tuple(ModeCell(m, NOT_AN_INPUT, NOT_AN_INPUT, why) for m in MODES)
+    return AuditRow(module, name, archs, how, False, "none", cells, "nothing to carry")
+
+
+def _cell(mode: str, cleared_in_forward: bool, fix_covers: bool) -> ModeCell:
+    if mode == NONE:
+        return ModeCell(mode, EAGER, EAGER, "no graph")
+    if mode not in WHOLE_FORWARD and cleared_in_forward:
+        return ModeCell(mode, COVERED, COVERED, "the Python forward runs between the pieces and clears the rows")
+    fixed = COVERED if fix_covers else LEAKS
+    why = ("the whole forward replays, so its clear never runs: later steps read earlier rows"
+           if cleared_in_forward else "nothing clears the buffers")
+    return ModeCell(mode, LEAKS, fixed, why)

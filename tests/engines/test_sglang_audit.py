@@ -1,0 +1,80 @@
+"""`parity audit --engine sglang` against the installed SGLang 0.5.23 (CI's second stage): the rows it
+reads from the real source, and the command's exit code and formats.
+
+What the rows assert was read by hand in the same files (docs/engines/sglang-0.5.23.md §1.2, §6):
+Qwen3-VL is not on the multimodal allowlist, an explicit prefill graph replays it with no DeepStack
+input, and the Omni wrapper the runner serves does not carry `num_deepstack_embeddings` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from parity.audit.command import run_audit
+from parity.audit.report import COVERED, DROPPED, EAGER
+from tests.engines.servers import SGLANG_VERSION, installed
+
+_FOUND = installed("sglang")
+pytestmark = [
+    pytest.mark.real_sglang,
+    pytest.mark.skipif(_FOUND != SGLANG_VERSION, reason=f"needs sglang=={SGLANG_VERSION} (found {_FOUND}); "
+                       "scripts/setup_sglang_env.sh sets up an environment that has it"),
+]
+DEFAULT, BREAKABLE, FULL = "breakable (default)", "breakable (explicit)", "full (explicit)"
+
+
+@pytest.fixture(scope="module")
+def report():
+    return run_audit("sglang")
+
+
+def cells(report, module: str, with_fix: bool = False) -> dict[str, str]:
+    row = report.row(module)
+    assert row is not None, f"no row for {module}: {[r.module for r in report.rows]}"
+    return {c.mode: c.outcome(with_fix) for c in row.modes}
+
+
+@pytest.mark.parametrize("module", ["qwen3_vl", "qwen3_vl_moe"])
+def test_qwen3_vl_models_drop_deepstack_when_replayed_and_parity_s_slot_covers_them(report, module) -> None:
+    row = report.row(module)
+    assert row.side_input and "input_deepstack_embeds" in row.deepstack
+    assert cells(report, module) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
+    assert cells(report, module, with_fix=True) == {DEFAULT: EAGER, BREAKABLE: COVERED, FULL: COVERED}
+    assert "num_deepstack_embeddings" in row.method and "present" in row.method
+
+
+def test_the_omni_wrapper_consumes_deepstack_through_its_thinker_and_the_slot_misses_it(report) -> None:
+    row = report.row("qwen3_omni_moe")
+    assert row.model_class == "Qwen3OmniMoeForConditionalGeneration"
+    assert row.side_input and "Qwen3MoeLLMModel" in row.deepstack  # thinker.model, as the runner resolves it
+    assert cells(report, "qwen3_omni_moe") == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
+    # parity's slot reads num_deepstack_embeddings from the served model; only the thinker sets it.
+    assert cells(report, "qwen3_omni_moe", with_fix=True) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
+    assert "absent" in row.method and "Thinker" in row.method
+
+
+def test_allowlisted_and_gated_architectures(report) -> None:
+    # Qwen3.5 is on the allowlist: its image prefills replay by default (and drop DeepStack there).
+    assert cells(report, "qwen3_5")[DEFAULT] == DROPPED
+    # can_replay_locally keeps Qwen4Exp's multimodal prefills eager under breakable, not under full.
+    assert cells(report, "qwen4_exp") == {DEFAULT: EAGER, BREAKABLE: EAGER, FULL: DROPPED}
+    # DeepStack inside a vision tower only is no side input: nothing to carry.
+    assert not report.row("moss_vl").side_input
+
+
+def test_the_command_exits_1_and_says_so_in_every_format() -> None:
+    def audit(*args):
+        return subprocess.run([sys.executable, "-m", "parity", "audit", "--engine", "sglang", *args],
+                              capture_output=True, text=True, timeout=300)
+
+    table, markdown, as_json = audit(), audit("--format", "markdown"), audit("--format", "json")
+    assert (table.returncode, markdown.returncode, as_json.returncode) == (1, 1, 1), table.stderr
+    assert "qwen3_omni_moe" in table.stdout and "dropped" in table.stdout
+    assert "| `qwen3_vl` | `Qwen3VLForConditionalGeneration` |" in markdown.stdout
+    data = json.loads(as_json.stdout)
+    assert data["exit_code"] == 1 and data["version"] == SGLANG_VERSION
+    assert {"qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe"} <= {r["module"] for r in data["rows"]}
