@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from parity import __version__
 from parity.audit.command import audit
+from parity.listings import arms, fixtures, models
 from parity.cli_options import (
     LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
     tie_margin, warn_ignored,
@@ -92,6 +93,8 @@ def cli() -> None:
               help="`all` or a comma list of arm names (four-arm scenario only).")
 @click.option("--fixture", "fixture_names", multiple=True, help="Built-in fixture name or `all` (repeatable; default rgb-stripes).")
 @click.option("--image", "images", multiple=True, help="A user image file, used as a fixture (repeatable).")
+@click.option("--video", "videos", multiple=True,
+              help="A built-in video (`parity fixtures`), `all` of them, or a video file PyAV or Pillow reads (repeatable).")
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=positive)
@@ -165,7 +168,7 @@ def run(**options) -> None:
                          "--scenario four-arm to choose arms")
     spec = RunSpec(
         model=o["model"], arms=select_arms(o["arm_selection"]),
-        cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"]),
+        cases=build_cases(o["fixture_names"], o["images"], o["prompt_texts"], o["prompts_file"], o["videos"]),
         scenarios=scenarios,
         max_new_tokens=o["max_new_tokens"], logprob_tol=o["logprob_tol"], tie_margin=o["tie_margin"],
         repeat=o["repeat"], localize_threshold=o["localize_threshold"],
@@ -269,14 +272,15 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero:
 @click.argument("results_file")
 @click.option("--case", "case_id", help="Only this case (default: every case whose bcg arm disagrees with eager).")
 @click.option("--image", "images", multiple=True, help="A user image the run used (matched by sha256; repeatable).")
+@click.option("--video", "videos", multiple=True, help="A user video the run used (matched by sha256; repeatable).")
 @click.option("--localize-threshold", default="auto", show_default=True, callback=auto_or_number(0.0, False),
               help="auto (the run's threshold, else the dtype's default) or a number: the first layer whose "
                    "relative error exceeds it is named.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None, help="Default: the run's device.")
 @click.option("--json", "as_json", is_flag=True, help="Print the localizations as JSON.")
 @click.option("--write", is_flag=True, help="Store the localizations in the results file, the plots beside it.")
-def localize(results_file: str, case_id: str | None, images: tuple[str, ...], localize_threshold: float | None,
-             device: str | None, as_json: bool, write: bool) -> None:
+def localize(results_file: str, case_id: str | None, images: tuple[str, ...], videos: tuple[str, ...],
+             localize_threshold: float | None, device: str | None, as_json: bool, write: bool) -> None:
     """Say where a failing case's graph replay first leaves eager: the first divergent layer.
 
     Reloads the run's model (transformers backend), rebuilds each failing case's requests, replays
@@ -287,8 +291,8 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], lo
     from parity.reporting.report import localization_json, localization_lines
     from parity.reporting.text import visible
 
-    result = localize_results(LocalizeOptions(Path(results_file), case_id, tuple(images), localize_threshold,
-                                              device, write))
+    result = localize_results(LocalizeOptions(Path(results_file), case_id, tuple(images), tuple(videos),
+                                              localize_threshold, device, write))
     cases = [c for c in result.run.cases if c.id in result.case_ids]
     if as_json:
         click.echo(localization_json(cases))
@@ -354,44 +358,8 @@ def compare(before_file: str, after_file: str, fmt: str) -> None:
     sys.exit(exit_code(result.after_verdict))
 
 
-@cli.command()
-@click.option("--write", "write_dir", help="Write the fixtures as PNG files into this folder.")
-def fixtures(write_dir: str | None) -> None:
-    """List the built-in fixtures (name, size, sha256 of the raw RGB pixels, their twin's) and their prompts."""
-    from parity.fixtures import builtin_fixtures, load_prompts, write_pngs
-
-    prompts = load_prompts()
-    for fixture in builtin_fixtures():
-        size = "{}x{}".format(*fixture.size)
-        ids = ", ".join(p.id for p in prompts.get(fixture.name, ()))
-        click.echo(f"{fixture.name:16} {size:8} {fixture.sha256}  twin {fixture.twin().sha256[:12]}…  prompts: {ids}")
-    if write_dir:
-        try:
-            for path in write_pngs(write_dir):
-                click.echo(f"wrote {path}")
-        except OSError as err:
-            raise UsageError(f"--write {write_dir}: cannot write there ({err.strerror or err})") from None
-
-
-@cli.command()
-def arms() -> None:
-    """List the arm definitions (name, mode, DeepStack action, description)."""
-    from parity.arms import load_arms
-
-    for spec in load_arms().values():
-        click.echo(f"{spec.name:22} {spec.mode:6} deepstack={spec.deepstack:7} {spec.description}")
-
-
-@cli.command()
-def models() -> None:
-    """List the embedded model presets (no download); any Qwen3-VL checkpoint id or path also works."""
-    from parity.presets import PRESETS
-
-    for preset in PRESETS.values():
-        click.echo(f"{preset.name:26} {preset.description}")
-
-
-cli.add_command(audit)
+for listing in (audit, fixtures, arms, models):
+    cli.add_command(listing)
 
 
 def main() -> None:

@@ -211,7 +211,7 @@ def _references(case: PlannedCase, request: int, name: str, collected: _Collecte
 # --- into results ----------------------------------------------------------------------------------
 
 def _fixture_info(fixture: Fixture | None) -> FixtureInfo | None:
-    return None if fixture is None else FixtureInfo(fixture.name, fixture.sha256, fixture.size)
+    return None if fixture is None else FixtureInfo(fixture.name, fixture.sha256, fixture.size, len(fixture.frames))
 
 
 def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:

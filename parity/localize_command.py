@@ -18,6 +18,7 @@ from parity.engines import registry
 from parity.errors import UsageError
 from parity.design import RUNNER_VARIANTS, SEQUENCE_REQUESTS
 from parity.fixtures import LAYOUT_SIZES, Fixture, builtin_fixture, builtin_names, image_fixture
+from parity.videos import video_fixture
 from parity.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
 from parity.results.loader import load_results
@@ -32,6 +33,7 @@ class LocalizeOptions:
     results: Path
     case: str | None = None  # None: every case whose bcg arm disagrees with eager
     images: tuple[str, ...] = ()  # the run's user images (matched by sha256)
+    videos: tuple[str, ...] = ()  # and its user videos
     threshold: float | None = None  # None: the run's, else the dtype's default
     device: str | None = None  # None: the run's
     write: bool = False
@@ -55,7 +57,7 @@ def localize_results(options: LocalizeOptions) -> Localized:
     cases = _selected(run, options.case)
     if not cases:
         return Localized(run, ())
-    user = _user_fixtures(options.images)
+    user = _user_fixtures(options.images, options.videos)
     requests = {case.id: _requests(case, user) for case in cases}
     backend = _backend(run, options.device, requests)
     try:
@@ -103,9 +105,9 @@ def _selected(run: RunResult, case_id: str | None) -> list[CaseResult]:
 
 # --- requests ------------------------------------------------------------------------------------
 
-def _user_fixtures(paths: Sequence[str]) -> list[Fixture]:
-    """The given images and their twins (a stream case's third request)."""
-    images = [image_fixture(path) for path in paths]
+def _user_fixtures(paths: Sequence[str], videos: Sequence[str] = ()) -> list[Fixture]:
+    """The given images and videos, and their twins (a stream case's third request)."""
+    images = [image_fixture(path) for path in paths] + [video_fixture(path) for path in videos]
     return images + [image.twin() for image in images]
 
 
@@ -124,7 +126,7 @@ def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) ->
     same = [f for f in user if _matches(f, info)]
     if same:
         return dataclasses.replace(same[0], name=info.name)
-    known = builtin_names(twins=True)
+    known = builtin_names(twins=True, videos=True)
     if info.name in known:
         fixture = builtin_fixture(info.name)
         if _matches(fixture, info):
@@ -137,11 +139,15 @@ def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) ->
     if same:
         return dataclasses.replace(same[0], name=info.name)
     if info.name in known:
-        raise UsageError(f"case {case_id}: image {info.name!r} has sha256 {info.sha256[:16]}… in the file, but "
-                         f"parity's built-in {info.name!r} has {builtin_fixture(info.name).sha256[:16]}…; give the "
-                         "image the run used with --image")
-    raise UsageError(f"case {case_id}: user image {info.name!r} (sha256 {info.sha256[:16]}…) was not given; "
-                     "pass it with --image PATH")
+        raise UsageError(f"case {case_id}: {info.kind} {info.name!r} has sha256 {info.sha256[:16]}… in the file, "
+                         f"but parity's built-in {info.name!r} has {builtin_fixture(info.name).sha256[:16]}…; give "
+                         f"the {_option(info)[2:]} the run used with {_option(info)}")
+    raise UsageError(f"case {case_id}: user {_option(info)[2:]} {info.name!r} (sha256 {info.sha256[:16]}…) was not "
+                     f"given; pass it with {_option(info)} PATH")
+
+
+def _option(info: FixtureInfo) -> str:
+    return "--video" if info.frames else "--image"
 
 
 def _matches(fixture: Fixture, info: FixtureInfo) -> bool:

@@ -23,6 +23,7 @@ from parity.errors import UsageError
 from parity.experiment import RunInterrupted, run_experiment
 from parity.planning import CaseSpec, RunSpec, planned_arm_runs
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
+from parity.videos import builtin_video, builtin_videos, is_video_name, video_fixture
 from parity.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary, step_summary_wanted
 from parity.reporting.progress import progress_display
@@ -45,20 +46,28 @@ class OutputOptions:
 
 
 def build_cases(fixture_names: Sequence[str], images: Sequence[str], prompt_texts: Sequence[str],
-                prompts_file: str | None) -> tuple[CaseSpec, ...]:
-    fixtures = _unique_names(_fixtures(fixture_names, images))
+                prompts_file: str | None, videos: Sequence[str] = ()) -> tuple[CaseSpec, ...]:
+    fixtures = _unique_names(_fixtures(fixture_names, images, videos))
     prompts = _user_prompts(prompt_texts, prompts_file)
     # Every fixture x prompt is a case; without user prompts, each fixture's first own prompt.
     return tuple(CaseSpec(f, p) for f in fixtures for p in (prompts or default_prompts(f)[:1]))
 
 
-def _fixtures(names: Sequence[str], images: Sequence[str]) -> list[Fixture]:
+def _fixtures(names: Sequence[str], images: Sequence[str], videos: Sequence[str] = ()) -> list[Fixture]:
     for name in names:
         if name != "all":
             builtin_fixture(name)  # every name is checked, also next to `all`
     chosen = builtin_fixtures() if "all" in names else [builtin_fixture(n) for n in dict.fromkeys(names)]
     chosen += [image_fixture(path) for path in images]
+    chosen += [video for given in videos for video in _videos(given)]
     return chosen or [builtin_fixture(DEFAULT_FIXTURE)]
+
+
+def _videos(given: str) -> list[Fixture]:
+    """`--video`: a file (first, so a file named like a built-in is read), `all` built-in videos, or one."""
+    if Path(given).exists() or not (given == "all" or is_video_name(given)):
+        return [video_fixture(given)]
+    return builtin_videos() if given == "all" else [builtin_video(given)]
 
 
 def _unique_names(fixtures: list[Fixture]) -> list[Fixture]:
@@ -152,10 +161,22 @@ class RunStopped(Exception):
         self.message = message
 
 
+def check_media(spec: RunSpec, backend: str) -> None:
+    """A video on a backend that does not serve video yet: exit 2 with the reason, before any server starts."""
+    from parity.engines.registry import BACKENDS
+
+    videos = [c.fixture.name for c in spec.cases if c.fixture is not None and c.fixture.is_video]
+    why = BACKENDS[backend].no_video
+    if videos and why:
+        raise UsageError(f"--backend {backend} does not serve video requests ({', '.join(videos)}): {why}; "
+                         "run videos with --backend transformers")
+
+
 def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
     """Run, write the run folder (results.json, report.md and JUnit first), show the verdict, then
     draw the plots. Ctrl-C or SIGTERM raises `RunStopped` after writing what finished; the caller
     holds every later signal off (`interrupts.first_stop_only`) until the files are written."""
+    check_media(spec, backend.name)
     existed = output.run_dir.exists()
     try:
         result = _run(spec, backend, output, console)

@@ -95,6 +95,7 @@ REAL_RUNS = {
     "repeat": ("--scenario", "all", "--repeat", "2"),
     "legacy": ("--scenario", "all", "--runner", "legacy"),
     "no-clear": ("--scenario", "all", "--runner", "no-clear"),
+    "video": ("--scenario", "all", "--video", "all"),
 }
 REAL_RUN_TOKENS = "8"
 

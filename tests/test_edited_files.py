@@ -143,6 +143,10 @@ EDITS = [
     ("default", lambda d: _set(d["config"], buckets=[16]), 2, "which config.buckets [16] does not list"),
     ("default", lambda d: _set(d["config"], buckets="most"), 2, "config.buckets must be 'auto' or a non-empty list"),
     ("default", lambda d: _set(d["config"], model=["tiny-qwen3-vl"]), 2, "config.model must be str, got list"),
+    # A video is its decoded frames: fewer frames, or none (an image), is not the built-in video.
+    ("video", lambda d: _set(_case(d)["fixture"], frames=3), 2, "3 frames) is not that fixture's"),
+    ("video", lambda d: _case(d)["fixture"].pop("frames"), 2, "0 frames) is not that fixture's"),
+    ("video", lambda d: _set(_case(d)["fixture"], frames=0), 2, "frames must be a video's frame count"),
 ]
 
 

@@ -57,9 +57,9 @@ class PrefixCache:
         self._entries.pop(action, None)
 
 
-def token_keys(input_ids: torch.Tensor, image_token_id: int, image_sha256: str | None) -> tuple[TokenKey, ...]:
-    """The prompt as the cache matches it: image tokens by their image, since the same placeholder
-    id stands for every image."""
+def token_keys(input_ids: torch.Tensor, image_token_id: int | None, image_sha256: str | None) -> tuple[TokenKey, ...]:
+    """The prompt as the cache matches it: image (or video) tokens by their pixels, since the same
+    placeholder id stands for every image."""
     return tuple((int(t), image_sha256 if int(t) == image_token_id else None) for t in input_ids.tolist())
 
 
@@ -184,13 +184,13 @@ class PromptServer:
         cache_key = cached = keys = values = None
         if serving.prefix_cache:
             image = None if request.fixture is None else request.fixture.sha256
-            cache_key = token_keys(prompt.input_ids, self._executor.adapter.config.image_token_id, image)
+            cache_key = token_keys(prompt.input_ids, prompt.visual_token, image)
             if serving.empty_cache:
                 self._prefix_cache.empty(tap_mode)
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
         chunks, hidden, ready, points = [], None, None, []
-        image_ids = prompt.input_ids == self._executor.adapter.config.image_token_id
+        image_ids = prompt.input_ids == (-1 if prompt.visual_token is None else prompt.visual_token)
         for window in windows:
             past = None if keys is None else Past.of(keys, values, window.end - window.start)
             if ready is None and runner is not None:
@@ -210,4 +210,4 @@ class PromptServer:
                       tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
-        return image_span(prompt.input_ids.tolist(), self._executor.adapter.config.image_token_id)
+        return image_span(prompt.input_ids.tolist(), prompt.visual_token)

@@ -21,15 +21,17 @@ class PreparedPrompt:
     input_ids: torch.Tensor  # [T] long
     input_embeds: torch.Tensor  # [T, H]
     positions: torch.Tensor  # [3, T] long (mRoPE t/h/w)
-    deepstack: torch.Tensor | None  # [T, H * n], zero outside image rows; None without image or n == 0
+    deepstack: torch.Tensor | None  # [T, H * n], zero outside visual rows; None without image/video or n == 0
+    visual_token: int | None = None  # the placeholder id of its image or video rows; None for text
 
 
 def chat_text(processor, fixture: Fixture | None, prompt: str) -> str:
-    """One user turn through the model's own chat template: the image placeholder, then the prompt.
+    """One user turn through the model's own chat template: the image or video placeholder, then
+    the prompt.
 
     Every backend builds its prompts here, so they all send the model the same text.
     """
-    content = ([{"type": "image"}] if fixture is not None else []) + [{"type": "text", "text": prompt}]
+    content = ([{"type": fixture.kind}] if fixture is not None else []) + [{"type": "text", "text": prompt}]
     messages = [{"role": "user", "content": content}]
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -60,6 +62,12 @@ class Qwen3VLAdapter:
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    def visual_token_id(self, fixture: Fixture | None) -> int | None:
+        """The placeholder token the processor expands for this request's image or video."""
+        if fixture is None:
+            return None
+        return self.config.video_token_id if fixture.is_video else self.config.image_token_id
+
     @property
     def max_positions(self) -> int:
         return int(self.config.text_config.max_position_embeddings)
@@ -70,12 +78,12 @@ class Qwen3VLAdapter:
         A request the processor refuses (an image too small or too elongated for its patching) is
         bad input, not a runtime failure: a `UsageError` naming the image.
         """
-        images = [fixture.image] if fixture is not None else None
+        media = {} if fixture is None else (
+            video_inputs(fixture, self.processor) if fixture.is_video else {"images": [fixture.image]})
         try:
-            return dict(self.processor(text=[chat_text(self.processor, fixture, prompt)], images=images,
-                                       return_tensors="pt"))
+            return dict(self.processor(text=[chat_text(self.processor, fixture, prompt)], return_tensors="pt", **media))
         except ValueError as err:
-            what = f"image {fixture.name!r} {fixture.size[0]}x{fixture.size[1]}" if fixture else "the prompt"
+            what = f"{fixture.kind} {fixture.name!r} {fixture.size[0]}x{fixture.size[1]}" if fixture else "the prompt"
             raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
 
     @torch.inference_mode()
@@ -86,21 +94,41 @@ class Qwen3VLAdapter:
         input_ids = inputs["input_ids"]  # [1, T]
         embeds = self.embed_tokens(input_ids)[0]
         deepstack = None
-        grid = inputs.get("image_grid_thw")
+        video = fixture is not None and fixture.is_video
+        grid = inputs.get("video_grid_thw" if video else "image_grid_thw")
         if fixture is not None:
-            vision = (encoder or self.visual)(inputs["pixel_values"].to(self.dtype), grid_thw=grid, return_dict=True)
-            image_rows = input_ids[0] == self.config.image_token_id
-            embeds[image_rows] = vision.pooler_output.to(self.dtype)
+            # Qwen3-VL encodes a video as it encodes an image (frames paired into temporal patches);
+            # its DeepStack goes to the video rows as an image's goes to the image rows.
+            pixels = inputs["pixel_values_videos" if video else "pixel_values"].to(self.dtype)
+            vision = (encoder or self.visual)(pixels, grid_thw=grid, return_dict=True)
+            visual_rows = input_ids[0] == self.visual_token_id(fixture)
+            embeds[visual_rows] = vision.pooler_output.to(self.dtype)
             if self.deepstack_count:
                 deepstack = embeds.new_zeros(embeds.shape[0], self.hidden_size * self.deepstack_count)
-                deepstack[image_rows] = torch.cat(list(vision.deepstack_features), dim=-1).to(self.dtype)
+                deepstack[visual_rows] = torch.cat(list(vision.deepstack_features), dim=-1).to(self.dtype)
         positions, _ = self._core.get_rope_index(
             input_ids,
             mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(input_ids)),
-            image_grid_thw=grid,
-            video_grid_thw=None,
+            image_grid_thw=None if video else grid,
+            video_grid_thw=grid if video else None,
         )
-        return PreparedPrompt(input_ids[0], embeds, positions[:, 0, :], deepstack)
+        return PreparedPrompt(input_ids[0], embeds, positions[:, 0, :], deepstack, self.visual_token_id(fixture))
+
+
+def video_inputs(fixture: Fixture, processor) -> dict:
+    """The processor's video arguments: every frame kept (no resampling), at the video's own rate,
+    so the timestamps in the prompt are the video's."""
+    from transformers.video_utils import VideoMetadata
+
+    count = len(fixture.frames)
+    metadata = VideoMetadata(total_num_frames=count, fps=fixture.fps, width=fixture.size[0],
+                             height=fixture.size[1], frames_indices=list(range(count)))
+    inputs = {"videos": [list(fixture.frames)], "video_metadata": [metadata], "do_sample_frames": False}
+    if hasattr(processor.video_processor, "cap_pixels_per_frame"):
+        # Keep every frame's pixels (the processor's default, said explicitly: the transformers
+        # releases that added the reference cap warn until it is chosen).
+        inputs["cap_pixels_per_frame"] = False
+    return inputs
 
 
 def _eos_ids(model: nn.Module) -> frozenset[int]:

@@ -166,7 +166,7 @@ def _md_summary(run: RunResult) -> str:
 def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True, images: bool = True) -> str:
     tol = run.logprob_tol
     fixture = "text only" if case.fixture is None else (
-        f"fixture {md_code(case.fixture.name)} {case.fixture.size[0]}×{case.fixture.size[1]}, "
+        f"{'video' if case.fixture.frames else 'fixture'} {md_code(case.fixture.name)} {case.fixture.dimensions}, "
         f"sha256 `{case.fixture.sha256}`")
     lines = [f"### {md_code(case.id)}: `{case.verdict.code}`\n", f"{md_text(case.verdict.reason)}\n",
              f"Scenario `{case.scenario}` · {fixture} · prompt: {md_code(case.prompt)}\n"]

@@ -105,6 +105,17 @@ class FixtureInfo:
     name: str
     sha256: str
     size: tuple[int, int]
+    frames: int = 0  # a video's frame count; 0 for an image
+
+    @property
+    def kind(self) -> str:
+        return "video" if self.frames else "image"
+
+    @property
+    def dimensions(self) -> str:
+        """`128×96`, or `96×64, 5 frames` for a video."""
+        size = f"{self.size[0]}×{self.size[1]}"
+        return f"{size}, {self.frames} frames" if self.frames else size
 
 
 @dataclass(frozen=True)
@@ -250,7 +261,10 @@ def comparison_to_json(c: Comparison) -> dict:
 def fixture_to_json(fixture: FixtureInfo | None) -> dict | None:
     if fixture is None:
         return None
-    return {"name": fixture.name, "sha256": fixture.sha256, "size": list(fixture.size)}
+    out = {"name": fixture.name, "sha256": fixture.sha256, "size": list(fixture.size)}
+    if fixture.frames:
+        out["frames"] = fixture.frames
+    return out
 
 
 def localization_to_json(loc: Localization) -> dict:

@@ -213,4 +213,7 @@ def read_fixture(raw: Any, where: str) -> FixtureInfo | None:
     if len(size) != 2:
         raise Invalid(f"{where}.size must be [width, height]")
     width, height = ints(size, f"{where}.size", minimum=1)
-    return FixtureInfo(get(raw, "name", str, where), get(raw, "sha256", str, where), (width, height))
+    frames = get(raw, "frames", int, where, optional=True)
+    if frames is not None and frames < 1:
+        raise Invalid(f"{where}.frames must be a video's frame count (1 or more), or absent for an image")
+    return FixtureInfo(get(raw, "name", str, where), get(raw, "sha256", str, where), (width, height), frames or 0)

@@ -76,10 +76,11 @@ def auto_tolerances_are_the_dtypes(run: RunResult) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def _builtin_pixels() -> dict[str, tuple[str, tuple[int, int]]]:
+def _builtin_pixels() -> dict[str, tuple[str, tuple[int, int], int]]:
     from parity.fixtures import builtin_fixture, builtin_names
 
-    return {name: (f.sha256, f.size) for name in builtin_names(twins=True) for f in (builtin_fixture(name),)}
+    return {name: (f.sha256, f.size, len(f.frames))
+            for name in builtin_names(twins=True, videos=True) for f in (builtin_fixture(name),)}
 
 
 def builtin_fixtures_are_theirs(run: RunResult) -> None:
@@ -95,10 +96,10 @@ def _check_builtin(where: str, fixture: FixtureInfo | None) -> None:
     if fixture is None:
         return
     known = _builtin_pixels().get(fixture.name)
-    if known is not None and known != (fixture.sha256, fixture.size):
+    if known is not None and known != (fixture.sha256, fixture.size, fixture.frames):
         raise Contradiction(f"{where} is named {fixture.name!r}, the built-in fixture, but its sha256 "
-                            f"{fixture.sha256[:12]}… (size {list(fixture.size)}) is not that fixture's "
-                            f"({known[0][:12]}…, size {list(known[1])})")
+                            f"{fixture.sha256[:12]}… (size {list(fixture.size)}, {fixture.frames} frames) is not "
+                            f"that fixture's ({known[0][:12]}…, size {list(known[1])}, {known[2]} frames)")
 
 
 def records_in_the_runs_dtype(run: RunResult) -> None:
