@@ -99,11 +99,9 @@ def video_fixture(path: str | Path) -> Fixture:
 
 
 def _has_av() -> bool:
-    try:
-        import av  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
 
 
 def _decode_av(path: Path) -> tuple[list[Image.Image] | None, float | None]:
