@@ -95,6 +95,8 @@ def cli() -> None:
 @click.option("--image", "images", multiple=True, help="A user image file, used as a fixture (repeatable).")
 @click.option("--video", "videos", multiple=True,
               help="A built-in video (`parity fixtures`), `all` of them, or a video file PyAV or Pillow reads (repeatable).")
+@click.option("--audio", "audios", multiple=True,
+              help="audio-tone or a WAV file, for a model that takes audio: audio-only cases, judged before any arm.")
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
 @click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=positive)
@@ -190,6 +192,10 @@ def run(**options) -> None:
     )
     warn_ignored(click.get_current_context(), backend.name)
     check_runnable(o["model"])  # a model with nothing to prove is said so before any arm
+    if o["audios"]:
+        from parity.run_command import judge_audio_only
+
+        judge_audio_only(o, backend)
     note = plan_note(spec, o["model"])
     if note:
         click.echo(note, err=True)

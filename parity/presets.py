@@ -43,6 +43,11 @@ PRESETS: dict[str, TinyPreset] = {
             deepstack_layers=0, model_type="qwen3_5",
         ),
         TinyPreset(
+            "tiny-qwen3-omni",
+            "Qwen3-Omni's MoE thinker (images, video and audio; 4 experts, top-2), DeepStack after 3 layers",
+            moe=True, model_type="qwen3_omni_moe_thinker",
+        ),
+        TinyPreset(
             "mid-qwen3-vl",
             "hidden 1024, 8 layers: a mid-size dense preset for GPU timings (slow on CPU)",
             hidden_size=1024,

@@ -19,7 +19,7 @@ from rich.markup import escape
 
 from parity.backends.options import BackendOptions
 from parity.engines.registry import create_backend
-from parity.errors import UsageError
+from parity.errors import NothingToProve, UsageError
 from parity.experiment import RunInterrupted, run_experiment
 from parity.planning import CaseSpec, RunSpec, planned_arm_runs
 from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
@@ -34,6 +34,7 @@ from parity.textfiles import TooLarge, read_text_capped
 
 # A prompts file is a few lines; a megabyte of prompts is thousands of cases, far past any run.
 MAX_PROMPTS_BYTES = 1024 * 1024
+AUDIO_PROMPT = Prompt("describe", "Describe what you hear in one sentence.")
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,35 @@ class RunStopped(Exception):
         super().__init__(message)
         self.exit_code = exit_code_of(signum)
         self.message = message
+
+
+def judge_audio_only(options: dict, backend: BackendOptions) -> None:
+    """`--audio`: audio-only cases, judged before any arm. The model must take audio; each clip is
+    prepared with each prompt, and when none carries a DeepStack row (audio has none) the run is
+    INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm."""
+    from parity.audio import audio_clip
+    from parity.models import load_model
+
+    if options["fixture_names"] or options["images"] or options["videos"]:
+        raise UsageError("--audio makes audio-only cases, which have no DeepStack to prove; run them apart from "
+                         "--fixture, --image and --video")
+    if backend.name != "transformers":
+        raise UsageError(f"--audio is judged by the transformers backend only, not --backend {backend.name}")
+    clips = [audio_clip(given) for given in options["audios"]]
+    prompts = _user_prompts(options["prompt_texts"], options["prompts_file"]) or (AUDIO_PROMPT,)
+    loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)
+    if not loaded.adapter.takes_audio:
+        raise UsageError(f"--audio: {backend.model} takes no audio; a model with an audio tower does (tiny-qwen3-omni)")
+    for clip in clips:
+        for prompt in prompts:
+            deepstack = loaded.adapter.prepare(None, prompt.text, audio=clip).deepstack
+            if deepstack is not None and bool(deepstack.any()):
+                raise UsageError(f"--audio {clip.name}: {backend.model} adds DeepStack to audio rows; parity does "
+                                 "not run audio arms yet")
+    names = ", ".join(f"{c.name} ({c.seconds:.1f} s, sha256 {c.sha256[:12]}…)" for c in clips)
+    raise NothingToProve(f"{len(clips) * len(prompts)} audio-only case(s), {names}: audio adds no DeepStack in "
+                         f"{backend.model} (each prepared request has no DeepStack row), so no arm could show what "
+                         "DeepStack does under graph replay; nothing ran")
 
 
 def check_media(spec: RunSpec, backend: str) -> None:

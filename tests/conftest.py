@@ -60,6 +60,11 @@ def tiny_moe() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_omni() -> LoadedModel:
+    return load_model("tiny-qwen3-omni")
+
+
+@pytest.fixture(scope="session")
 def tiny_nodeepstack() -> LoadedModel:
     return load_model("tiny-qwen3-vl-nodeepstack")
 

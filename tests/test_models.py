@@ -21,7 +21,7 @@ def _eager(loaded, deepstack="normal", fixture="rgb-stripes", prompt=PROMPT, for
         return session.generate(Request(builtin_fixture(fixture) if fixture else None, prompt), deepstack, force)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_omni"])
 def test_eager_reference_equals_hf_generate(preset, request):
     adapter = request.getfixturevalue(preset).adapter
     inputs = adapter.processor_inputs(builtin_fixture("rgb-stripes"), PROMPT)
@@ -36,10 +36,11 @@ def test_eager_reference_equals_hf_generate(preset, request):
     assert max(abs(a - b) for a, b in zip(mine.forced[0], mine.token_logprobs)) <= 1e-5
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_nodeepstack"])
-def test_lm_body_logits_equal_hf_forward(preset, request):
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe", "tiny_nodeepstack", "tiny_omni"])
+@pytest.mark.parametrize("fixture_name", ["checkerboard", "video-bouncing-bar"])
+def test_lm_body_logits_equal_hf_forward(preset, fixture_name, request):
     adapter = request.getfixturevalue(preset).adapter
-    fixture = builtin_fixture("checkerboard")
+    fixture = builtin_fixture(fixture_name)
     inputs = adapter.processor_inputs(fixture, PROMPT)
     prepared = adapter.prepare(fixture, PROMPT)
     with torch.no_grad():

@@ -18,7 +18,7 @@ from parity.models import load_model
 from parity.presets import PRESETS
 
 SEEDS = range(5)
-WITH_DEEPSTACK = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")
+WITH_DEEPSTACK = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3-omni")
 TIE_MARGIN = 0.1  # design §2: a divergence within this is a coin flip of noise
 POWER_MARGIN = 0.5  # what "well above a tie" means here
 # Fixtures whose first prompt is padded the least (31 -> 32) and the most (49 -> 64).

@@ -11,6 +11,10 @@ import torch
 
 from parity.errors import UsageError
 from parity.models.checkpoint import SUPPORTED_MODEL_TYPES, check_architecture, load_checkpoint
+
+# Families parity builds as embedded presets but does not load from a checkpoint (a released
+# Qwen3-Omni checkpoint holds the thinker inside a larger model with a talker).
+EMBEDDED_ONLY_MODEL_TYPES = ("qwen3_omni_moe_thinker",)
 from parity.models.qwen3_vl import Qwen3VLAdapter
 from parity.presets import DEFAULT_MODEL, PRESETS
 
@@ -64,7 +68,7 @@ def load_model(
     else:
         model, processor = load_checkpoint(name, torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
-    if model.config.model_type == "qwen3_vl_moe":
+    if model.config.model_type in ("qwen3_vl_moe", "qwen3_omni_moe_thinker"):
         # Batched expert matmuls have no data-dependent shapes or host syncs, so a CUDA graph can
         # capture the body; eager arms use the same kernels, so the comparison stays fair.
         model.set_experts_implementation("batched_mm")
@@ -75,11 +79,11 @@ def check_runnable(name: str) -> None:
     """Before any arm: an embedded preset of a family parity only judges by its config (a Qwen3.5
     without DeepStack) gets that judgement now (checkpoints get it where their config is loaded)."""
     preset = PRESETS.get(name)
-    if preset is None or preset.model_type in SUPPORTED_MODEL_TYPES:
+    if preset is None or preset.model_type in SUPPORTED_MODEL_TYPES + EMBEDDED_ONLY_MODEL_TYPES:
         return
     from parity.models.tiny import build_config, build_tokenizer
 
-    check_architecture(name, build_config(preset, build_tokenizer()))
+    check_architecture(name, build_config(preset, build_tokenizer(preset)))
 
 
 def _build_preset(name: str, seed: int):
@@ -93,5 +97,6 @@ def _built_preset(name: str, seed: int):
     """Built once per process and seed: the tokenizer training and processor set-up dominate a tiny run."""
     from parity.models.tiny import build_model, build_processor, build_tokenizer
 
-    tokenizer = build_tokenizer()
-    return build_model(dataclasses.replace(PRESETS[name], seed=seed), tokenizer), build_processor(tokenizer)
+    preset = dataclasses.replace(PRESETS[name], seed=seed)
+    tokenizer = build_tokenizer(preset)
+    return build_model(preset, tokenizer), build_processor(tokenizer, preset)

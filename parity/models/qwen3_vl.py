@@ -5,6 +5,7 @@ Eager and graph arms share everything here; only the LM body call differs (trans
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from parity.errors import UsageError
+from parity.audio import AudioClip
 from parity.fixtures import Fixture
 from parity.lm_body import Qwen3VLTextBody
 
@@ -25,13 +27,14 @@ class PreparedPrompt:
     visual_token: int | None = None  # the placeholder id of its image or video rows; None for text
 
 
-def chat_text(processor, fixture: Fixture | None, prompt: str) -> str:
-    """One user turn through the model's own chat template: the image or video placeholder, then
-    the prompt.
+def chat_text(processor, fixture: Fixture | None, prompt: str, audio: bool = False) -> str:
+    """One user turn through the model's own chat template: the image or video placeholder (and
+    the audio's), then the prompt.
 
     Every backend builds its prompts here, so they all send the model the same text.
     """
-    content = ([{"type": fixture.kind}] if fixture is not None else []) + [{"type": "text", "text": prompt}]
+    content = ([{"type": fixture.kind}] if fixture is not None else []) + ([{"type": "audio"}] if audio else [])
+    content += [{"type": "text", "text": prompt}]
     messages = [{"role": "user", "content": content}]
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
@@ -72,7 +75,11 @@ class Qwen3VLAdapter:
     def max_positions(self) -> int:
         return int(self.config.text_config.max_position_embeddings)
 
-    def processor_inputs(self, fixture: Fixture | None, prompt: str) -> dict:
+    @property
+    def takes_audio(self) -> bool:
+        return hasattr(self._core, "audio_tower")
+
+    def processor_inputs(self, fixture: Fixture | None, prompt: str, audio: AudioClip | None = None) -> dict:
         """What the model's own processor makes of the request (also fed to HF `generate` in tests).
 
         A request the processor refuses (an image too small or too elongated for its patching) is
@@ -80,19 +87,28 @@ class Qwen3VLAdapter:
         """
         media = {} if fixture is None else (
             video_inputs(fixture, self.processor) if fixture.is_video else {"images": [fixture.image]})
+        if audio is not None:
+            media["audio"] = [audio.samples]
+        text = chat_text(self.processor, fixture, prompt, audio is not None)
         try:
-            return dict(self.processor(text=[chat_text(self.processor, fixture, prompt)], return_tensors="pt", **media))
+            return dict(self.processor(text=[text], return_tensors="pt", **media))
         except ValueError as err:
             what = f"{fixture.kind} {fixture.name!r} {fixture.size[0]}x{fixture.size[1]}" if fixture else "the prompt"
             raise UsageError(f"the model's processor refuses {what}: {str(err).strip().splitlines()[0]}") from None
 
     @torch.inference_mode()
-    def prepare(self, fixture: Fixture | None, prompt: str, encoder: Callable[..., Any] | None = None) -> PreparedPrompt:
-        """The request's LM inputs; `encoder` stands in for the vision tower (encoder graphs)."""
+    def prepare(self, fixture: Fixture | None, prompt: str, encoder: Callable[..., Any] | None = None,
+                audio: AudioClip | None = None) -> PreparedPrompt:
+        """The request's LM inputs; `encoder` stands in for the vision tower (encoder graphs).
+        Audio (a model that takes it) fills its rows from the audio tower and adds no DeepStack."""
         inputs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                  for k, v in self.processor_inputs(fixture, prompt).items()}
+                  for k, v in self.processor_inputs(fixture, prompt, audio).items()}
         input_ids = inputs["input_ids"]  # [1, T]
         embeds = self.embed_tokens(input_ids)[0]
+        if audio is not None:
+            heard = self._core.get_audio_features(inputs["input_features"].to(self.dtype),
+                                                  inputs["feature_attention_mask"], return_dict=True)
+            embeds[input_ids[0] == self.config.audio_token_id] = heard.last_hidden_state.to(self.dtype)
         deepstack = None
         video = fixture is not None and fixture.is_video
         grid = inputs.get("video_grid_thw" if video else "image_grid_thw")
@@ -106,13 +122,27 @@ class Qwen3VLAdapter:
             if self.deepstack_count:
                 deepstack = embeds.new_zeros(embeds.shape[0], self.hidden_size * self.deepstack_count)
                 deepstack[visual_rows] = torch.cat(list(vision.deepstack_features), dim=-1).to(self.dtype)
-        positions, _ = self._core.get_rope_index(
-            input_ids,
-            mm_token_type_ids=inputs.get("mm_token_type_ids", torch.zeros_like(input_ids)),
-            image_grid_thw=None if video else grid,
-            video_grid_thw=grid if video else None,
-        )
+        positions = self._positions(inputs, None if video else grid, grid if video else None)
         return PreparedPrompt(input_ids[0], embeds, positions[:, 0, :], deepstack, self.visual_token_id(fixture))
+
+    def _positions(self, inputs: dict, image_grid, video_grid) -> torch.Tensor:
+        return _rope_index(self._core, inputs, image_grid, video_grid)
+
+
+def _rope_index(core, inputs: dict, image_grid, video_grid) -> torch.Tensor:
+    """mRoPE positions `[3, 1, T]` from the model's own `get_rope_index`: Qwen3-VL's takes the
+    token types, the Omni thinker's the audio lengths and each video grid's seconds."""
+    input_ids = inputs["input_ids"]
+    params = inspect.signature(core.get_rope_index).parameters
+    if "mm_token_type_ids" in params:
+        types = inputs.get("mm_token_type_ids", torch.zeros_like(input_ids))
+        return core.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid,
+                                   video_grid_thw=video_grid)[0]
+    mask = inputs.get("feature_attention_mask")
+    return core.get_rope_index(input_ids, image_grid_thw=image_grid, video_grid_thw=video_grid,
+                               attention_mask=torch.ones_like(input_ids),
+                               audio_seqlens=None if mask is None else mask.sum(-1),
+                               second_per_grids=inputs.get("video_second_per_grid"))[0]
 
 
 def video_inputs(fixture: Fixture, processor) -> dict:

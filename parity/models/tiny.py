@@ -24,6 +24,8 @@ from transformers import PreTrainedTokenizerFast
 
 from parity.presets import TinyPreset
 
+OMNI = "qwen3_omni_moe_thinker"  # the thinker's config family
+
 # Qwen's special tokens, in Qwen's order; the processor and config refer to them by name.
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -44,6 +46,7 @@ CHAT_TEMPLATE = (
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
@@ -62,8 +65,9 @@ TOKENIZER_VOCAB = 512
 _CORPUS_REPEATS = 8
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained in code on a fixed corpus (deterministic)."""
+def build_tokenizer(preset: TinyPreset | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained in code on a fixed corpus (deterministic); the Omni
+    thinker's has its audio tokens after all the others."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -74,6 +78,10 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator([_CORPUS] * _CORPUS_REPEATS, trainer)
+    if preset is not None and preset.model_type == OMNI:
+        from parity.models.tiny_omni import omni_tokenizer
+
+        return omni_tokenizer(PreTrainedTokenizerFast(tokenizer_object=tok), CHAT_TEMPLATE)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -82,8 +90,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def build_processor(tokenizer: PreTrainedTokenizerFast):
-    """The real Qwen3VLProcessor, with pixel bounds small enough for CPU runs."""
+def build_processor(tokenizer: PreTrainedTokenizerFast, preset: TinyPreset | None = None):
+    """The real Qwen3VLProcessor (the Omni processor for the Omni thinker), with pixel bounds small
+    enough for CPU runs."""
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -95,6 +104,10 @@ def build_processor(tokenizer: PreTrainedTokenizerFast):
         image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
     )
     video_processor = Qwen3VLVideoProcessor(size=size, patch_size=16, merge_size=2, temporal_patch_size=2)
+    if preset is not None and preset.model_type == OMNI:
+        from parity.models.tiny_omni import omni_processor
+
+        return omni_processor(tokenizer, image_processor, video_processor)
     return Qwen3VLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -146,6 +159,10 @@ def build_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
         # decoder layers DeepStack is added after.
         deepstack_visual_indexes=list(range(preset.deepstack_layers)),
     )
+    if preset.model_type == OMNI:
+        from parity.models.tiny_omni import omni_config
+
+        return omni_config(preset, tokenizer, text, vision)
     cls = Qwen3VLMoeConfig if preset.moe else Qwen3VLConfig
     return cls(
         text_config=text,
@@ -179,10 +196,12 @@ def _qwen3_5_config(preset: TinyPreset, vocab: int, ids: dict[str, int]):
 
 def build_model(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
     """Random weights from the preset's seed; special and non-printable tokens can never win argmax."""
-    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
+    from transformers import (Qwen3OmniMoeThinkerForConditionalGeneration, Qwen3VLForConditionalGeneration,
+                              Qwen3VLMoeForConditionalGeneration)
 
     config = build_config(preset, tokenizer)
-    cls = Qwen3VLMoeForConditionalGeneration if preset.moe else Qwen3VLForConditionalGeneration
+    cls = (Qwen3OmniMoeThinkerForConditionalGeneration if preset.model_type == OMNI else
+           Qwen3VLMoeForConditionalGeneration if preset.moe else Qwen3VLForConditionalGeneration)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(preset.seed)
         model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -254,12 +273,13 @@ def _route_deepstack_through_a_channel(model) -> None:
     q_heads = slice((cfg.num_attention_heads - max(1, cfg.num_attention_heads // 2)) * cfg.head_dim,
                     cfg.num_attention_heads * cfg.head_dim)
     core.language_model.embed_tokens.weight[:, channel] = 0
-    core.visual.merger.linear_fc2.weight[channel] = 0
-    core.visual.merger.linear_fc2.bias[channel] = 0
-    for merger in core.visual.deepstack_merger_list:
-        merger.linear_fc2.weight[text] = 0
-        merger.linear_fc2.bias[text] = 0
-        merger.linear_fc2.weight.mul_(DEEPSTACK_GAIN)
+    for writer in _writers_of_the_lm_input(core):
+        writer.weight[channel] = 0
+        writer.bias[channel] = 0
+    for merger in _deepstack_mergers(core.visual):
+        _last_linear(merger).weight[text] = 0
+        _last_linear(merger).bias[text] = 0
+        _last_linear(merger).weight.mul_(DEEPSTACK_GAIN)
     for layer in core.language_model.layers:
         attn = layer.self_attn
         attn.v_proj.weight[kv_heads, text] = 0
@@ -269,6 +289,23 @@ def _route_deepstack_through_a_channel(model) -> None:
             layer.mlp.experts.down_proj[:, channel, :] = 0  # [experts, hidden, intermediate]
         else:
             layer.mlp.down_proj.weight[channel] = 0
+
+
+def _last_linear(merger) -> torch.nn.Linear:
+    """A patch merger's output projection (`linear_fc2` in Qwen3-VL, `mlp[2]` in Qwen3-Omni)."""
+    return merger.linear_fc2 if hasattr(merger, "linear_fc2") else merger.mlp[-1]
+
+
+def _deepstack_mergers(visual) -> list:
+    return list(visual.deepstack_merger_list if hasattr(visual, "deepstack_merger_list") else visual.merger_list)
+
+
+def _writers_of_the_lm_input(core) -> list:
+    """Every projection that writes a row of the language model's input other than DeepStack: the
+    vision merger, and the Omni audio tower's last projection."""
+    writers = [_last_linear(core.visual.merger)]
+    audio = getattr(core, "audio_tower", None)
+    return writers + ([audio.proj2] if audio is not None else [])
 
 
 @torch.no_grad()
