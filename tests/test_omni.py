@@ -82,3 +82,22 @@ def test_a_wav_file_is_mixed_to_mono_and_resampled_to_the_model_rate(tmp_path):
 def test_parity_models_lists_the_omni_thinker(parity_cli):
     result = parity_cli("models")
     assert "tiny-qwen3-omni" in result.output and "audio" in result.output
+
+
+def test_moe_checkpoints_are_saved_in_the_released_expert_layout(tmp_path):
+    """SGLang's loader transposes fused experts from the released [experts, in, out]; transformers 5
+    holds [experts, out, in]: the saved preset must be the released one (docs/engines/sglang-cpu.md)."""
+    from safetensors.torch import load_file
+
+    from parity.models import load_model
+    from parity.models.preset_checkpoint import saved_preset
+
+    folder = saved_preset("tiny-qwen3-vl-moe", root=tmp_path)
+    saved = {k: v for path in folder.glob("*.safetensors") for k, v in load_file(path).items()}
+    model = dict(load_model("tiny-qwen3-vl-moe").adapter.model.named_parameters())
+    fused = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused
+    for key in fused:
+        assert torch.equal(saved[key], model[key].transpose(-1, -2)), key
+    dense = [k for k in saved if k not in fused and k in model]
+    assert dense and all(torch.equal(saved[k], model[k]) for k in dense)

@@ -18,7 +18,11 @@ from pathlib import Path
 
 from parity.presets import PRESETS
 
-_RECIPE = ("tiny.py", "../presets.py")  # the sources that decide a preset's weights, beside this file
+_RECIPE = ("tiny.py", "tiny_omni.py", "../presets.py")  # the sources that decide a preset's weights, beside this file
+# The layout written: released MoE checkpoints store fused experts as [experts, in, out] (SGLang's
+# loader transposes them on load); transformers 5 keeps [experts, out, in] in memory and saves that.
+_FORMAT = "released-expert-layout-1"
+_FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def cache_root() -> Path:
@@ -28,7 +32,7 @@ def cache_root() -> Path:
 def _key(name: str, seed: int) -> str:
     import transformers
 
-    digest = hashlib.sha256(f"{name}|{seed}|{transformers.__version__}".encode())
+    digest = hashlib.sha256(f"{name}|{seed}|{transformers.__version__}|{_FORMAT}".encode())
     here = Path(__file__).resolve().parent
     for source in _RECIPE:
         digest.update((here / source).read_bytes())
@@ -54,6 +58,7 @@ def saved_preset(name: str, seed: int | None = None, root: Path | None = None) -
         try:
             model.save_pretrained(staging)
             processor.save_pretrained(staging)
+            _released_expert_layout(staging)
         finally:
             hf_logging.enable_progress_bar()
         try:
@@ -65,3 +70,16 @@ def saved_preset(name: str, seed: int | None = None, root: Path | None = None) -
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def _released_expert_layout(folder: Path) -> None:
+    """Rewrite fused MoE expert tensors `[E, out, in]` as released checkpoints hold them, `[E, in, out]`."""
+    from safetensors.torch import load_file, save_file
+
+    for path in folder.glob("*.safetensors"):
+        tensors = load_file(path)
+        fused = [k for k in tensors if k.endswith(_FUSED_EXPERTS)]
+        if fused:
+            for key in fused:
+                tensors[key] = tensors[key].transpose(-1, -2).contiguous()
+            save_file(tensors, path, metadata={"format": "pt"})
