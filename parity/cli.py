@@ -195,7 +195,8 @@ def run(**options) -> None:
     if o["audios"]:
         from parity.run_command import judge_audio_only
 
-        judge_audio_only(o, backend)
+        judge_audio_only(o["audios"], o["prompt_texts"], o["prompts_file"],
+                         bool(o["fixture_names"] or o["images"] or o["videos"]), backend)
     note = plan_note(spec, o["model"])
     if note:
         click.echo(note, err=True)

@@ -162,20 +162,21 @@ class RunStopped(Exception):
         self.message = message
 
 
-def judge_audio_only(options: dict, backend: BackendOptions) -> None:
+def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts_file: str | None,
+                     with_other_media: bool, backend: BackendOptions) -> None:
     """`--audio`: audio-only cases, judged before any arm. The model must take audio; each clip is
     prepared with each prompt, and when none carries a DeepStack row (audio has none) the run is
     INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm."""
     from parity.audio import audio_clip
     from parity.models import load_model
 
-    if options["fixture_names"] or options["images"] or options["videos"]:
+    if with_other_media:
         raise UsageError("--audio makes audio-only cases, which have no DeepStack to prove; run them apart from "
                          "--fixture, --image and --video")
     if backend.name != "transformers":
         raise UsageError(f"--audio is judged by the transformers backend only, not --backend {backend.name}")
-    clips = [audio_clip(given) for given in options["audios"]]
-    prompts = _user_prompts(options["prompt_texts"], options["prompts_file"]) or (AUDIO_PROMPT,)
+    clips = [audio_clip(given) for given in audios]
+    prompts = _user_prompts(prompt_texts, prompts_file) or (AUDIO_PROMPT,)
     loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)
     if not loaded.adapter.takes_audio:
         raise UsageError(f"--audio: {backend.model} takes no audio; a model with an audio tower does (tiny-qwen3-omni)")

@@ -2,7 +2,7 @@
 scenario, on every built-in fixture, in one dtype; each cell is the verdicts of that scenario's
 cases (one code when they agree).
 
-    python scripts/scenario_table.py [--dtype bfloat16] [--fixture NAME ...]
+    python scripts/scenario_table.py [--model PRESET] [--dtype bfloat16] [--fixture NAME ...] [--videos]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from parity.fixtures import builtin_fixture, builtin_fixtures, default_prompts  
 from parity.graph_runner import RunnerVariant  # noqa: E402
 from parity.models import load_model  # noqa: E402
 from parity.planning import CaseSpec, RunSpec  # noqa: E402
+from parity.videos import builtin_videos  # noqa: E402
 
 TOKENS = 12
 
@@ -30,13 +31,17 @@ TOKENS = 12
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--fixture", action="append", help="a built-in fixture (default: all of them)")
+    parser.add_argument("--fixture", action="append",
+                        help="a built-in image or video (default: every image, or with --videos every video)")
+    parser.add_argument("--videos", action="store_true", help="every built-in video (with the images named)")
+    parser.add_argument("--model", default="tiny-qwen3-vl", help="an embedded preset")
     args = parser.parse_args()
     apply_thread_policy(None, True)
-    loaded = load_model("tiny-qwen3-vl", dtype=args.dtype)
-    fixtures = [builtin_fixture(n) for n in args.fixture] if args.fixture else builtin_fixtures()
+    loaded = load_model(args.model, dtype=args.dtype)
+    fixtures = [builtin_fixture(n) for n in args.fixture] if args.fixture else [] if args.videos else builtin_fixtures()
+    fixtures += builtin_videos() if args.videos else []
     cases = tuple(CaseSpec(f, default_prompts(f)[0]) for f in fixtures)
-    print(f"tiny-qwen3-vl, {args.dtype}, {len(cases)} fixture(s), {TOKENS} new tokens; rows: scenarios, "
+    print(f"{args.model}, {args.dtype}, {len(cases)} fixture(s), {TOKENS} new tokens; rows: scenarios, "
           "columns: --runner\n")
     print("| scenario | " + " | ".join(f"`{v}`" for v in RUNNER_VARIANTS) + " |")
     print("|---" * (len(RUNNER_VARIANTS) + 1) + "|")

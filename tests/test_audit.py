@@ -169,49 +169,44 @@ def vllm_tree(tmp_path: Path, clears: bool = True) -> Path:
     return write_tree(tmp_path / "vllm", files)
 
 
-def cells(report, module: str, with_fix: bool = False, cls: str | None = None) -> dict[str, str]:
-    row = next(r for r in report.rows if r.module == module and (cls is None or r.model_class == cls))
-    return {c.mode: c.outcome(with_fix) for c in row.modes}
-
-
 def test_sglang_a_runner_that_binds_no_deepstack_drops_it_wherever_a_prefill_replays(tmp_path) -> None:
     report = run_audit("sglang", sglang_tree(tmp_path))
-    assert cells(report, "qwen3_vl") == {"breakable (default)": EAGER, "breakable (explicit)": DROPPED,
+    assert report.outcomes("qwen3_vl") == {"breakable (default)": EAGER, "breakable (explicit)": DROPPED,
                                          "full (explicit)": DROPPED}
     # On the allowlist, it replays by default; gated by can_replay_locally, only full replays it.
-    assert cells(report, "listed", cls="ListedVLForConditionalGeneration")["breakable (default)"] == DROPPED
-    assert cells(report, "listed", cls="GatedVLForConditionalGeneration") == {
+    assert report.outcomes("listed", "ListedVLForConditionalGeneration")["breakable (default)"] == DROPPED
+    assert report.outcomes("listed", "GatedVLForConditionalGeneration") == {
         "breakable (default)": EAGER, "breakable (explicit)": EAGER, "full (explicit)": DROPPED}
     assert report.exit_code == 1
     # The fix's slot covers what sets num_deepstack_embeddings, not a wrapper whose sub-model does.
-    assert set(cells(report, "qwen3_vl", with_fix=True).values()) == {EAGER, COVERED}
-    assert cells(report, "wrapped", with_fix=True)["full (explicit)"] == DROPPED
-    assert set(cells(report, "vision_only").values()) == {NOT_AN_INPUT}
+    assert set(report.outcomes("qwen3_vl", with_fix=True).values()) == {EAGER, COVERED}
+    assert report.outcomes("wrapped", with_fix=True)["full (explicit)"] == DROPPED
+    assert set(report.outcomes("vision_only").values()) == {NOT_AN_INPUT}
     assert report.row("plain") is None  # no DeepStack in its code: no row
 
 
 def test_sglang_a_runner_that_binds_deepstack_covers_every_model(tmp_path) -> None:
     report = run_audit("sglang", sglang_tree(tmp_path, binds='kwargs["input_deepstack_embeds"] = None'))
     assert report.exit_code == 0 and not report.uncovered
-    assert cells(report, "wrapped")["breakable (explicit)"] == COVERED
+    assert report.outcomes("wrapped")["breakable (explicit)"] == COVERED
 
 
 def test_vllm_buffers_cleared_from_python_leak_under_whole_forward_graphs(tmp_path) -> None:
     report = run_audit("vllm", vllm_tree(tmp_path))
-    assert cells(report, "qwen3_vl", cls="Qwen3VLForConditionalGeneration") == {
+    assert report.outcomes("qwen3_vl", "Qwen3VLForConditionalGeneration") == {
         "NONE": EAGER, "PIECEWISE": COVERED, "FULL": LEAKS, "breakable": LEAKS}
-    assert set(cells(report, "qwen3_vl", with_fix=True).values()) == {EAGER, COVERED}
+    assert set(report.outcomes("qwen3_vl", with_fix=True).values()) == {EAGER, COVERED}
     # A setter of its own is not the one the fix wraps.
-    assert cells(report, "own", with_fix=True, cls="OwnSetterForConditionalGeneration")["FULL"] == LEAKS
-    assert set(cells(report, "own", cls="IgnoresForConditionalGeneration").values()) == {NOT_AN_INPUT}
-    assert set(cells(report, "own", cls="OffForConditionalGeneration").values()) == {NOT_AN_INPUT}
-    assert cells(report, "own", cls="PerCallForConditionalGeneration")["FULL"] == UNKNOWN
+    assert report.outcomes("own", "OwnSetterForConditionalGeneration", with_fix=True)["FULL"] == LEAKS
+    assert set(report.outcomes("own", "IgnoresForConditionalGeneration").values()) == {NOT_AN_INPUT}
+    assert set(report.outcomes("own", "OffForConditionalGeneration").values()) == {NOT_AN_INPUT}
+    assert report.outcomes("own", "PerCallForConditionalGeneration")["FULL"] == UNKNOWN
     assert report.exit_code == 1
 
 
 def test_vllm_without_the_python_clear_even_piecewise_leaks(tmp_path) -> None:
     report = run_audit("vllm", vllm_tree(tmp_path, clears=False))
-    assert cells(report, "qwen3_vl", cls="Qwen3VLForConditionalGeneration")["PIECEWISE"] == LEAKS
+    assert report.outcomes("qwen3_vl", "Qwen3VLForConditionalGeneration")["PIECEWISE"] == LEAKS
 
 
 @pytest.mark.parametrize("fmt", ["table", "markdown", "json"])

@@ -66,8 +66,15 @@ class AuditReport:
     def exit_code(self) -> int:
         return EXIT_UNCOVERED if self.uncovered else EXIT_COVERED
 
-    def row(self, module: str) -> AuditRow | None:
-        return next((r for r in self.rows if r.module == module), None)
+    def row(self, module: str, model_class: str | None = None) -> AuditRow | None:
+        return next((r for r in self.rows if r.module == module and model_class in (None, r.model_class)), None)
+
+    def outcomes(self, module: str, model_class: str | None = None, with_fix: bool = False) -> dict[str, str]:
+        """Graph mode -> outcome for one model class (the module's first when not named)."""
+        row = self.row(module, model_class)
+        if row is None:
+            raise KeyError(f"no row for {module} {model_class or ''}: {[r.module for r in self.rows]}")
+        return {c.mode: c.outcome(with_fix) for c in row.modes}
 
     @property
     def summary(self) -> str:

@@ -190,7 +190,8 @@ class PromptServer:
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
         chunks, hidden, ready, points = [], None, None, []
-        image_ids = prompt.input_ids == (-1 if prompt.visual_token is None else prompt.visual_token)
+        image_ids = (prompt.input_ids == prompt.visual_token if prompt.visual_token is not None
+                     else torch.zeros_like(prompt.input_ids, dtype=torch.bool))
         for window in windows:
             past = None if keys is None else Past.of(keys, values, window.end - window.start)
             if ready is None and runner is not None:

@@ -122,11 +122,8 @@ class Qwen3VLAdapter:
             if self.deepstack_count:
                 deepstack = embeds.new_zeros(embeds.shape[0], self.hidden_size * self.deepstack_count)
                 deepstack[visual_rows] = torch.cat(list(vision.deepstack_features), dim=-1).to(self.dtype)
-        positions = self._positions(inputs, None if video else grid, grid if video else None)
+        positions = _rope_index(self._core, inputs, None if video else grid, grid if video else None)
         return PreparedPrompt(input_ids[0], embeds, positions[:, 0, :], deepstack, self.visual_token_id(fixture))
-
-    def _positions(self, inputs: dict, image_grid, video_grid) -> torch.Tensor:
-        return _rope_index(self._core, inputs, image_grid, video_grid)
 
 
 def _rope_index(core, inputs: dict, image_grid, video_grid) -> torch.Tensor:

@@ -32,18 +32,12 @@ def report():
     return run_audit("sglang")
 
 
-def cells(report, module: str, with_fix: bool = False) -> dict[str, str]:
-    row = report.row(module)
-    assert row is not None, f"no row for {module}: {[r.module for r in report.rows]}"
-    return {c.mode: c.outcome(with_fix) for c in row.modes}
-
-
 @pytest.mark.parametrize("module", ["qwen3_vl", "qwen3_vl_moe"])
 def test_qwen3_vl_models_drop_deepstack_when_replayed_and_parity_s_slot_covers_them(report, module) -> None:
     row = report.row(module)
     assert row.side_input and "input_deepstack_embeds" in row.deepstack
-    assert cells(report, module) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
-    assert cells(report, module, with_fix=True) == {DEFAULT: EAGER, BREAKABLE: COVERED, FULL: COVERED}
+    assert report.outcomes(module) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
+    assert report.outcomes(module, with_fix=True) == {DEFAULT: EAGER, BREAKABLE: COVERED, FULL: COVERED}
     assert "num_deepstack_embeddings" in row.method and "present" in row.method
 
 
@@ -51,17 +45,17 @@ def test_the_omni_wrapper_consumes_deepstack_through_its_thinker_and_the_slot_mi
     row = report.row("qwen3_omni_moe")
     assert row.model_class == "Qwen3OmniMoeForConditionalGeneration"
     assert row.side_input and "Qwen3MoeLLMModel" in row.deepstack  # thinker.model, as the runner resolves it
-    assert cells(report, "qwen3_omni_moe") == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
+    assert report.outcomes("qwen3_omni_moe") == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
     # parity's slot reads num_deepstack_embeddings from the served model; only the thinker sets it.
-    assert cells(report, "qwen3_omni_moe", with_fix=True) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
+    assert report.outcomes("qwen3_omni_moe", with_fix=True) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
     assert "absent" in row.method and "Thinker" in row.method
 
 
 def test_allowlisted_and_gated_architectures(report) -> None:
     # Qwen3.5 is on the allowlist: its image prefills replay by default (and drop DeepStack there).
-    assert cells(report, "qwen3_5")[DEFAULT] == DROPPED
+    assert report.outcomes("qwen3_5")[DEFAULT] == DROPPED
     # can_replay_locally keeps Qwen4Exp's multimodal prefills eager under breakable, not under full.
-    assert cells(report, "qwen4_exp") == {DEFAULT: EAGER, BREAKABLE: EAGER, FULL: DROPPED}
+    assert report.outcomes("qwen4_exp") == {DEFAULT: EAGER, BREAKABLE: EAGER, FULL: DROPPED}
     # DeepStack inside a vision tower only is no side input: nothing to carry.
     assert not report.row("moss_vl").side_input
 

@@ -32,18 +32,12 @@ def report():
     return run_audit("vllm")
 
 
-def cells(report, module: str, with_fix: bool = False) -> dict[str, str]:
-    row = report.row(module)
-    assert row is not None, f"no row for {module}: {[r.module for r in report.rows]}"
-    return {c.mode: c.outcome(with_fix) for c in row.modes}
-
-
 @pytest.mark.parametrize("module", ["qwen3_vl", "qwen3_vl_moe"])
 def test_qwen3_vl_models_leak_under_whole_forward_graphs_and_the_fix_covers_them(report, module) -> None:
     row = report.row(module)
     assert row.side_input and "Qwen3VLForConditionalGeneration._set_deepstack_input_embeds" in row.deepstack
-    assert cells(report, module) == {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": LEAKS, "breakable": LEAKS}
-    assert cells(report, module, with_fix=True) == {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": COVERED,
+    assert report.outcomes(module) == {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": LEAKS, "breakable": LEAKS}
+    assert report.outcomes(module, with_fix=True) == {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": COVERED,
                                                     "breakable": COVERED}
 
 
@@ -51,11 +45,11 @@ def test_the_omni_thinker_has_its_own_setter_and_still_leaks_with_the_fix(report
     row = report.row("qwen3_omni_moe_thinker")
     assert "Qwen3OmniMoeForConditionalGeneration" in row.architectures
     assert "its own" in row.method
-    assert cells(report, "qwen3_omni_moe_thinker", with_fix=True)["FULL"] == LEAKS
+    assert report.outcomes("qwen3_omni_moe_thinker", with_fix=True)["FULL"] == LEAKS
 
 
 def test_a_model_whose_forward_never_reads_the_buffers_is_not_judged(report) -> None:
-    assert set(cells(report, "qwen3_5").values()) == {NOT_AN_INPUT}
+    assert set(report.outcomes("qwen3_5").values()) == {NOT_AN_INPUT}
 
 
 def test_the_command_exits_1_and_says_so_in_every_format() -> None:
