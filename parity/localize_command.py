@@ -141,13 +141,9 @@ def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) ->
     if info.name in known:
         raise UsageError(f"case {case_id}: {info.kind} {info.name!r} has sha256 {info.sha256[:16]}… in the file, "
                          f"but parity's built-in {info.name!r} has {builtin_fixture(info.name).sha256[:16]}…; give "
-                         f"the {_option(info)[2:]} the run used with {_option(info)}")
-    raise UsageError(f"case {case_id}: user {_option(info)[2:]} {info.name!r} (sha256 {info.sha256[:16]}…) was not "
-                     f"given; pass it with {_option(info)} PATH")
-
-
-def _option(info: FixtureInfo) -> str:
-    return "--video" if info.frames else "--image"
+                         f"the {info.kind} the run used with --{info.kind}")
+    raise UsageError(f"case {case_id}: user {info.kind} {info.name!r} (sha256 {info.sha256[:16]}…) was not "
+                     f"given; pass it with --{info.kind} PATH")
 
 
 def _matches(fixture: Fixture, info: FixtureInfo) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MODEL = "tiny-qwen3-vl"
+OMNI_THINKER = "qwen3_omni_moe_thinker"  # the config family of Qwen3-Omni's thinker
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ PRESETS: dict[str, TinyPreset] = {
         TinyPreset(
             "tiny-qwen3-omni",
             "Qwen3-Omni's MoE thinker (images, video and audio; 4 experts, top-2), DeepStack after 3 layers",
-            moe=True, model_type="qwen3_omni_moe_thinker",
+            moe=True, model_type=OMNI_THINKER,
         ),
         TinyPreset(
             "mid-qwen3-vl",

@@ -11,12 +11,12 @@ import torch
 
 from parity.errors import UsageError
 from parity.models.checkpoint import SUPPORTED_MODEL_TYPES, check_architecture, load_checkpoint
+from parity.models.qwen3_vl import Qwen3VLAdapter
+from parity.presets import DEFAULT_MODEL, OMNI_THINKER, PRESETS
 
 # Families parity builds as embedded presets but does not load from a checkpoint (a released
 # Qwen3-Omni checkpoint holds the thinker inside a larger model with a talker).
-EMBEDDED_ONLY_MODEL_TYPES = ("qwen3_omni_moe_thinker",)
-from parity.models.qwen3_vl import Qwen3VLAdapter
-from parity.presets import DEFAULT_MODEL, PRESETS
+EMBEDDED_ONLY_MODEL_TYPES = (OMNI_THINKER,)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,7 +68,7 @@ def load_model(
     else:
         model, processor = load_checkpoint(name, torch_dtype)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
-    if model.config.model_type in ("qwen3_vl_moe", "qwen3_omni_moe_thinker"):
+    if model.config.model_type in ("qwen3_vl_moe", OMNI_THINKER):
         # Batched expert matmuls have no data-dependent shapes or host syncs, so a CUDA graph can
         # capture the body; eager arms use the same kernels, so the comparison stays fair.
         model.set_experts_implementation("batched_mm")

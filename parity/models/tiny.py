@@ -22,9 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from parity.presets import TinyPreset
-
-OMNI = "qwen3_omni_moe_thinker"  # the thinker's config family
+from parity.presets import OMNI_THINKER as OMNI, TinyPreset
 
 # Qwen's special tokens, in Qwen's order; the processor and config refer to them by name.
 SPECIAL_TOKENS = (

@@ -11,17 +11,15 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerFast
 
+from parity.audio import RATE
 from parity.presets import TinyPreset
 
-AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>", "<|audio_pad|>")
 # The names the Omni processor reads from its tokenizer.
 TOKEN_ROLES = {
     "image_token": "<|image_pad|>", "video_token": "<|video_pad|>", "audio_token": "<|audio_pad|>",
     "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>",
     "audio_bos_token": "<|audio_start|>", "audio_eos_token": "<|audio_end|>",
 }
-AUDIO_PART = "{% elif part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
-SAMPLING_RATE = 16000  # what Qwen3-Omni's feature extractor (Whisper's) takes
 MEL_BINS = 128
 
 
@@ -55,7 +53,7 @@ def omni_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast, text: di
 def omni_processor(tokenizer: PreTrainedTokenizerFast, image_processor, video_processor):
     from transformers import Qwen3OmniMoeProcessor, WhisperFeatureExtractor
 
-    features = WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLING_RATE)
+    features = WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=RATE)
     return Qwen3OmniMoeProcessor(image_processor=image_processor, video_processor=video_processor,
                                  feature_extractor=features, tokenizer=tokenizer,
                                  chat_template=tokenizer.chat_template)
