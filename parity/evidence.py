@@ -9,7 +9,7 @@ only read results stay light.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,10 @@ class EncoderRun:
         return {"grid": list(self.grid), "patches": self.patches, "key": self.key, "replayed": self.replayed}
 
 
-def image_span(prompt_ids: Sequence[int], image_token_id: int | None) -> tuple[int, int] | None:
-    """The rows [first, last + 1) of a prompt's image tokens, or None."""
-    rows = [i for i, token in enumerate(prompt_ids) if token == image_token_id]
+def image_span(prompt_ids: Sequence[int], visual_token_ids: Collection[int]) -> tuple[int, int] | None:
+    """The rows [first, last + 1) of a prompt's image or video tokens (a video's timestamps between
+    its frames included), or None."""
+    rows = [i for i, token in enumerate(prompt_ids) if token in visual_token_ids]
     return (rows[0], rows[-1] + 1) if rows else None
 
 

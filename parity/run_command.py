@@ -193,14 +193,15 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
 
 
 def check_media(spec: RunSpec, backend: str) -> None:
-    """A video on a backend that does not serve video yet: exit 2 with the reason, before any server starts."""
+    """A video for a server without PyAV to write the file it is sent as: exit 2 with the reason,
+    before any server starts."""
     from parity.engines.registry import BACKENDS
+    from parity.videos import has_writer
 
     videos = [c.fixture.name for c in spec.cases if c.fixture is not None and c.fixture.is_video]
-    why = BACKENDS[backend].no_video
-    if videos and why:
-        raise UsageError(f"--backend {backend} does not serve video requests ({', '.join(videos)}): {why}; "
-                         "run videos with --backend transformers")
+    if videos and BACKENDS[backend].servers_key is not None and not has_writer():
+        raise UsageError(f"--backend {backend} sends each video ({', '.join(videos)}) as a file parity writes with "
+                         "PyAV, which is not installed: pip install 'parity[video]'")
 
 
 def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:

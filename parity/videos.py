@@ -98,6 +98,11 @@ def video_fixture(path: str | Path) -> Fixture:
     return Fixture.video(path.stem, frames, fps or FPS)
 
 
+def has_writer() -> bool:
+    """Whether `write_lossless` can run (PyAV installed)."""
+    return _has_av()
+
+
 def _has_av() -> bool:
     import importlib.util
 
@@ -132,3 +137,23 @@ def _decode_pillow(path: Path) -> tuple[list[Image.Image], float | None]:
         hint = "" if _has_av() else "; install PyAV (pip install 'parity[video]') to read video containers (mp4, mkv, webm)"
         raise UsageError(f"--video {path}: not a readable video ({err.__class__.__name__}){hint}") from None
     return frames, (1000.0 / duration if duration else None)
+
+
+def write_lossless(fixture: Fixture, path: Path, fps: float, even: bool = False) -> None:
+    """The video's frames as FFV1 in Matroska (lossless: a decoder returns the RGB frames bit for bit)
+    at `fps`; `even` repeats the last frame of an odd count, as the model's processor pads a
+    temporal pair, for decoders that would drop it instead."""
+    if not has_writer():
+        raise UsageError(f"sending video {fixture.name!r} to a server writes it with PyAV: pip install 'parity[video]'")
+    from fractions import Fraction
+
+    import av
+
+    frames = list(fixture.frames) + ([fixture.frames[-1]] if even and len(fixture.frames) % 2 else [])
+    with av.open(str(path), "w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=Fraction(fps).limit_denominator(1000))
+        stream.width, stream.height = fixture.size
+        stream.pix_fmt = "bgr0"  # FFV1's RGB layout: the frames' bytes survive the round trip
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_image(frame.convert("RGB")).reformat(format="bgr0")))
+        container.mux(stream.encode())

@@ -46,6 +46,9 @@ else
   "$VENV/bin/pip" install --quiet "sglang==$SGLANG_VERSION" "torch==$TORCH_VERSION"
   "$VENV/bin/pip" install --quiet -e "$REPO[test]"
 fi
+# Video requests on the CPU: SGLang's decoder falls back to decord (parity's CPU patches choose it,
+# as torchcodec needs FFmpeg's shared libraries), and parity writes each video with PyAV.
+"$VENV/bin/pip" install --quiet "decord==0.6.0" "av>=12"
 # This checkout's parity, whatever was installed before (entry point and package data follow it).
 "$VENV/bin/pip" install --quiet --no-deps -e "$REPO"
 "$VENV/bin/python" - "$REPO" <<'PY'

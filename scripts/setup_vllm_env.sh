@@ -92,6 +92,8 @@ PY
 echo "[4/4] parity's test requirements"
 "${PIP[@]}" --no-warn-conflicts -c "$constraints" -e "$REPO[test]"
 fi
+# Video requests: parity writes each video with PyAV (also in [test]; here for environments built before).
+"${PIP[@]}" --no-warn-conflicts -c "$constraints" "av>=12"
 # This checkout's parity, whatever was installed before (entry point and package data follow it).
 "${PIP[@]}" --no-warn-conflicts --no-deps -e "$REPO"
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/python" - <<'PY'

@@ -147,10 +147,14 @@ def test_a_user_video_run_localizes_with_the_video_given_again(parity_cli, tmp_p
 
 
 @pytest.mark.parametrize("backend", ["sglang", "vllm"])
-def test_a_server_backend_refuses_videos_with_its_reason_before_starting_anything(parity_cli, tmp_path, backend):
+def test_a_server_without_pyav_to_write_the_video_is_refused_before_starting_anything(parity_cli, tmp_path,
+                                                                                       monkeypatch, backend):
+    import parity.videos
+
+    monkeypatch.setattr(parity.videos, "has_writer", lambda: False)
     result = parity_cli("run", "--backend", backend, "--video", "video-colour-cycle", "--out", str(tmp_path / "o"))
-    assert result.exit_code == 2 and f"--backend {backend} does not serve video requests" in result.output
-    assert "--backend transformers" in result.output and not (tmp_path / "o").exists()
+    assert result.exit_code == 2 and "pip install 'parity[video]'" in result.output, result.output
+    assert not (tmp_path / "o").exists()
 
 
 def test_parity_fixtures_lists_the_videos_with_their_frames(parity_cli):

@@ -211,4 +211,4 @@ class PromptServer:
                       tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
-        return image_span(prompt.input_ids.tolist(), prompt.visual_token)
+        return image_span(prompt.input_ids.tolist(), {prompt.visual_token})

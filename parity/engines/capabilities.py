@@ -65,7 +65,6 @@ class BackendInfo:
     # A family scenario's path (design.PROVES_*) the engine has no way to reach, and why: the verdict
     # adds it to the INCONCLUSIVE reason of a request that did not reach the path.
     unreachable: Mapping[str, str] = field(default_factory=dict)
-    no_video: str | None = None  # why it does not serve video requests yet (None: it does): exit 2 before a run
 
     @property
     def uses(self) -> frozenset[str]:

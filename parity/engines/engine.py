@@ -93,11 +93,11 @@ class EngineBackend(abc.ABC):
         """The prompt tokens a generation answer says came from the prefix cache (None: not said)."""
 
     @abc.abstractmethod
-    def image_input(self, fixture: Fixture | None) -> Any:
-        """The fixture as the engine's request body carries it (a file path, a data URL)."""
+    def media_input(self, fixture: Fixture | None) -> Any:
+        """The image or video as the engine's request body carries it (a file path, a data URL)."""
 
     @abc.abstractmethod
-    def generate_body(self, request: Request, image: Any, max_new_tokens: int, tag: str) -> dict:
+    def generate_body(self, request: Request, media: Any, max_new_tokens: int, tag: str) -> dict:
         ...
 
     @abc.abstractmethod
@@ -105,13 +105,14 @@ class EngineBackend(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def score_body(self, request: Request, image: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
+    def score_body(self, request: Request, media: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
                    tag: str) -> dict:
         """A request whose answer holds the logprob of each of `tokens` after the prompt."""
 
     @abc.abstractmethod
-    def parse_scores(self, doc: dict, tokens: Sequence[int]) -> tuple[float, ...] | None:
-        ...
+    def parse_scores(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> tuple[float, ...] | None:
+        """The logprobs of `tokens` after the generation's expanded prompt `prompt_ids`; None where
+        the server re-tokenized the answer's text into other tokens (no score of these tokens)."""
 
     @abc.abstractmethod
     def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:
@@ -200,6 +201,16 @@ class EngineBackend(abc.ABC):
         except (ServerRejected, ServerUnreachable) as err:
             raise server.process.failure(f"the prefix cache could not be emptied around an ablated request: {err}")
 
+    def computes_visual_rows(self, request: Request, doc: dict, prompt_ids: Sequence[int]) -> bool:
+        """Whether a request's prefill computes any of its image or video rows, given its answer and
+        the prompt as the server expanded it: a prefix-cache hit can cover them all (a video's last
+        rows are followed by fewer question tokens than a cache block), and then its prefill holds
+        no DeepStack row."""
+        if request.fixture is None:
+            return False
+        span = image_span(prompt_ids, self.prompts.visual_token_ids)
+        return span is None or (self.cached_tokens(doc) or 0) < span[1]
+
     def check_tap(self, server: Server, request: TaggedRequest, what: str) -> None:
         try:
             check_fired(request, self.facts.deepstack_layers, what, self.ranks)
@@ -210,8 +221,8 @@ class EngineBackend(abc.ABC):
                          prompt_ids: Sequence[int] = ()) -> ServingEvidence:
         """What the server's own records show of a family request's serving path (design §10): its
         prefills in order (the chunks, after the rows the answer says came from the prefix cache),
-        each one's bucket when replayed and its image rows (DeepStack rows the tap saw), and whether
-        every graph it replayed was captured at start-up, and where the prompt's image tokens are
+        each one's bucket when replayed and its visual rows (DeepStack rows the tap saw), and whether
+        every graph it replayed was captured at start-up, and where the prompt's image or video tokens are
         (`prompt_ids`, as the server expanded them). A server's DeepStack buffers are sized once
         (`BackendInfo.unreachable`), and no encoder graph is recorded, so neither is claimed."""
         cached = self.cached_tokens(doc) or 0
@@ -228,7 +239,7 @@ class EngineBackend(abc.ABC):
         captured = self._captured.get(server.process.name)
         ready = None if not replayed else (captured is not None and replayed <= captured)
         return ServingEvidence(chunks=tuple(chunks), cached_tokens=cached, graph_ready=ready,
-                               image_span=image_span(prompt_ids, self.prompts.image_token_id))
+                               image_span=image_span(prompt_ids, self.prompts.visual_token_ids))
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = (), serving: Sequence = ()) -> None:
         # A server has its serving features set by its flags: each profile gets its own servers
@@ -288,7 +299,8 @@ class EngineBackend(abc.ABC):
             return server.process.failure(problem)
         probe = Request(None, PROBE_PROMPT)
         try:
-            _, entries = self.post_tagged(server, "record", probe, lambda tag: self.generate_body(probe, None, 1, tag))
+            _, entries = self.post_tagged(server, "record", probe,
+                                          lambda tag: self.generate_body(probe, self.media_input(None), 1, tag))
         except ArmFailure as failure:
             return failure
         if not entries:

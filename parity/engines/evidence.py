@@ -43,7 +43,9 @@ class TaggedRequest:
     """One request the arm sent and the LM entries the hook recorded for it, in every rank."""
 
     prompt_tokens: int  # the expanded prompt the server prefilled
-    has_image: bool
+    # Whether its prefill computes image or video rows (False for text, and for a prefix-cache hit
+    # that covers them all: no DeepStack row is left for the tap to see).
+    visual_rows: bool
     entries: tuple[TapEntry, ...]
 
     @property
@@ -91,7 +93,7 @@ def check_fired(request: TaggedRequest, deepstack_layers: int, what: str, ranks:
         if not request.prefills(key):
             raise TapSilence(f"the tap never fired for the prefill of the {what}{where(key)}: the hook recorded "
                              "no prompt batch for it")
-        if request.has_image and deepstack_layers > 0 and request.fingerprint(key) is None:
+        if request.visual_rows and deepstack_layers > 0 and request.fingerprint(key) is None:
             raise TapSilence(f"the tap never fired on the prefill of the {what}{where(key)}: the hook saw its LM "
                              "entries but no DeepStack rows, so DeepStack was neither recorded nor zeroed")
     prints = {key: request.fingerprint(key) for key in seen}

@@ -22,12 +22,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class _Served:
-    """What scoring an answer needs of its request: the same server, tap, image and prompt."""
+    """What scoring an answer needs of its request: the same server, tap, image or video and prompt."""
 
     server: Server
     tap: str
     request: Request
-    image: Any
+    media: Any
     prompt_ids: tuple[int, ...]
     first: TaggedRequest
 
@@ -54,18 +54,19 @@ class EngineSession(Generates):
         server = engine.server_for(self.mode, request.serving.server_profile)
         if not server.process.alive():
             raise server.process.exited_failure()
-        image = engine.image_input(request.fixture)
+        media = engine.media_input(request.fixture)
         doc, entries = engine.post_tagged(server, tap, request, lambda tag: engine.generate_body(
-            request, image, engine.settings.max_new_tokens, tag))
+            request, media, engine.settings.max_new_tokens, tag))
         completion = parsed(server.process, engine.parse_completion, doc)
-        first = TaggedRequest(len(completion.prompt_ids), image is not None, entries)
+        first = TaggedRequest(len(completion.prompt_ids), engine.computes_visual_rows(request, doc, completion.prompt_ids),
+                              entries)
         engine.check_tap(server, first, "request")  # before scoring: a silent tap fails the arm at once
         evidence = engine.evidence([first])
         if request.serving.recorded:
             evidence = replace(evidence, serving=engine.serving_evidence(server, doc, first,
                                                                              completion.prompt_ids))
         generation = replace(completion.generation, deepstack_record=request_record(first), evidence=evidence)
-        return Answer(generation, _Served(server, tap, request, image, completion.prompt_ids, first))
+        return Answer(generation, _Served(server, tap, request, media, completion.prompt_ids, first))
 
     def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
         served: _Served = answer.state
@@ -74,10 +75,11 @@ class EngineSession(Generates):
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
             doc, entries = engine.post_tagged(served.server, served.tap, served.request, lambda tag: engine.score_body(
-                served.request, served.image, served.prompt_ids, tokens, tag))
-            scores.append(parsed(served.server.process, lambda d: engine.parse_scores(d, tokens), doc))
+                served.request, served.media, served.prompt_ids, tokens, tag))
+            scores.append(parsed(served.server.process, lambda d: engine.parse_scores(d, served.prompt_ids, tokens), doc))
             length = engine.scored_length(doc, served.prompt_ids, tokens)
-            requests.append(TaggedRequest(length, served.image is not None, entries))
+            requests.append(TaggedRequest(length, engine.computes_visual_rows(served.request, doc, served.prompt_ids),
+                                          entries))
             engine.check_tap(served.server, requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
         evidence = replace(engine.evidence(requests), serving=answer.generation.evidence.serving)
         return replace(answer.generation, evidence=evidence, forced=tuple(scores[:-1]),

@@ -115,7 +115,7 @@ def test_a_servers_serving_evidence_is_read_from_its_own_records() -> None:
     request = TaggedRequest(40, True, (prefill(8, 8, 3), prefill(8, 8, 8), prefill(8, None, 1), decode))
     server = SimpleNamespace(process=SimpleNamespace(name="bcg-prefix"))
     engine = SimpleNamespace(cached_tokens=lambda doc: doc["cached"], _captured={"bcg-prefix": frozenset({8, 16})},
-                             prompts=SimpleNamespace(image_token_id=9))
+                             prompts=SimpleNamespace(visual_token_ids=frozenset({9})))
     serving = EngineBackend.serving_evidence(engine, server, {"cached": 16}, request, [1] * 12 + [9] * 12 + [1] * 16)
     assert serving.image_span == (12, 24)  # the hit of 16 ended inside the image
     assert [(c.start, c.end, c.bucket, c.image_rows) for c in serving.chunks] == [

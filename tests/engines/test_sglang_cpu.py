@@ -157,6 +157,19 @@ def test_keeping_the_prefill_graph_drops_only_the_declaration_that_turns_it_off(
     assert len(declared) == 1
 
 
+@pytest.mark.parametrize("has_decord", [True, False])
+def test_videos_decode_with_decord_when_it_is_installed(monkeypatch, has_decord) -> None:
+    import importlib.util
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (object() if has_decord else None) if name == "decord" else found(name, *a))
+    decoder = types.ModuleType(cpu_patches.VIDEO_DECODER)
+    decoder._BACKEND = "torchcodec"
+    cpu_patches.decode_with_decord(decoder)
+    assert decoder._BACKEND == ("decord" if has_decord else "torchcodec")
+
+
 def test_the_device_stream_is_the_cpu_stream() -> None:
     module = types.ModuleType("common")
     cpu_patches.cpu_stream(module)
@@ -177,10 +190,16 @@ def test_cpu_servers_get_the_cpu_engine_flags_and_a_bounded_pool(tmp_path: Path)
         assert "--device cpu --attention-backend torch_native" in joined and "fa3" not in joined
         assert "--enable-deterministic-inference" not in flags  # SGLang refuses it with torch_native
         assert f"--cuda-graph-backend-prefill {backend}" in joined and "--max-total-tokens 4096" in joined
-    flags = servers.server_flags(cpu_settings(tmp_path, "--max-total-tokens", "2048"), "bcg", 0.7)
+        config = flags[flags.index("--mm-process-config") + 1]
+        assert json.loads(config) == {"video": {"min_pixels": 784}}  # frames reach the processor at their own size
+    own = '{"video": {"min_pixels": 4096}}'
+    flags = servers.server_flags(cpu_settings(tmp_path, "--max-total-tokens", "2048", "--mm-process-config", own),
+                                 "bcg", 0.7)
     assert flags.count("--max-total-tokens") == 1 and "2048" in flags
+    assert flags.count("--mm-process-config") == 1 and own in flags
     gpu = servers.SglangSettings(model="/ckpt", max_new_tokens=8, run_dir=tmp_path)
     assert "--device" not in servers.server_flags(gpu, "bcg", 0.7)
+    assert "--mm-process-config" not in servers.server_flags(gpu, "bcg", 0.7)  # SGLang's own defaults on a GPU
     with pytest.raises(UsageError, match="--device"):
         servers.split_user_args(["--device cpu"])
 

@@ -197,16 +197,20 @@ def test_generation_and_scoring_bodies_pass_the_real_normalization() -> None:
     from sglang.api.v1.api_types import GenerateRequest
     from sglang.srt.entrypoints.api_contract import generate_contract_error
 
-    generation = client.generate_body("<|vision_start|><|image_pad|><|vision_end|>Hi", "/abs/img.png", 20, rid="g")
+    image = client.media_data("/abs/img.png", is_video=False)
+    generation = client.generate_body("<|vision_start|><|image_pad|><|vision_end|>Hi", image, 20, rid="g")
     request = normalized(generation)
     assert request.return_logprob and request.top_logprobs_num == client.TOP_LOGPROBS
     assert request.return_prompt_token_ids and request.rid == "g" and request.image_data == "/abs/img.png"
     assert request.sampling_params == {"temperature": 0, "max_new_tokens": 20}
-    score = client.score_body([1, 2, 151655, 3], [7, 8], expanded_length=40, image="/abs/img.png", rid="s")
+    score = client.score_body([1, 2, 151655, 3], [7, 8], expanded_length=40, media=image, rid="s")
     request = normalized(score)
     assert request.input_ids == [1, 2, 151655, 3, 7, 8] and request.logprob_start_len == 39
     assert request.sampling_params["max_new_tokens"] == 1 and request.return_logprob
-    for body in (generation, score):  # /generate's schema gate admits both, and keeps every key parity sends
+    video = client.generate_body("<|vision_start|><|video_pad|><|vision_end|>Hi",
+                                 client.media_data("/abs/v.mkv", is_video=True), 20, rid="v")
+    assert normalized(video).video_data == "/abs/v.mkv" and normalized(video).image_data is None
+    for body in (generation, score, video):  # /generate's schema gate admits each, and keeps every key parity sends
         assert generate_contract_error(body) is None
         decoded = GenerateRequest.from_json_value(body)
         assert all(getattr(decoded, key) is not None for key in body)
@@ -217,17 +221,21 @@ def test_the_scoring_prompt_expands_like_the_generation() -> None:
     # parity folds the expanded prompt back to one placeholder, so the server rebuilds the same ids.
     import torch
     from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
+    from parity.backends.protocol import Request
     from parity.engines.prompts import ChatPrompts
+    from parity.fixtures import builtin_fixture
+    from parity.models.tiny import build_processor, build_tokenizer
 
-    pad = 151655
+    tiny = build_processor(build_tokenizer())
+    pad = tiny.tokenizer.convert_tokens_to_ids(tiny.image_token)
     processor = SimpleNamespace(IM_TOKEN_ID=pad, VIDEO_TOKEN_ID=None, audio_token_id=None, spatial_merge_size=2)
     grid = torch.tensor([[1, 8, 6]])  # 48 patches / 2^2 = 12 image tokens
-    prompt = [10, 151652, pad, 151653, 11, 12]
+    prompts = ChatPrompts(tiny)
+    request = Request(builtin_fixture("rgb-stripes"), "Describe it.")
+    prompt = tiny.tokenizer(prompts.text(request), add_special_tokens=False)["input_ids"]
     expanded, _, _ = BaseMultimodalProcessor.build_input_ids(processor, prompt, img_grid_thw=grid)
     assert expanded.count(pad) == 12
-    prompts = ChatPrompts.__new__(ChatPrompts)
-    prompts.image_token_id = pad
-    folded = prompts.unexpanded(expanded)
+    folded = prompts.scoring_ids(request, expanded)
     assert folded == tuple(prompt)
     again, _, modalities = BaseMultimodalProcessor.build_input_ids(processor, [*folded, 7, 8], img_grid_thw=grid)
     assert again == [*expanded, 7, 8] and len(modalities) == 1

@@ -217,3 +217,30 @@ def test_a_refresh_skipped_for_a_repeated_shape_is_caught_back_to_back(tmp_path:
     case = _stream_with(deepstack_slot.SKIP_SAME_SHAPE, tmp_path)
     assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
     assert "request 2 of 5 (image, DeepStack zeroed)" in case.verdict.reason, case.verdict.reason
+
+
+# --- video (design §12): decoded by decord, one file per video, scored through text ------------------------
+
+def test_a_video_replayed_by_the_released_runner_drops_deepstack(tmp_path: Path) -> None:
+    # Five frames: SGLang keeps the odd frame only because parity pads the file to whole pairs.
+    result, doc = parity_run(tmp_path, "--video", "video-bouncing-bar")
+    assert result.exit_code == 1, result.output
+    (case,) = doc["cases"]
+    assert case["fixture"]["frames"] == 5 and case["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED", case["verdict"]
+    assert arms_of(case)[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
+    assert [p.suffix for p in (tmp_path / "media").iterdir()] == [".mkv"]
+    assert_no_server_left()
+
+
+def test_the_fix_passes_every_builtin_video(tmp_path: Path) -> None:
+    result, doc = parity_run(tmp_path, "--video", "all", "--sglang-fix", deepstack_slot.FIX)
+    assert result.exit_code == 0, result.output
+    assert {c["fixture"]["name"] for c in doc["cases"]} == {"video-moving-square", "video-colour-cycle",
+                                                            "video-bouncing-bar"}
+    for case in doc["cases"]:
+        assert case["verdict"]["code"] == "PASS", case["verdict"]
+        arms = arms_of(case)
+        assert arms[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
+        assert arms[BCG_NORMAL]["token_ids"] != arms[BCG_ZERO]["token_ids"] or max(
+            abs(a - b) for a, b in zip(arms[BCG_NORMAL]["token_logprobs"], arms[BCG_ZERO]["token_logprobs"])) > 100 * NOISE
+    assert_no_server_left()

@@ -103,7 +103,7 @@ def test_parity_command_lines_parse_with_vllms_own_parser(parsed, checkpoint) ->
         assert engine.enable_prefix_caching is False and engine.generation_config == "vllm" and engine.seed == 0
         assert engine.gpu_memory_utilization == 0.35 and engine.max_model_len == servers.DEFAULT_MAX_MODEL_LEN
         assert engine.max_num_batched_tokens == max(servers.DEFAULT_MAX_BATCHED_TOKENS, sizes[-1])
-        assert engine.limit_mm_per_prompt == {"image": 1, "video": 0}
+        assert engine.limit_mm_per_prompt == {"image": 1, "video": 1}
         assert engine.tensor_parallel_size == 2 == settings.facts.gpus_per_server  # the user's flag, read alike
         assert engine.enforce_eager is False  # eager is cudagraph_mode NONE with torch.compile kept
 
@@ -149,7 +149,7 @@ def test_the_bodies_pass_vllms_validation_as_greedy_requests_whatever_the_genera
 
     from parity.engines.vllm import client
 
-    image = client.image_url(b"png")
+    image = client.media_part(b"png", is_video=False)
     checkpoint_defaults = {"repetition_penalty": 1.05, "presence_penalty": 1.5, "top_k": 20, "top_p": 0.8}
     for body, logprobs, prompt_logprobs in ((client.generate_body("Describe.", image, 20, "t1"), 5, None),
                                             (client.score_body("Describe.", image, "A red", "t2"), None, 0)):
@@ -160,6 +160,8 @@ def test_the_bodies_pass_vllms_validation_as_greedy_requests_whatever_the_genera
         assert request.request_id == body["request_id"] and request.return_token_ids
     scoring = ChatCompletionRequest.model_validate(client.score_body("Describe.", image, "A red", "t2"))
     assert scoring.continue_final_message and not scoring.add_generation_prompt
+    video = ChatCompletionRequest.model_validate(client.generate_body("Describe.", client.media_part(b"v", True), 20, "t4"))
+    assert video.messages[0]["content"][0]["type"] == "video_url"
     from vllm.exceptions import VLLMValidationError
 
     with pytest.raises(VLLMValidationError, match="logprobs"):  # vLLM refuses top_logprobs without logprobs

@@ -154,9 +154,13 @@ def test_scores_are_kept_only_where_the_server_scored_exactly_the_reference() ->
     assert client.parse_scores(doc, [7, 9]) is None  # re-tokenized into other tokens: no score, no tf delta
     with pytest.raises(ServerRejected, match="garbles"):
         client.parse_scores({"prompt_token_ids": [1, 2], "prompt_logprobs": [None]}, [2])
-    body = client.score_body("Describe.", "data:image/png;base64,AA==", "ab", "tag")
+    body = client.score_body("Describe.", client.media_part(b"\0", is_video=False), "ab", "tag")
     assert body["continue_final_message"] and not body["add_generation_prompt"] and body["prompt_logprobs"] == 0
-    assert body["messages"][0]["content"][0]["type"] == "image_url" and body["request_id"] == "tag"
+    assert body["messages"][0]["content"][0] == {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    assert body["request_id"] == "tag"
+    video = client.generate_body("Describe.", client.media_part(b"\0", is_video=True), 4, "v")
+    assert video["messages"][0]["content"][0] == {"type": "video_url",
+                                                  "video_url": {"url": "data:video/x-matroska;base64,AA=="}}
 
 
 # --- the tap on vLLM-shaped objects ------------------------------------------------------------------------

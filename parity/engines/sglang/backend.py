@@ -26,7 +26,7 @@ from parity.engines.gpus import gpu_count, gpu_memory, visible_gpu_count
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
 from parity.engines.settings import check_cpu_placement, resolve_graph_backend
-from parity.engines.prompts import ImageFiles
+from parity.engines.prompts import MediaFiles
 from parity.engines.sglang import client, deepstack_slot, kernel_standin, plugin, server_checks
 from parity.engines.sglang.servers import (
     CACHE_FLUSH_PATH, MAX_MEM_FRACTION, SglangSettings, buckets_given, check_gpu_count,
@@ -38,6 +38,9 @@ from parity.fixtures import Fixture
 # A launch command other than `python -m sglang.launch_server` (a wrapper, another interpreter, a
 # stand-in): shlex-split and used as given, without checking SGLang or a GPU here.
 LAUNCH_COMMAND_ENV = "PARITY_SGLANG_LAUNCH"
+# SGLang 0.5.23 samples a video at 2 frames a second (srt/multimodal/processors/qwen_vl.py::FPS,
+# smart_nframes) and floors the count to whole pairs.
+VIDEO_FPS = 2.0
 # What a bcg server that dies while starting most likely hit (docs/engines/sglang-0.5.23.md §8).
 BCG_START_HINT = ("SGLang's warm-up sends an image request through the prefill graph, so a crash here is most "
                   "likely the multimodal BCG replay fault, not the DeepStack drop (see docs/sglang-runbook.md)")
@@ -55,7 +58,9 @@ class SglangBackend(EngineBackend):
 
     def __init__(self, settings: SglangSettings, prompts, facts) -> None:
         super().__init__(settings, prompts, facts)
-        self.images = ImageFiles(settings.run_dir / "images")
+        # A video is written at SGLang's own sampling rate, padded to whole pairs, so that its
+        # preprocessing keeps every frame (docs/engines/sglang-cpu.md, "Video requests").
+        self.media = MediaFiles(settings.run_dir / "media", video_fps=VIDEO_FPS, even_frames=True)
         self._served_dtype: dict[str, str | None] = {}
         self._fix_records: dict[str, list[dict]] = {}
 
@@ -138,24 +143,24 @@ class SglangBackend(EngineBackend):
 
     # --- requests ------------------------------------------------------------------------------
 
-    def image_input(self, fixture: Fixture | None) -> str | None:
-        return self.images.path(fixture)
+    def media_input(self, fixture: Fixture | None) -> dict[str, str]:
+        return client.media_data(self.media.path(fixture), fixture is not None and fixture.is_video)
 
-    def generate_body(self, request: Request, image: Any, max_new_tokens: int, tag: str) -> dict:
-        return client.generate_body(self.prompts.text(request), image, max_new_tokens, rid=tag)
+    def generate_body(self, request: Request, media: Any, max_new_tokens: int, tag: str) -> dict:
+        return client.generate_body(self.prompts.text(request), media, max_new_tokens, rid=tag)
 
     def parse_completion(self, doc: dict) -> Completion:
         return client.parse_completion(doc)
 
-    def score_body(self, request: Request, image: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
+    def score_body(self, request: Request, media: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
                    tag: str) -> dict:
-        return client.score_body(self.prompts.unexpanded(prompt_ids), tokens, len(prompt_ids), image, rid=tag)
+        return client.score_body(self.prompts.scoring_ids(request, prompt_ids), tokens, len(prompt_ids), media, rid=tag)
 
-    def parse_scores(self, doc: dict, tokens: Sequence[int]) -> tuple[float, ...]:
-        return client.parse_scores(doc, tokens)
+    def parse_scores(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> tuple[float, ...] | None:
+        return client.parse_scores(doc, tokens, prompt_ids)
 
     def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:
-        return len(prompt_ids) + len(tokens)
+        return len(doc.get("prompt_token_ids") or ()) or len(prompt_ids) + len(tokens)
 
     def cached_tokens(self, doc: dict) -> int | None:
         return client.cached_tokens(doc)

@@ -15,9 +15,16 @@ from parity.engines.http import ServerRejected, count_or_none, finite
 TOP_LOGPROBS = 5
 
 
-def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -> dict[str, Any]:
-    """Greedy generation with output logprobs; `text` is already chat-templated (docs/engines/sglang-0.5.23.md §2.1). The answer
-    also carries the prompt as the server expanded it (image tokens included), for scoring."""
+def media_data(path: str | None, is_video: bool) -> dict[str, str]:
+    """The body field that carries an image or a video: an absolute path (relative paths are
+    base64-decoded, docs/engines/sglang-0.5.23.md §2.1); {} for a text-only request."""
+    return {} if path is None else {"video_data" if is_video else "image_data": path}
+
+
+def generate_body(text: str, media: Mapping[str, str], max_new_tokens: int, rid: str) -> dict[str, Any]:
+    """Greedy generation with output logprobs; `text` is already chat-templated (docs/engines/sglang-0.5.23.md §2.1) and `media`
+    is `media_data`'s. The answer also carries the prompt as the server expanded it (visual tokens
+    included), for scoring."""
     body: dict[str, Any] = {
         "text": text,
         "rid": rid,
@@ -25,18 +32,17 @@ def generate_body(text: str, image: str | None, max_new_tokens: int, rid: str) -
         "return_logprob": True,
         "top_logprobs_num": TOP_LOGPROBS,
         "return_prompt_token_ids": True,
+        **media,
     }
-    if image is not None:
-        body["image_data"] = image  # an absolute path or a data URI; relative paths fail (docs/engines/sglang-0.5.23.md §2.1)
     return body
 
 
-def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length: int, image: str | None,
+def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length: int, media: Mapping[str, str],
                rid: str) -> dict[str, Any]:
     """Teacher forcing (docs/engines/sglang-0.5.23.md §2.3): the logprob of each of `tokens` after the prompt and the tokens before it.
 
-    `prompt_ids` hold one image placeholder per image, as a prompt is sent (the server's processor
-    expands it, as it did for the generation: already expanded ids would each count as an image);
+    `prompt_ids` are the prompt as sent (`ChatPrompts.sent_ids`), whose placeholder the server's
+    processor expands as it did for the generation;
     `expanded_length` is the prompt's length after that expansion, which `logprob_start_len`
     indexes. One new token (the doc's safer choice than a prefill-only request).
     """
@@ -46,9 +52,9 @@ def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length
         "sampling_params": {"temperature": 0, "max_new_tokens": 1},
         "return_logprob": True,
         "logprob_start_len": expanded_length - 1,
+        "return_prompt_token_ids": True,  # what the server made of the ids sent: checked by parse_scores
+        **media,
     }
-    if image is not None:
-        body["image_data"] = image
     return body
 
 
@@ -79,10 +85,23 @@ def cached_tokens(doc: Mapping[str, Any]) -> int | None:
     return count_or_none((doc.get("meta_info") or {}).get("cached_tokens"))
 
 
-def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int]) -> tuple[float, ...]:
+def parse_scores(doc: Mapping[str, Any], tokens: Sequence[int],
+                 expanded: Sequence[int] | None = None) -> tuple[float, ...] | None:
     """The forced tokens' logprobs from a scoring answer (docs/engines/sglang-0.5.23.md §2.2: entry 0 is the position before
-    the first forced token and has no logprob; entry k scores token k-1). The ids the server
-    scored must be exactly `tokens`, or the positions were misaligned."""
+    the first forced token and has no logprob; entry k scores token k-1).
+
+    Given the generation's expanded prompt, the answer's own prompt must begin with exactly it
+    (else the placeholder was expanded otherwise); after it, the server may hold other tokens
+    than `tokens` where it went through text (a video request: `ChatPrompts.scoring_ids`) and
+    the answer's text tokenizes otherwise: then there is no score of these tokens (None), as on
+    vLLM. Otherwise the ids scored must be exactly `tokens`, or the positions were misaligned."""
+    if expanded is not None and doc.get("prompt_token_ids") is not None:
+        served = [int(t) for t in doc["prompt_token_ids"]]
+        if served[:len(expanded)] != [int(t) for t in expanded]:
+            raise ServerRejected("/generate scoring answer: the server expanded the prompt otherwise than for the "
+                                 "generation it scores")
+        if served[len(expanded):] != [int(t) for t in tokens]:
+            return None
     try:
         entries = doc["meta_info"]["input_token_logprobs"]  # [[logprob|null, token_id, text|null], ...]
         scored = entries[1:]

@@ -3,7 +3,10 @@
 Installed by parity's stand-in `sitecustomize` (parity/engines/sglang/standin/) in every server process,
 only when parity sets `PARITY_SGLANG_CPU`; no SGLang file is edited. Always:
 
-- `torch.ops.sgl_kernel` answers from the kernel stand-in (parity/engines/sglang/kernel_standin.py).
+- `torch.ops.sgl_kernel` answers from the kernel stand-in (parity/engines/sglang/kernel_standin.py);
+- videos decode with decord when it is installed: SGLang's decoder prefers torchcodec whenever it
+  imports, and torchcodec imports on a machine without FFmpeg's shared libraries, then fails on
+  the first video (`srt/utils/video_decoder.py`, docs/engines/sglang-cpu.md).
 
 With `PARITY_SGLANG_GRAPH=emulated`, SGLang's own breakable prefill runner captures and replays
 on the CPU:
@@ -37,6 +40,7 @@ ATTENTION_COMPATIBILITY_SOURCE = "_handle_attention_backend_compatibility"
 DEVICE_UTILS = "sglang.srt.utils.common"
 STREAM_FUNCTION = "get_current_device_stream_fast"
 DISABLED = "disabled"
+VIDEO_DECODER = "sglang.srt.utils.video_decoder"
 
 
 # --- the four changes ----------------------------------------------------------------------------------
@@ -67,6 +71,13 @@ def cpu_stream(module: types.ModuleType) -> None:
     setattr(module, STREAM_FUNCTION, get_current_device_stream_fast)
 
 
+def decode_with_decord(module: types.ModuleType) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("decord") is not None:
+        module._BACKEND = "decord"  # read by VideoDecoderWrapper at each construction
+
+
 def install_emulated_graphs(torch_module: Any) -> None:
     from parity.emulated_graph import EmulatedGraph, graph_pool_handle
 
@@ -82,5 +93,6 @@ def install(environ: Mapping[str, str]) -> None:
     from parity.engines.sglang.kernel_standin import install_ops
 
     install_ops(torch)
+    after_import(VIDEO_DECODER, decode_with_decord)
     if environ.get(ENV_GRAPH) == GRAPH_EMULATED:
         install_emulated_graphs(torch)

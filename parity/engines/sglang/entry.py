@@ -49,10 +49,6 @@ SGLANG = BackendInfo(
     ),
     not_replayed_hint=not_replayed_hint, graph_label=graph_label,
     # docs/scenarios.md, "The real engines".
-    no_video=("parity does not send video requests to SGLang yet: its /generate bodies, prompt folding and "
-              "evidence read image placeholders only, and on a CPU machine SGLang 0.5.23's video decoder "
-              "(srt/utils/video_decoder.py) picks torchcodec, which cannot load without FFmpeg's shared libraries "
-              "(docs/engines/sglang-cpu.md)"),
     unreachable={
         PROVES_GROWTH: ("SGLang 0.5.23 keeps no DeepStack buffer across batches (prepare_mm_inputs builds one per "
                         "batch, and parity's deepstack-slot fix sizes its slot once, at the largest captured bucket); "

@@ -46,6 +46,12 @@ NO_PREFIX_CACHE = ("--disable-radix-cache",)
 CHUNK_FLAG = "--chunked-prefill-size"
 CACHE_FLUSH_PATH = "/flush_cache"
 CPU_MAX_TOTAL_TOKENS = 4096
+# SGLang 0.5.23 scales a video's frames up to 128x28x28 pixels before the model's processor sees
+# them (qwen_vl.py::preprocess_video, VIDEO_MIN_PIXELS); a CPU server lowers that floor to one
+# 28 px patch, so the embedded presets' small frames reach their processor at their own size (as
+# the prompt lengths parity plans its buckets with assume). A user's --mm-process-config wins.
+MM_PROCESS_FLAG = "--mm-process-config"
+CPU_MM_PROCESS_CONFIG = '{"video": {"min_pixels": 784}}'
 BUCKET_FLAGS = ("--cuda-graph-bs-prefill", "--cuda-graph-max-bs-prefill")
 MEM_FRACTION_FLAG = "--mem-fraction-static"
 MODEL_FLAG = "--model-path"
@@ -181,9 +187,10 @@ def server_flags(settings: SglangSettings, mode: str, mem_fraction: float, profi
     # User flags last: they may add anything not reserved, in both servers alike.
     served = profile_flags(profile, settings.chunk_size)
     if settings.on_cpu:
-        bounded = () if flag_values(settings.sglang_args, "--max-total-tokens") is not None else (
-            "--max-total-tokens", str(CPU_MAX_TOTAL_TOKENS))
-        return (MODEL_FLAG, settings.model, *CPU_FLAGS, *served, *bounded, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
+        defaults = {"--max-total-tokens": str(CPU_MAX_TOTAL_TOKENS), MM_PROCESS_FLAG: CPU_MM_PROCESS_CONFIG}
+        unset = tuple(item for flag, value in defaults.items() if flag_values(settings.sglang_args, flag) is None
+                      for item in (flag, value))
+        return (MODEL_FLAG, settings.model, *CPU_FLAGS, *served, *unset, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
                 *mode_flags(mode), *settings.sglang_args)
     return (MODEL_FLAG, settings.model, *DETERMINISM_FLAGS, *served, MEM_FRACTION_FLAG, f"{mem_fraction:.4g}",
             *mode_flags(mode), *settings.sglang_args)

@@ -10,7 +10,6 @@ leak witness (DeepStack rows an earlier request left in vLLM's persistent buffer
 
 from __future__ import annotations
 
-import io
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -23,6 +22,7 @@ from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, server_args_for, served_model
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
+from parity.engines.prompts import MediaFiles
 from parity.engines.fix_records import read_records
 from parity.engines.settings import EnginePackage, check_cpu_placement, resolve_graph_backend
 from parity.engines.vllm import client, cpu_ops, deepstack_clear, plugin
@@ -37,6 +37,8 @@ from parity.presets import PRESETS
 
 PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
 # Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
+# vLLM 0.33's Qwen3-VL video loader samples at 2 frames a second (Qwen3VLVideoBackend.load_bytes).
+VIDEO_FPS = 2.0
 FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
 
 
@@ -56,7 +58,10 @@ class VllmBackend(EngineBackend):
         self._sizes: tuple[int, ...] = self.capture.sizes_for(())
         super().__init__(settings, prompts, facts)
         self._envs: dict[str, dict[str, str]] = {}
-        self._images: dict[str, str] = {}
+        # A video is written at the rate vLLM's Qwen3-VL loader samples (multimodal/video.py::
+        # Qwen3VLVideoBackend, 2 fps), so that it keeps every frame (docs/engines/vllm-cpu.md).
+        self.media = MediaFiles(settings.run_dir / "media", video_fps=VIDEO_FPS)
+        self._parts: dict[str, dict] = {}
         self._fix_records: dict[str, list[dict]] = {}
 
     @property
@@ -135,14 +140,13 @@ class VllmBackend(EngineBackend):
         # The request id parity sent becomes vLLM's chatcmpl-<tag>-<8 chars>: only its steps count.
         return any(tag in request for request in entry.requests)
 
-    def image_input(self, fixture: Fixture | None) -> str | None:
+    def media_input(self, fixture: Fixture | None) -> dict | None:
         if fixture is None:
             return None
-        if fixture.sha256 not in self._images:
-            png = io.BytesIO()
-            fixture.image.save(png, format="PNG")  # lossless: the server decodes the very pixels
-            self._images[fixture.sha256] = client.image_url(png.getvalue())
-        return self._images[fixture.sha256]
+        if fixture.sha256 not in self._parts:  # lossless files: the server decodes the very pixels
+            data = Path(self.media.path(fixture)).read_bytes()
+            self._parts[fixture.sha256] = client.media_part(data, fixture.is_video)
+        return self._parts[fixture.sha256]
 
     def generate_body(self, request: Request, image: Any, max_new_tokens: int, tag: str) -> dict:
         return client.generate_body(request.prompt, image, max_new_tokens, tag)
@@ -154,7 +158,7 @@ class VllmBackend(EngineBackend):
                    tag: str) -> dict:
         return client.score_body(request.prompt, image, self.prompts.decode(tokens), tag)
 
-    def parse_scores(self, doc: dict, tokens: Sequence[int]) -> tuple[float, ...] | None:
+    def parse_scores(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> tuple[float, ...] | None:
         return client.parse_scores(doc, tokens)
 
     def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:

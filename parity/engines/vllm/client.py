@@ -21,13 +21,15 @@ CHAT_PATH = "/v1/chat/completions"
 TOKEN_PREFIX = "token_id:"
 
 
-def image_url(png: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(png).decode()
+def media_part(data: bytes, is_video: bool) -> dict[str, Any]:
+    """A message part carrying an image (PNG) or a video (FFV1 in Matroska) as a data URL."""
+    kind, mime = ("video_url", "video/x-matroska") if is_video else ("image_url", "image/png")
+    return {"type": kind, kind: {"url": f"data:{mime};base64," + base64.b64encode(data).decode()}}
 
 
-def user_message(prompt: str, image: str | None) -> dict[str, Any]:
-    """One user turn: the image first, then the prompt (as `chat_text` orders them for every backend)."""
-    content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": image}}] if image else []
+def user_message(prompt: str, media: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One user turn: the image or video first, then the prompt (as `chat_text` orders them for every backend)."""
+    content: list[dict[str, Any]] = [dict(media)] if media else []
     content.append({"type": "text", "text": prompt})
     return {"role": "user", "content": content}
 
@@ -49,17 +51,17 @@ def _common(messages: list, max_tokens: int, request_id: str) -> dict[str, Any]:
     }
 
 
-def generate_body(prompt: str, image: str | None, max_new_tokens: int, request_id: str) -> dict[str, Any]:
-    """Greedy generation with the chosen and top-k logprobs of every step."""
-    body = _common([user_message(prompt, image)], max_new_tokens, request_id)
+def generate_body(prompt: str, media: Mapping[str, Any] | None, max_new_tokens: int, request_id: str) -> dict[str, Any]:
+    """Greedy generation with the chosen and top-k logprobs of every step; `media` is `media_part`'s."""
+    body = _common([user_message(prompt, media)], max_new_tokens, request_id)
     body.update({"logprobs": True, "top_logprobs": TOP_LOGPROBS})
     return body
 
 
-def score_body(prompt: str, image: str | None, reference: str, request_id: str) -> dict[str, Any]:
+def score_body(prompt: str, media: Mapping[str, Any] | None, reference: str, request_id: str) -> dict[str, Any]:
     """Teacher forcing: the prompt, then `reference` (decoded tokens to score) as the assistant's
     unfinished answer; one new token, and the logprob of every prompt token."""
-    messages = [user_message(prompt, image), {"role": "assistant", "content": reference}]
+    messages = [user_message(prompt, media), {"role": "assistant", "content": reference}]
     body = _common(messages, 1, request_id)
     body.update({"add_generation_prompt": False, "continue_final_message": True, "prompt_logprobs": 0})
     return body

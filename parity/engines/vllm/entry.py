@@ -38,8 +38,6 @@ VLLM = BackendInfo(
     ),
     not_replayed_hint=not_replayed_hint,
     # docs/scenarios.md, "The real engines".
-    no_video=("parity does not send video requests to vLLM yet: its servers take no video (--limit-mm-per-prompt) "
-              "and its client and evidence read image placeholders only (docs/engines/vllm-cpu.md)"),
     unreachable={
         PROVES_GROWTH: ("vLLM 0.33 sizes its DeepStack buffers once, at --max-num-batched-tokens rows "
                         "(Qwen3VLForConditionalGeneration.__init__), and chunks every longer prefill to fit them, "

@@ -52,9 +52,9 @@ PREFIX_BLOCK_TOKENS = 16
 PREFIX_CACHE = ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(PREFIX_BLOCK_TOKENS))
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 CACHE_FLUSH_PATH = "/reset_prefix_cache"
-# Defaults the user may override with --vllm-arg (parity reads them back): one image per prompt
-# and no video keep the encoder's start-up profiling small.
-DEFAULT_FLAGS = ("--limit-mm-per-prompt", json.dumps({"image": 1, "video": 0}))
+# Defaults the user may override with --vllm-arg (parity reads them back): one image or video per
+# prompt keeps the encoder's start-up profiling small.
+DEFAULT_FLAGS = ("--limit-mm-per-prompt", json.dumps({"image": 1, "video": 1}))
 # Flags (and their dotted or attached forms) that would make the servers differ in more than the
 # graph mode, undo what parity sets, or fight the launcher.
 RESERVED_FLAGS = (
