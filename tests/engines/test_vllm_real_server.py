@@ -210,3 +210,44 @@ def test_a_server_on_the_v1_runner_is_an_error_that_says_so(tmp_path: Path, monk
     assert doc["verdict"]["code"] == "ERROR" and "vLLM built its V1 model runner" in doc["verdict"]["reason"], \
         doc["verdict"]
     assert_no_server_left()
+
+
+# --- video (design §12): a lossless file at vLLM's 2 fps, one video_url part --------------------------------
+
+VIDEO_RUNS: dict[bool, tuple] = {}
+
+
+def video_run(tmp_path_factory, fixed: bool):
+    if fixed not in VIDEO_RUNS:
+        out = tmp_path_factory.mktemp(f"video-{'fixed' if fixed else 'released'}")
+        fix = ("--vllm-fix", deepstack_clear.FIX) if fixed else ()
+        VIDEO_RUNS[fixed] = (out, *parity_run(out, "--graph-mode", "full", "--video", "video-bouncing-bar",
+                                              "--scenario", "stream", "--scenario", "prefix", *fix))
+    return VIDEO_RUNS[fixed]
+
+
+def test_released_0_33_leaks_a_videos_deepstack_even_past_a_hit_over_all_its_rows(tmp_path_factory) -> None:
+    out, result, doc = video_run(tmp_path_factory, fixed=False)
+    assert result.exit_code == 1, result.output[-3000:]
+    assert {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]} == dict.fromkeys(("stream", "prefix"),
+                                                                                        "FAIL_STALE_STATE")
+    assert doc["cases"][0]["fixture"]["frames"] == 5
+    # The extended question's hit covers every video row: its suffix has none of its own to compute,
+    # and what the graph reads there is the earlier request's, left in the buffer.
+    hit = serving_of(case_of(doc, "prefix"), 1)
+    assert hit["cached_tokens"] >= hit["image_span"][1] and hit["chunks"][0][3] == 0, hit
+    assert "request 2 of 3" in case_of(doc, "prefix")["verdict"]["reason"]
+    assert [p.suffix for p in (out / "media").iterdir()] == [".mkv"]
+    assert_no_server_left()
+
+
+def test_the_fix_passes_a_video_and_a_hit_over_all_its_rows(tmp_path_factory) -> None:
+    _, result, doc = video_run(tmp_path_factory, fixed=True)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert [c["verdict"]["code"] for c in doc["cases"]] == ["PASS", "PASS"], doc["verdict"]
+    hit = serving_of(case_of(doc, "prefix"), 1)
+    assert hit["cached_tokens"] >= hit["image_span"][1], hit
+    for case in doc["cases"]:
+        for request in case["requests"]:
+            assert all(a["evidence"].get("leak") is None for a in request["arms"].values()), request["label"]
+    assert_no_server_left()
