@@ -45,7 +45,8 @@ class ChatPrompts:
         self._processor = processor
         tokenizer = processor.tokenizer
         self._placeholders = {kind: getattr(processor, f"{kind}_token", None) for kind in ("image", "video")}
-        self._ids = {kind: tokenizer.convert_tokens_to_ids(token) for kind, token in self._placeholders.items() if token}
+        self._ids = {kind: tokenizer.convert_tokens_to_ids(token)
+                     for kind, token in self._placeholders.items() if token}
         self.visual_token_ids = frozenset(self._ids.values())
 
     def text(self, request: Request) -> str:

@@ -58,8 +58,8 @@ class EngineSession(Generates):
         doc, entries = engine.post_tagged(server, tap, request, lambda tag: engine.generate_body(
             request, media, engine.settings.max_new_tokens, tag))
         completion = parsed(server.process, engine.parse_completion, doc)
-        first = TaggedRequest(len(completion.prompt_ids), engine.computes_visual_rows(request, doc, completion.prompt_ids),
-                              entries)
+        visual_rows = engine.computes_visual_rows(request, doc, completion.prompt_ids)
+        first = TaggedRequest(len(completion.prompt_ids), visual_rows, entries)
         engine.check_tap(server, first, "request")  # before scoring: a silent tap fails the arm at once
         evidence = engine.evidence([first])
         if request.serving.recorded:
@@ -76,7 +76,8 @@ class EngineSession(Generates):
         for tokens in (*force, answer.generation.token_ids):
             doc, entries = engine.post_tagged(served.server, served.tap, served.request, lambda tag: engine.score_body(
                 served.request, served.media, served.prompt_ids, tokens, tag))
-            scores.append(parsed(served.server.process, lambda d: engine.parse_scores(d, served.prompt_ids, tokens), doc))
+            scores.append(parsed(served.server.process,
+                                 lambda d: engine.parse_scores(d, served.prompt_ids, tokens), doc))
             length = engine.scored_length(doc, served.prompt_ids, tokens)
             requests.append(TaggedRequest(length, engine.computes_visual_rows(served.request, doc, served.prompt_ids),
                                           entries))

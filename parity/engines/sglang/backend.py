@@ -92,8 +92,11 @@ class SglangBackend(EngineBackend):
 
     def _cap_buckets(self, longest_prompt: int) -> None:
         """On a CPU, capture SGLang's ladder only up to the bucket the run's longest prefill needs
-        (a prompt plus teacher-forced tokens): the emulation keeps every captured tensor alive."""
-        longest = longest_prompt + self.settings.max_new_tokens
+        (a prompt plus teacher-forced tokens): the emulation keeps every captured tensor alive. The
+        answer gets room twice over: a video's scoring request goes through text
+        (`ChatPrompts.scoring_ids`), where an answer can re-tokenize into more tokens (8 into 10
+        measured), and a prefill past the cap would run eagerly."""
+        longest = longest_prompt + 2 * self.settings.max_new_tokens
         cap = smallest_fitting(prefill_bucket_ladder(max(longest, 1) * 2), longest)
         self.settings = replace(self.settings, sglang_args=(*self.settings.sglang_args,
                                                             "--cuda-graph-max-bs-prefill", str(cap)))

@@ -22,9 +22,9 @@ def media_data(path: str | None, is_video: bool) -> dict[str, str]:
 
 
 def generate_body(text: str, media: Mapping[str, str], max_new_tokens: int, rid: str) -> dict[str, Any]:
-    """Greedy generation with output logprobs; `text` is already chat-templated (docs/engines/sglang-0.5.23.md §2.1) and `media`
-    is `media_data`'s. The answer also carries the prompt as the server expanded it (visual tokens
-    included), for scoring."""
+    """Greedy generation with output logprobs; `text` is already chat-templated
+    (docs/engines/sglang-0.5.23.md §2.1) and `media` is `media_data`'s. The answer also carries the
+    prompt as the server expanded it (visual tokens included), for scoring."""
     body: dict[str, Any] = {
         "text": text,
         "rid": rid,
