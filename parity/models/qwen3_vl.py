@@ -39,11 +39,31 @@ def chat_text(processor, fixture: Fixture | None, prompt: str, audio: bool = Fal
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
+class _FlatThinker:
+    """A Qwen3-Omni thinker as transformers kept it before 5.24 (5.17-5.20 measured): its vision
+    and audio towers and rope index on the thinker itself, its text model as `.model`. Seen here
+    with the layout later releases and Qwen3-VL share: `.language_model` beside the towers."""
+
+    def __init__(self, thinker: nn.Module) -> None:
+        self._thinker = thinker
+        self.language_model = thinker.model
+
+    def __getattr__(self, name: str):
+        return getattr(self._thinker, name)
+
+
+def vision_language_core(model: nn.Module):
+    """The part of a Qwen3-VL-style model that holds `visual`, `language_model` (and an Omni
+    thinker's `audio_tower`) and computes the rope index, in either transformers layout."""
+    core = model.model
+    return core if hasattr(core, "language_model") else _FlatThinker(model)
+
+
 class Qwen3VLAdapter:
     """The pieces of a Hugging Face Qwen3-VL that parity drives, and how requests become LM inputs."""
 
     def __init__(self, model: nn.Module, processor) -> None:
-        core = model.model
+        core = vision_language_core(model)
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer

@@ -22,6 +22,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from parity.models.qwen3_vl import vision_language_core
 from parity.presets import OMNI_THINKER as OMNI, TinyPreset
 
 # Qwen's special tokens, in Qwen's order; the processor and config refer to them by name.
@@ -234,7 +235,7 @@ def _make_layout_matter(model) -> None:
     scenario's bug) moved its DeepStack rows by 3% and its answer by less than bf16's noise; scaled,
     by about 34%, while other pixels still move them by 135%. A larger gain moves bf16 answers more
     for a correct replay too (scripts/measure_noise.py: at 32, one flip that was not a near-tie)."""
-    model.model.visual.pos_embed.weight.mul_(POSITION_GAIN)
+    vision_language_core(model).visual.pos_embed.weight.mul_(POSITION_GAIN)
 
 
 CHANNEL_GAIN = 32.0
@@ -261,7 +262,7 @@ def _route_deepstack_through_a_channel(model) -> None:
     DeepStack rows confined to a quarter of the dims are scaled by DEEPSTACK_GAIN, so they still
     move the image rows' hidden states by a sizeable fraction (a graph that drops them is far off).
     """
-    core = model.model
+    core = vision_language_core(model)
     cfg = core.language_model.config
     channel = _channel(cfg.hidden_size)
     text = slice(0, channel.start)
@@ -331,7 +332,7 @@ def _soften_expert_switches(model) -> None:
     EXPERT_OWN of their own) jump little, and a sharper router (ROUTER_GAIN) gives the second and
     third expert little weight whenever they are close enough to swap.
     """
-    for layer in model.model.language_model.layers:
+    for layer in vision_language_core(model).language_model.layers:
         moe = layer.mlp
         moe.gate.weight.mul_(ROUTER_GAIN)
         for weight in (moe.experts.gate_up_proj, moe.experts.down_proj):
