@@ -36,9 +36,9 @@ from parity.presets import PRESETS
 
 
 PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
-# Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
 # vLLM 0.33's Qwen3-VL video loader samples at 2 frames a second (Qwen3VLVideoBackend.load_bytes).
 VIDEO_FPS = 2.0
+# Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
 FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
 
 
@@ -148,15 +148,15 @@ class VllmBackend(EngineBackend):
             self._parts[fixture.sha256] = client.media_part(data, fixture.is_video)
         return self._parts[fixture.sha256]
 
-    def generate_body(self, request: Request, image: Any, max_new_tokens: int, tag: str) -> dict:
-        return client.generate_body(request.prompt, image, max_new_tokens, tag)
+    def generate_body(self, request: Request, media: Any, max_new_tokens: int, tag: str) -> dict:
+        return client.generate_body(request.prompt, media, max_new_tokens, tag)
 
     def parse_completion(self, doc: dict) -> Completion:
         return client.parse_completion(doc)
 
-    def score_body(self, request: Request, image: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
+    def score_body(self, request: Request, media: Any, prompt_ids: tuple[int, ...], tokens: Sequence[int],
                    tag: str) -> dict:
-        return client.score_body(request.prompt, image, self.prompts.decode(tokens), tag)
+        return client.score_body(request.prompt, media, self.prompts.decode(tokens), tag)
 
     def parse_scores(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> tuple[float, ...] | None:
         return client.parse_scores(doc, tokens)
