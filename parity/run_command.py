@@ -196,10 +196,10 @@ def check_media(spec: RunSpec, backend: str) -> None:
     """A video for a server without PyAV to write the file it is sent as: exit 2 with the reason,
     before any server starts."""
     from parity.engines.registry import BACKENDS
-    from parity.videos import has_writer
+    from parity.videos import has_av
 
     videos = [c.fixture.name for c in spec.cases if c.fixture is not None and c.fixture.is_video]
-    if videos and BACKENDS[backend].servers_key is not None and not has_writer():
+    if videos and BACKENDS[backend].servers_key is not None and not has_av():
         raise UsageError(f"--backend {backend} sends each video ({', '.join(videos)}) as a file parity writes with "
                          "PyAV, which is not installed: pip install 'parity[video]'")
 

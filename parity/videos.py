@@ -86,7 +86,7 @@ def video_fixture(path: str | Path) -> Fixture:
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--video {path}: no such file")
-    frames, fps = _decode_av(path) if _has_av() else (None, None)
+    frames, fps = _decode_av(path) if has_av() else (None, None)
     if frames is None:
         frames, fps = _decode_pillow(path)
     if not frames:
@@ -98,12 +98,8 @@ def video_fixture(path: str | Path) -> Fixture:
     return Fixture.video(path.stem, frames, fps or FPS)
 
 
-def has_writer() -> bool:
-    """Whether `write_lossless` can run (PyAV installed)."""
-    return _has_av()
-
-
-def _has_av() -> bool:
+def has_av() -> bool:
+    """Whether PyAV is installed: it reads video containers and `write_lossless` writes with it."""
     import importlib.util
 
     return importlib.util.find_spec("av") is not None
@@ -134,7 +130,7 @@ def _decode_pillow(path: Path) -> tuple[list[Image.Image], float | None]:
             frames = [frame.convert("RGB") for _, frame in zip(range(MAX_FRAMES + 1), ImageSequence.Iterator(opened))]
             duration = opened.info.get("duration")
     except (UnidentifiedImageError, OSError) as err:
-        hint = "" if _has_av() else "; install PyAV (pip install 'parity[video]') to read video containers (mp4, mkv, webm)"
+        hint = "" if has_av() else "; install PyAV (pip install 'parity[video]') to read video containers (mp4, mkv, webm)"
         raise UsageError(f"--video {path}: not a readable video ({err.__class__.__name__}){hint}") from None
     return frames, (1000.0 / duration if duration else None)
 
@@ -143,7 +139,7 @@ def write_lossless(fixture: Fixture, path: Path, fps: float, even: bool = False)
     """The video's frames as FFV1 in Matroska (lossless: a decoder returns the RGB frames bit for bit)
     at `fps`; `even` repeats the last frame of an odd count, as the model's processor pads a
     temporal pair, for decoders that would drop it instead."""
-    if not has_writer():
+    if not has_av():
         raise UsageError(f"sending video {fixture.name!r} to a server writes it with PyAV: pip install 'parity[video]'")
     from fractions import Fraction
 

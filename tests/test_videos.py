@@ -81,7 +81,7 @@ def test_a_user_video_file_decodes_to_the_frames_it_holds(tmp_path):
 def test_an_animated_gif_is_a_video_without_pyav(tmp_path, monkeypatch):
     import parity.videos as videos
 
-    monkeypatch.setattr(videos, "_has_av", lambda: False)
+    monkeypatch.setattr(videos, "has_av", lambda: False)
     frames = [Image.new("RGB", (64, 64), colour) for colour in ("red", "green", "blue")]
     path = tmp_path / "flags.gif"
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=500, loop=0)
@@ -151,7 +151,7 @@ def test_a_server_without_pyav_to_write_the_video_is_refused_before_starting_any
                                                                                        monkeypatch, backend):
     import parity.videos
 
-    monkeypatch.setattr(parity.videos, "has_writer", lambda: False)
+    monkeypatch.setattr(parity.videos, "has_av", lambda: False)
     result = parity_cli("run", "--backend", backend, "--video", "video-colour-cycle", "--out", str(tmp_path / "o"))
     assert result.exit_code == 2 and "pip install 'parity[video]'" in result.output, result.output
     assert not (tmp_path / "o").exists()

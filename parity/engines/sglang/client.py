@@ -41,7 +41,7 @@ def score_body(prompt_ids: Sequence[int], tokens: Sequence[int], expanded_length
                rid: str) -> dict[str, Any]:
     """Teacher forcing (docs/engines/sglang-0.5.23.md §2.3): the logprob of each of `tokens` after the prompt and the tokens before it.
 
-    `prompt_ids` are the prompt as sent (`ChatPrompts.sent_ids`), whose placeholder the server's
+    `prompt_ids` are the prompt as sent (`ChatPrompts.scoring_ids`), whose placeholder the server's
     processor expands as it did for the generation;
     `expanded_length` is the prompt's length after that expansion, which `logprob_start_len`
     indexes. One new token (the doc's safer choice than a prefill-only request).
