@@ -25,7 +25,6 @@ from parity.cli_options import (
 from parity.engines import registry
 from parity.errors import NothingToProve, ParityError, UsageError
 from parity.interrupts import exit_code_of, signal_of
-from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES
 from parity.results import FOUR_ARM, SCENARIOS
 from parity.results.loader import MIN_LOGPROB_TOL
@@ -102,8 +101,10 @@ def cli() -> None:
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=positive)
 @click.option("--logprob-tol", default="auto", show_default=True, callback=auto_or_number(MIN_LOGPROB_TOL, True, " (the fp32 noise floor of any x86 CPU)"),
               help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
-@click.option("--tie-margin", type=float, default=DEFAULT_TIE_MARGIN, show_default=True, callback=tie_margin,
-              help="Two tokens this close in logprob, in both arms, are a near-tie: a noise flip, not a failure.")
+@click.option("--tie-margin", default="auto", show_default=True, callback=tie_margin,
+              help="auto (the dtype's: 0.1 in float32, 0.5 in bfloat16) or a number: two tokens this close in "
+                   "logprob, in both arms, are a near-tie: a noise flip, not a failure, when the flip step and "
+                   "the teacher-forced scores agree within the tolerance.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True,
               help="auto: float32 for embedded presets and on CPU, bfloat16 for checkpoints on GPU.")

@@ -235,7 +235,9 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
 def _run_result(spec, backend, planned, collected, config, interrupted) -> RunResult:
     dtype = str(config.get("dtype", "float32"))
     # A user's --logprob-tol is one flat bound on every step; auto follows the dtype's measured noise.
-    tol = Tolerances(spec.logprob_tol) if spec.logprob_tol is not None else auto_tolerances(dtype)
+    auto = auto_tolerances(dtype)
+    tol = Tolerances(spec.logprob_tol) if spec.logprob_tol is not None else auto
+    tie_margin = auto.tie_margin if spec.tie_margin is None else spec.tie_margin
     run = RunResult(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         environment=_environment(backend),
@@ -243,7 +245,8 @@ def _run_result(spec, backend, planned, collected, config, interrupted) -> RunRe
             "model": spec.model, "backend": backend.name, "max_new_tokens": spec.max_new_tokens,
             "logprob_tol": tol.logprob_tol, "logprob_mean_tol": tol.mean_tol,
             "logprob_tol_source": "user" if spec.logprob_tol is not None else "auto",
-            "tie_margin": spec.tie_margin, "scenarios": list(spec.scenarios), "repeat": spec.repeat,
+            "tie_margin": tie_margin, "tie_margin_source": "auto" if spec.tie_margin is None else "user",
+            "scenarios": list(spec.scenarios), "repeat": spec.repeat,
             "arms": [a.name for a in spec.arms], **config,
         },
         cases=tuple(_case_result(case, collected) for case in planned),

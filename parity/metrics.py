@@ -45,16 +45,20 @@ class Tolerances:
 # Chosen from scripts/measure_noise.py's sweep of a correct runner and the planted bugs' effects
 # (docs/verdicts.md, "Tolerances"): each bound sits at least 3x above the largest noise of a
 # correct runner and below the smallest effect of every planted bug that keeps the tokens.
+# (max |Δ|, mean |Δ|, near-tie margin). A near-tie's margin is the most one execution path can move
+# one token's logprob: in reduced precision that is the per-step bound itself, since two correct
+# paths flip a pair of candidates whose gap is up to that far apart (a flip's two margins add up to
+# at most its two flip deltas, each bounded by the max). fp32 keeps 0.1, far above its noise.
 AUTO_TOLERANCES = {
-    "float32": (3e-5, None),
-    "bfloat16": (0.5, 0.05),
-    "float16": (0.125, 0.0125),  # bf16's bounds scaled by the mantissa (3 more bits); not measured
+    "float32": (3e-5, None, DEFAULT_TIE_MARGIN),
+    "bfloat16": (0.75, 0.05, 0.75),
+    "float16": (0.1875, 0.0125, 0.1875),  # bf16's bounds scaled by the mantissa (3 more bits); not measured
 }
 
 
-def auto_tolerances(dtype: str, tie_margin: float | None = DEFAULT_TIE_MARGIN) -> Tolerances:
-    max_tol, mean_tol = AUTO_TOLERANCES.get(dtype, AUTO_TOLERANCES["bfloat16"])
-    return Tolerances(max_tol, tie_margin, mean_tol)
+def auto_tolerances(dtype: str) -> Tolerances:
+    max_tol, mean_tol, margin = AUTO_TOLERANCES.get(dtype, AUTO_TOLERANCES["bfloat16"])
+    return Tolerances(max_tol, margin, mean_tol)
 
 
 def common_prefix_chars(a: str, b: str) -> int:
@@ -107,17 +111,23 @@ def _logprob_of(arm: ArmResult, step: int, token: int) -> float | None:
     return dict(arm.top_logprobs[step]).get(token)
 
 
+def flip_margins(a: ArmResult, b: ArmResult, divergence: int) -> tuple[float, float] | None:
+    """At a flip step, how far each arm scored the other arm's token below its own:
+    (lp_a(x_a) - lp_a(x_b), lp_b(x_b) - lp_b(x_a)); None when a token is outside the other's top-k."""
+    x_a, x_b = a.token_ids[divergence], b.token_ids[divergence]
+    a_other, b_other = _logprob_of(a, divergence, x_b), _logprob_of(b, divergence, x_a)
+    if a_other is None or b_other is None:
+        return None
+    return abs(a.token_logprobs[divergence] - a_other), abs(b.token_logprobs[divergence] - b_other)
+
+
 def is_tie(a: ArmResult, b: ArmResult, divergence: int | None, margin: float | None) -> bool:
     """At the first divergent step, each arm's token is in the other's top-k and within `margin`
     of the other arm's token, in both arms."""
     if margin is None or divergence is None or divergence >= min(len(a.token_ids), len(b.token_ids)):
         return False
-    x_a, x_b = a.token_ids[divergence], b.token_ids[divergence]
-    a_own, a_other = a.token_logprobs[divergence], _logprob_of(a, divergence, x_b)
-    b_own, b_other = b.token_logprobs[divergence], _logprob_of(b, divergence, x_a)
-    if a_other is None or b_other is None:
-        return False
-    return abs(a_own - a_other) <= margin and abs(b_own - b_other) <= margin
+    margins = flip_margins(a, b, divergence)
+    return margins is not None and max(margins) <= margin
 
 
 def flip_deltas(a: ArmResult, b: ArmResult, divergence: int) -> tuple[float, ...] | None:

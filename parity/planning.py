@@ -14,7 +14,6 @@ from parity.arms import MODES, RUN_ORDER, ArmSpec, arm_for
 from parity.backends.protocol import Backend, Request
 from parity.errors import UsageError
 from parity.fixtures import Fixture, Prompt
-from parity.metrics import DEFAULT_TIE_MARGIN
 from parity.plan import PlanEntry, scenario_case_id, text_sha256
 from parity.design import (
     CASE_IMAGE, EXTENDED_TEXT, FOUR_ARM, OTHER_TEXT, REUSE, SEQUENCE_REQUESTS, TWIN_IMAGE, WARMUP, SERVER_PROFILES, RequestSpec,
@@ -50,7 +49,7 @@ class RunSpec:
     scenarios: tuple[str, ...] = (FOUR_ARM,)
     max_new_tokens: int = 20
     logprob_tol: float | None = None  # None: auto, from the dtype's measured noise
-    tie_margin: float = DEFAULT_TIE_MARGIN
+    tie_margin: float | None = None  # None: the dtype's (metrics.auto_tolerances)
     repeat: int = 1
     localize_threshold: float | None = None  # None: auto, from the dtype's measured noise
     shard: Shard | None = None  # run only this shard's cases (design §8); None: all of them

@@ -5,8 +5,10 @@ The sweep is several times wider than the tests': every embedded preset with Dee
 seeds, every built-in fixture plus generated images of other sizes and aspect ratios, two prompts
 each (one the tests never use), 64 new tokens, fp32 and bf16, the four-arm and stream scenarios. For every
 comparison a correct runtime must match (bcg vs eager, in four-arm and in every stream request) it
-records the largest and the mean |Δ logprob| over the compared steps, whether the tokens flipped
-and whether a flip was a near-tie. Then every planted bug (tests/mutants.py, `--runner legacy`,
+records the largest and the mean |Δ logprob| over the compared steps, whether the tokens flipped,
+and for every flip its margins (in each arm, how far the other arm's token scored below its own),
+its flip deltas (both tokens scored by both arms at the flip step) and its teacher-forced deltas:
+what a near-tie's margin (`--tie-margin auto`) is chosen from. Then every planted bug (tests/mutants.py, `--runner legacy`,
 `--runner no-clear`) runs on a smaller plan, and its effect is the strongest signal among the
 comparisons that a correct runtime would match.
 
@@ -40,7 +42,9 @@ from parity.experiment import run_experiment  # noqa: E402
 from parity.planning import CaseSpec, RunSpec  # noqa: E402
 from parity.fixtures import Fixture, Prompt, builtin_fixtures, default_prompts  # noqa: E402
 from parity.graph_runner import PrefillGraphRunner, RunnerVariant  # noqa: E402
-from parity.metrics import auto_tolerances, first_divergence, forced_deltas, is_tie, position_deltas  # noqa: E402
+from parity.metrics import (  # noqa: E402
+    auto_tolerances, first_divergence, flip_deltas, flip_margins, forced_deltas, position_deltas,
+)
 from parity.models import load_model  # noqa: E402
 from parity.verdict import checks_for  # noqa: E402
 
@@ -48,9 +52,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 import mutants  # noqa: E402
 
 PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")
-EXTRA_PROMPT = Prompt("unusual", "What is unusual about this picture? Answer briefly.")
+EXTRA_PROMPTS = (Prompt("extra-unusual", "What is unusual about this picture? Answer briefly."),
+                 Prompt("extra-colors", "What colors do you see?"), Prompt("extra-where", "Where is the circle?"))
 # Sizes and aspect ratios the built-in fixtures do not have (width, height).
 GENERATED_SIZES = ((64, 64), (224, 56), (56, 224), (160, 120))
+# Flat shapes on a plain ground, as a user draws a test image (width, height, shape).
+DRAWN = ((64, 64, "ellipse"), (200, 120, "rectangle"), (96, 160, "triangle"))
 
 
 def generated_images() -> list[Fixture]:
@@ -64,14 +71,40 @@ def generated_images() -> list[Fixture]:
     return out
 
 
+def drawn_images() -> list[Fixture]:
+    from PIL import ImageDraw
+
+    out = []
+    for w, h, shape in DRAWN:
+        image = Image.new("RGB", (w, h), (240, 230, 200))
+        draw = ImageDraw.Draw(image)
+        box = (w // 8, h // 8, w - w // 8, h - h // 8)
+        if shape == "triangle":
+            draw.polygon([(w // 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=(30, 160, 60))
+        else:
+            getattr(draw, shape)(box, fill=(200, 30, 30) if shape == "ellipse" else (30, 90, 200))
+        out.append(Fixture(f"drawn-{shape}-{w}x{h}", image))
+    return out
+
+
 def images() -> list[Fixture]:
-    return builtin_fixtures() + generated_images()
+    return builtin_fixtures() + generated_images() + drawn_images()
 
 
 def cases(stream: bool) -> tuple[CaseSpec, ...]:
-    """Four-arm: every image with its own first prompt and another; stream: the first prompt only."""
-    prompts = (lambda f: (default_prompts(f)[0],)) if stream else (lambda f: (default_prompts(f)[0], EXTRA_PROMPT))
+    """Four-arm: every image with its own first prompt and three others; stream: the first prompt only."""
+    prompts = (lambda f: (default_prompts(f)[0],)) if stream else (lambda f: (default_prompts(f)[0], *EXTRA_PROMPTS))
     return tuple(CaseSpec(f, p) for f in images() for p in prompts(f))
+
+
+@dataclass(frozen=True)
+class Flip:
+    """A flip of a must-match comparison: the larger of its two margins, its largest flip delta, and
+    its teacher-forced deltas (max, mean); None where a token is outside the other arm's top-k."""
+
+    margin: float | None
+    flip: float | None
+    forced: tuple[float, float] | None
 
 
 @dataclass
@@ -79,26 +112,26 @@ class Figures:
     """Every must-match comparison's (max |Δ|, mean |Δ|) over its compared steps, when tokens match."""
 
     matched: list[tuple[float, float]] = field(default_factory=list)
-    ties: list[tuple[float, float]] = field(default_factory=list)  # teacher-forced, of near-tie flips
-    flips: int = 0  # token flips that were not near-ties (a correct runner should have none)
+    flips: list[Flip] = field(default_factory=list)  # every token flip (a correct runner's are noise)
     comparisons: int = 0
 
-    def add(self, a, b, margin: float, rows: list, tag: dict) -> None:
+    def add(self, a, b, rows: list, tag: dict) -> None:
         self.comparisons += 1
         divergence = first_divergence(a.token_ids, b.token_ids)
         if divergence is None:
             d = position_deltas(a.token_logprobs, b.token_logprobs, None)
             self.matched.append((max(d, default=0.0), float(np.mean(d)) if d else 0.0))
-            kind = "match"
-        elif is_tie(a, b, divergence, margin) and forced_deltas(a, b):
-            d = forced_deltas(a, b)
-            self.ties.append((max(d), float(np.mean(d))))
-            kind = "tie"
-        else:
-            self.flips += 1
-            kind, d = "flip", ()
-        rows.append({**tag, "a": a.name, "b": b.name, "kind": kind,
-                     "max": max(d, default=0.0), "mean": float(np.mean(d)) if d else 0.0})
+            rows.append({**tag, "a": a.name, "b": b.name, "kind": "match", "max": max(d, default=0.0),
+                         "mean": float(np.mean(d)) if d else 0.0})
+            return
+        margins = flip_margins(a, b, divergence) if divergence < min(len(a.token_ids), len(b.token_ids)) else None
+        flips = flip_deltas(a, b, divergence) if margins is not None else None
+        forced = forced_deltas(a, b)
+        flip = Flip(None if margins is None else max(margins), None if flips is None else max(flips),
+                    None if not forced else (max(forced), float(np.mean(forced))))
+        self.flips.append(flip)
+        rows.append({**tag, "a": a.name, "b": b.name, "kind": "flip", "step": divergence, "margin": flip.margin,
+                     "flip_delta": flip.flip, "forced": flip.forced})
 
 
 def must_match(run):
@@ -130,7 +163,7 @@ def noise(args, rows) -> dict[str, Figures]:
                         for stream, scenario in ((False, "four-arm"), (True, "stream"))]
                 for run in runs:
                     for case, a, b in must_match(run):
-                        fig.add(a, b, 0.1, rows, {"dtype": dtype, "preset": preset, "seed": seed, "case": case.id})
+                        fig.add(a, b, rows, {"dtype": dtype, "preset": preset, "seed": seed, "case": case.id})
                 print(f"  noise {preset} seed {seed} {dtype}: {sum(len(r.cases) for r in runs)} cases, "
                       f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return figures
@@ -192,11 +225,19 @@ def main() -> None:
           f"{len(cases(True))} stream cases) x {args.max_new_tokens} new tokens, device {args.device}")
     for dtype, fig in figures.items():
         tol = auto_tolerances(dtype)
-        maxes = [m for m, _ in fig.matched + fig.ties]
-        means = [m for _, m in fig.matched + fig.ties]
-        print(f"{dtype}: auto tolerance max {tol.logprob_tol:g}, mean {tol.mean_tol}")
-        print(f"  must-match comparisons {fig.comparisons}: {len(fig.matched)} token-equal, "
-              f"{len(fig.ties)} near-tie flips, {fig.flips} other flips")
+        scored = [f.forced for f in fig.flips if f.forced is not None]
+        maxes = [m for m, _ in fig.matched + scored]
+        means = [m for _, m in fig.matched + scored]
+        print(f"{dtype}: auto tolerance max {tol.logprob_tol:g}, mean {tol.mean_tol}, tie margin {tol.tie_margin:g}")
+        ties = [f for f in fig.flips if f.margin is not None and f.margin <= tol.tie_margin]
+        print(f"  must-match comparisons {fig.comparisons}: {len(fig.matched)} token-equal, {len(fig.flips)} flips "
+              f"({len(ties)} near-ties at the auto margin, {len(fig.flips) - len(ties)} not)")
+        margins = [f.margin for f in fig.flips if f.margin is not None]
+        flip_largest = [f.flip for f in fig.flips if f.flip is not None]
+        if margins:
+            print(f"  flips: largest margin {max(margins):.3g} (tie margin / largest = "
+                  f"{tol.tie_margin / max(margins):.3g}x), largest flip delta {max(flip_largest):.3g}; "
+                  f"{sum(f.margin is None for f in fig.flips)} with a token outside the other arm's top-k")
         if maxes:
             print(f"  largest max |Δ| {max(maxes):.3g} (p99 {np.percentile(maxes, 99):.3g}), "
                   f"largest mean |Δ| {max(means):.3g} (p99 {np.percentile(means, 99):.3g})")

@@ -61,18 +61,21 @@ def ranks_as_configured(run: RunResult) -> None:
 
 
 def auto_tolerances_are_the_dtypes(run: RunResult) -> None:
-    """`logprob_tol_source: auto` means the dtype's measured bounds, not a number raised by hand."""
+    """`logprob_tol_source: auto` means the dtype's measured bounds, not a number raised by hand;
+    `tie_margin_source: auto` the dtype's near-tie margin."""
     config = run.config
-    if config.get("logprob_tol_source") != "auto":
-        if run.schema == SCHEMA and config.get("logprob_tol_source") != "user":
-            raise Contradiction(f"config.logprob_tol_source must be 'auto' or 'user', got "
-                                f"{config.get('logprob_tol_source')!r}")
-        return
     auto = auto_tolerances(str(config.get("dtype")))
-    for key, value in (("logprob_tol", auto.logprob_tol), ("logprob_mean_tol", auto.mean_tol)):
-        if config.get(key) != value:
-            raise Contradiction(f"config.{key} is {config.get(key)!r}, but config.logprob_tol_source 'auto' gives "
-                                f"{value!r} for dtype {config.get('dtype')!r}")
+    sources = (("logprob_tol_source", (("logprob_tol", auto.logprob_tol), ("logprob_mean_tol", auto.mean_tol))),
+               ("tie_margin_source", (("tie_margin", auto.tie_margin),)))
+    for source, fields in sources:
+        if config.get(source) != "auto":
+            if run.schema == SCHEMA and config.get(source) != "user":
+                raise Contradiction(f"config.{source} must be 'auto' or 'user', got {config.get(source)!r}")
+            continue
+        for key, value in fields:
+            if config.get(key) != value:
+                raise Contradiction(f"config.{key} is {config.get(key)!r}, but config.{source} 'auto' gives "
+                                    f"{value!r} for dtype {config.get('dtype')!r}")
 
 
 @functools.lru_cache(maxsize=1)
