@@ -12,6 +12,7 @@ import click
 from click.core import ParameterSource
 
 from parity.engines import registry
+from parity.results.fields import MAX_MAGNITUDE
 
 def positive(ctx, param, value):
     if value is not None and value <= 0:
@@ -45,9 +46,16 @@ def arm_selection(ctx, param, value):
 
 
 def tie_margin(ctx, param, value):
-    if not math.isfinite(value) or value < 0:
-        raise click.BadParameter(f"must be a finite number >= 0, got {value}")
-    return value
+    """`auto` (None: the dtype's, resolved with the tolerances) or a finite number >= 0."""
+    if value == "auto":
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
+    if not math.isfinite(number) or not 0 <= number <= MAX_MAGNITUDE:
+        raise click.BadParameter(f"must be 'auto' or a finite number >= 0 (at most {MAX_MAGNITUDE:g}), got {value}")
+    return number
 
 
 def auto_or_number(lowest: float, inclusive: bool, note: str = ""):
@@ -62,8 +70,10 @@ def auto_or_number(lowest: float, inclusive: bool, note: str = ""):
             number = float(value)
         except ValueError:
             raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
-        if not math.isfinite(number) or number < lowest or (number == lowest and not inclusive):
-            raise click.BadParameter(f"must be 'auto' or a finite number {bound}, got {value}")
+        if (not math.isfinite(number) or number < lowest or (number == lowest and not inclusive)
+                or number > MAX_MAGNITUDE):
+            raise click.BadParameter(f"must be 'auto' or a finite number {bound} (at most {MAX_MAGNITUDE:g}), "
+                                     f"got {value}")
         return number
 
     return callback

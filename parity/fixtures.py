@@ -20,6 +20,11 @@ from PIL import Image, UnidentifiedImageError
 
 from parity.data import data_dir
 from parity.errors import UsageError
+from parity.textfiles import user_file
+
+# A user image or video file larger than this is no test input (a 4K video of 64 frames in a lossless
+# codec is about 1.5 GB): refused before it is decoded.
+MAX_MEDIA_BYTES = 2 * 2**30
 
 WIDTH, HEIGHT = 128, 96  # the first three fixtures: 4 x 3 blocks of 32 px = 12 image tokens
 DEFAULT_FIXTURE = "rgb-stripes"
@@ -271,12 +276,10 @@ def _twin_pixels(pixels: np.ndarray) -> np.ndarray:
 
 def image_fixture(path: str | Path) -> Fixture:
     """A user image, converted to RGB and hashed like the built-in ones."""
-    path = Path(path)
+    path = user_file("--image", path, MAX_MEDIA_BYTES)
     try:
         with Image.open(path) as opened:
             image = opened.convert("RGB")
-    except FileNotFoundError:
-        raise UsageError(f"--image {path}: no such file") from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         # The warning arrives here only where warnings are errors (python -W error, pytest -W error).
         raise UsageError(f"--image {path}: too many pixels for Pillow's decompression-bomb limit ({err})") from None

@@ -17,15 +17,18 @@ from typing import Any, Iterator, Mapping
 
 from parity import __version__
 from parity.engines import registry
+from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
+from parity.model_identity import read_identity
 from parity.results import RunResult
 
 # `environment.parity_source`: the code that wrote a file. Shards of different code are not one
 # experiment unless the merge is told so (`--allow-mixed-code`), and then its report says it.
 SOURCE_KEY = "parity_source"
 
-# Named first when files differ, in this order: what a reader checks first.
+# Named first when files differ, in this order: what a reader checks first (the model by its weights).
+MODEL_FIELD = "config.model"
 FIRST_FIELDS = (
-    "config.model", "config.backend", "config.dtype", "config.logprob_tol", "config.logprob_mean_tol",
+    f"config.{IDENTITY_KEY}", MODEL_FIELD, "config.backend", "config.dtype", "config.logprob_tol", "config.logprob_mean_tol",
     "config.tie_margin", "config.runner", "config.graph_backend", "config.graph_mode",
     *(f"config.{b.servers_key}" for b in registry.BACKENDS.values() if b.servers_key),
     "config.scenarios", "environment.gpu", "environment.device",
@@ -69,6 +72,14 @@ def source_identity() -> str:
     for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
         digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return f"{__version__}+{digest.hexdigest()[:16]}"
+
+
+def model_of(run: RunResult) -> str:
+    """The model a run judged, for a message: its identity described, else its name."""
+    try:
+        return read_identity(run.config.get(IDENTITY_KEY)).describe()
+    except ValueError:  # a /1 file, or one built in memory without it
+        return repr(run.config.get("model"))
 
 
 def _masked(servers: Any) -> Any:

@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 
 from parity.errors import UsageError
 from parity.interrupts import deferred_stops
-from parity.identity import SOURCE_KEY, difference_path, first_difference, identity, shown
+from parity.identity import MODEL_FIELD, SOURCE_KEY, difference_path, first_difference, identity, model_of, shown
+from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
 from parity.results import RunResult, Verdict, dumps, write_atomically
 from parity.results.consistency import Contradiction
 from parity.results.loader import MAX_FILE_BYTES, load_results
@@ -61,6 +62,10 @@ def check_one_experiment(files: Sequence[ShardFile], allow_mixed_code: bool = Fa
     for other in files[1:]:
         theirs = identity(other.run)
         field = first_difference(reference, theirs)
+        if field in (MODEL_FIELD, f"config.{IDENTITY_KEY}"):
+            raise UsageError(f"{other.path}: judged {model_of(other.run)}, but {first.path} judged "
+                             f"{model_of(first.run)}: shards of two models, not of the same experiment "
+                             f"(config.{IDENTITY_KEY}; merge --matrix reports several experiments)")
         if field is not None:
             path, mine, before = difference_path(field, theirs.get(field), reference.get(field))
             raise UsageError(f"{other.path}: {path} is {shown(mine)}, but {first.path} has {shown(before)}: "

@@ -30,7 +30,7 @@ from parity.reporting.progress import progress_display
 from parity.reporting.report import render_markdown
 from parity.reporting.terminal import print_table
 from parity.results import RunResult, dumps, write_atomically
-from parity.textfiles import TooLarge, read_text_capped
+from parity.textfiles import NotAFile, TooLarge, described, read_text_capped
 
 # A prompts file is a few lines; a megabyte of prompts is thousands of cases, far past any run.
 MAX_PROMPTS_BYTES = 1024 * 1024
@@ -87,9 +87,11 @@ def _user_prompts(texts: Sequence[str], prompts_file: str | None) -> tuple[Promp
     if prompts_file:
         try:
             raw = read_text_capped(prompts_file, MAX_PROMPTS_BYTES)
-        except TooLarge as err:
+        except (TooLarge, NotAFile) as err:
             raise UsageError(f"--prompts {prompts_file}: {err}; not a prompts file") from None
-        except (OSError, UnicodeDecodeError) as err:
+        except OSError as err:
+            raise UsageError(f"--prompts {prompts_file}: cannot be read ({described(err)})") from None
+        except UnicodeDecodeError as err:
             raise UsageError(f"--prompts {prompts_file}: cannot be read ({err.__class__.__name__})") from None
         from_file = [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
         if not from_file:

@@ -1,5 +1,10 @@
-"""Reading a user's text file with a bound: a device such as /dev/zero or /dev/urandom, or a file
-far larger than any parity file, is refused after `limit` bytes instead of read to exhaustion."""
+"""Reading a user's file with bounds: only a regular file is opened, and it is refused before a byte
+is read when it is larger than the reader's limit.
+
+A path may name anything: a FIFO (opening it for reading blocks until a writer comes, forever in a
+CI job), a socket, a device such as /dev/zero (it never ends), a folder, or a symbolic-link loop.
+Each is refused in one line by what it is (`NotAFile`), never a hang or a traceback.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,78 @@ from pathlib import Path
 
 
 class TooLarge(ValueError):
-    """The file holds more than the limit, or is a device that never ends."""
+    """The file holds more than the limit."""
+
+
+class NotAFile(ValueError):
+    """The path names something other than a regular file; the message says what."""
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def described(err: OSError) -> str:
+    """An OS error on a user's path as a few words: 'no such file', 'a symbolic-link loop', …"""
+    import errno
+
+    return {errno.ENOENT: "no such file", errno.ELOOP: "a symbolic-link loop",
+            errno.ENXIO: "a socket or device that cannot be read"}.get(
+        err.errno, (err.strerror or err.__class__.__name__).lower())
+
+
+def regular_file(path: str | Path, limit: int | None = None) -> os.stat_result:
+    """The path's status when it is a regular file (symbolic links followed) of at most `limit`
+    bytes; `NotAFile` or `TooLarge` otherwise, `OSError` where the path cannot be followed."""
+    status = os.stat(path)
+    if not stat.S_ISREG(status.st_mode):
+        raise NotAFile(f"is {_kind(status.st_mode)}, not a file")
+    if limit is not None and status.st_size > limit:
+        raise TooLarge(f"holds more than {_shown(limit)}")
+    return status
+
+
+def read_bytes_capped(path: str | Path, limit: int) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes. Opened without blocking, so a FIFO put in
+    the path's place after the check cannot hang the reader either."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as handle:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            raise NotAFile(f"is {_kind(status.st_mode)}, not a file")
+        if status.st_size > limit:
+            raise TooLarge(f"holds more than {_shown(limit)}")
+        data = handle.read(limit + 1)  # a file that grew since: still bounded
+    if len(data) > limit:
+        raise TooLarge(f"holds more than {_shown(limit)}")
+    return data
 
 
 def read_text_capped(path: str | Path, limit: int) -> str:
-    """The file's UTF-8 text; `TooLarge` past `limit` bytes, `OSError` or `UnicodeDecodeError` as
-    reading raises them."""
-    with open(path, "rb") as handle:
-        mode = os.fstat(handle.fileno()).st_mode
-        if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-            raise TooLarge("is a device, not a file")
-        data = handle.read(limit + 1)
-    if len(data) > limit:
-        raise TooLarge(f"holds more than {limit // 2**20} MiB")
-    return data.decode("utf-8")
+    """The UTF-8 text of a regular file of at most `limit` bytes; `UnicodeDecodeError` as decoding raises it."""
+    return read_bytes_capped(path, limit).decode("utf-8")
+
+
+def _shown(limit: int) -> str:
+    return f"{limit // 2**20} MiB" if limit >= 2**20 else f"{limit} bytes"
+
+
+def user_file(option: str, given: str | Path, limit: int) -> Path:
+    """A file a user named on the command line (`--image`, `--video`, `--audio` …), checked before
+    anything opens it: a `UsageError` naming the option when it is empty, missing, not a regular
+    file, unreadable or larger than `limit` bytes."""
+    from parity.errors import UsageError
+
+    if not str(given).strip():
+        raise UsageError(f"{option}: an empty path names no file")
+    try:
+        regular_file(given, limit)
+    except (NotAFile, TooLarge) as err:
+        raise UsageError(f"{option} {given}: {err}") from None
+    except OSError as err:
+        raise UsageError(f"{option} {given}: {described(err)}") from None
+    return Path(given)

@@ -16,7 +16,8 @@ import numpy as np
 from PIL import Image, ImageSequence, UnidentifiedImageError
 
 from parity.errors import UsageError
-from parity.fixtures import TWIN_SUFFIX, Fixture, blocks
+from parity.fixtures import MAX_MEDIA_BYTES, TWIN_SUFFIX, Fixture, blocks
+from parity.textfiles import user_file
 
 VIDEO_PREFIX = "video-"
 FPS = 2.0  # the built-in videos' frame rate: their pairs of frames are one second apart
@@ -83,16 +84,14 @@ def builtin_videos() -> list[Fixture]:
 def video_fixture(path: str | Path) -> Fixture:
     """A user video: every frame decoded (PyAV for any container it reads, else Pillow for animated
     GIF, PNG and WebP), converted to RGB."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--video {path}: no such file")
+    path = user_file("--video", path, MAX_MEDIA_BYTES)
     frames, fps = _decode_av(path) if has_av() else (None, None)
     if frames is None:
         frames, fps = _decode_pillow(path)
     if not frames:
         raise UsageError(f"--video {path}: no frames decoded")
-    if len(frames) > MAX_FRAMES:
-        raise UsageError(f"--video {path}: {len(frames)} frames, more than the {MAX_FRAMES} parity takes; cut it shorter")
+    if len(frames) > MAX_FRAMES:  # decoding stops one frame past the limit: the true count is not known
+        raise UsageError(f"--video {path}: more than the {MAX_FRAMES} frames parity takes; cut it shorter")
     if len({f.size for f in frames}) > 1:
         raise UsageError(f"--video {path}: its frames change size ({sorted({f.size for f in frames})})")
     return Fixture.video(path.stem, frames, fps or FPS)

@@ -131,18 +131,31 @@ def make_run(
     """A run judged by `judge_run`, exactly as `parity run` would store it."""
     cases = tuple(scored(c, keep=True) for c in cases)
     config = {"model": model, "backend": backend, "dtype": "float32", "max_new_tokens": 20,
-              "logprob_tol": logprob_tol, "logprob_tol_source": "user", "tie_margin": tie_margin,
+              "logprob_tol": logprob_tol, "logprob_tol_source": "user", "tie_margin": tie_margin, "tie_margin_source": "user",
               "deepstack_layers": deepstack_layers, **plan_config(cases)}
     repeats = {len(a.repeats) for c in cases for a in c.all_arms() if not a.failed}
     if len(repeats) == 1 and repeats != {0}:  # as --repeat writes it: every arm repeated alike
         config["repeat"] = repeats.pop() + 1
     if backend == "sglang":
         config["tp_size"] = 1
-    env = {"parity": "test", "python": "3", "torch": "x", "transformers": "x", "sglang": None,
-           "device": "cpu", "gpu": None}
+    config["model_identity"] = identity_of(model).to_json()
+    env = {"parity": "test", "parity_source": "test+0", "python": "3", "torch": "x", "transformers": "x",
+           "sglang": None, "device": "cpu", "gpu": None}
     run = RunResult(created=created, environment=MappingProxyType(env), config=MappingProxyType(config),
                     cases=cases)
     return judge_run(run)
+
+
+def identity_of(model: str, seed: int = 0):
+    """A made-up identity of `model`, as a run records it (design §4b, v5): the sha256 of its name."""
+    import hashlib
+
+    from parity.model_identity import CHECKPOINT, PRESET, ModelIdentity
+    from parity.presets import PRESETS
+
+    preset = model in PRESETS
+    return ModelIdentity(model, PRESET if preset else CHECKPOINT, seed if preset else None,
+                         hashlib.sha256(f"{model}|{seed}".encode()).hexdigest())
 
 
 def plan_config(cases: Sequence[CaseResult]) -> dict:

@@ -128,7 +128,8 @@ EDITS = [
     ("default", lambda d: _set(_case(d), id=""), 2, "cases[0].id is empty"),
     ("default", lambda d: _set(_case(d), id=" \t"), 2, "cases[0].id is empty"),
     # Config fields `parity localize` rebuilds the run from.
-    ("default", lambda d: _set(d["config"], preset_seed=2**70), 2, "config.preset_seed is 1180591620717411303424, above 18446744073709551615"),
+    ("default", lambda d: _set(d["config"], preset_seed=2**70), 2, "config.preset_seed is an integer of 22 digits"),
+    ("default", lambda d: _set(d["config"], preset_seed=2**64), 2, "config.preset_seed is 18446744073709551616, above 18446744073709551615"),
     ("default", lambda d: _set(d["config"], preset_seed="0"), 2, "config.preset_seed must be int, got str"),
     ("default", lambda d: _set(d["environment"], threads="1"), 2, "environment.threads must be int, got str"),
     ("default", lambda d: _set(d["environment"], threads=10**6), 2, "environment.threads is 1000000, above 8192"),

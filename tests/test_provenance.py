@@ -63,20 +63,25 @@ def test_shards_of_other_prompts_do_not_merge(shards, tmp_path):
 
 def test_shards_of_another_seed_do_not_merge(shards, tmp_path):
     result = invoke("merge", str(shards["s1"]), str(shards["s2-seed"]), "--out", str(tmp_path / "m"))
-    assert result.exit_code == 2 and "preset_seed" in result.output
+    assert result.exit_code == 2 and "shards of two models" in result.output, result.output
+    assert "tiny-qwen3-vl (preset, seed 7, weights sha256" in result.output
 
 
 def test_a_seed_relabelled_away_is_caught_by_the_fingerprint(tmp_path, tiny):
     """Three shards of one image's three scenarios: each computes DeepStack for the same image and
-    prompt. A shard from another seed, its seed field edited to match, still disagrees there."""
+    prompt. A shard from another seed, its seed and model identity edited to match, still disagrees
+    there; its seed alone edited contradicts its own identity."""
     common = ("--fixture", "rgb-stripes", "--scenario", "all", "--max-new-tokens", "3", "--no-plot")
     paths = {}
     for name, extra in (("1", ("--shard", "1/3")), ("2", ("--shard", "2/3")), ("3", ("--shard", "3/3")),
                         ("2-seed", ("--shard", "2/3", "--seed", "7"))):
         assert invoke("run", "--out", str(tmp_path / name), *common, *extra).exit_code in (0, 3)
         paths[name] = tmp_path / name / "results.json"
-    seed = load(paths["1"])["config"]["preset_seed"]
-    relabelled = edited(paths["2-seed"], tmp_path, lambda d: d["config"].update(preset_seed=seed))
+    seed, identity = (load(paths["1"])["config"][k] for k in ("preset_seed", "model_identity"))
+    seed_only = edited(paths["2-seed"], tmp_path, lambda d: d["config"].update(preset_seed=seed))
+    result = invoke("verdict", seed_only)
+    assert result.exit_code == 2 and "model_identity.seed is 7, but config.preset_seed is 0" in result.output
+    relabelled = edited(paths["2-seed"], tmp_path, lambda d: d["config"].update(preset_seed=seed, model_identity=identity))
     result = invoke("merge", str(paths["1"]), relabelled, str(paths["3"]), "--out", str(tmp_path / "m"))
     assert result.exit_code == 2 and "the shards disagree" in result.output
     assert "for the same image and prompt" in result.output
@@ -86,7 +91,7 @@ def test_a_seed_relabelled_away_is_caught_by_the_fingerprint(tmp_path, tiny):
 
 def test_a_shard_relabelled_bf16_is_refused(shards, tmp_path):
     def bf16(doc):
-        doc["config"].update(dtype="bfloat16", logprob_tol=0.5, logprob_mean_tol=0.05)
+        doc["config"].update(dtype="bfloat16", logprob_tol=0.75, logprob_mean_tol=0.05, tie_margin=0.75)
 
     result = invoke("merge", str(shards["s1"]), edited(shards["s2"], tmp_path, bf16), "--out", str(tmp_path / "m"))
     assert result.exit_code == 2 and "deepstack_record.dtype is 'float32', but config.dtype is 'bfloat16'" in result.output
@@ -222,7 +227,10 @@ def test_report_exits_with_the_verdict(legacy_run):
 
 
 def test_a_matrix_label_cannot_inject_markdown(shards, legacy_run, tmp_path):
-    injected = edited(legacy_run, tmp_path, lambda d: d["config"].update(model="x\n## injected | [link](http://e)"))
+    label = "x\n## injected | [link](http://e)"
+    injected = edited(legacy_run, tmp_path, lambda d: (d["config"].update(model=label),
+                                                       d["config"]["model_identity"].update(name=label, kind="checkpoint",
+                                                                                            seed=None)))
     result = invoke("report", str(shards["s1"]), str(shards["s2"]), injected)
     lines = result.output.splitlines()
     assert not any("## injected" in line and "\\#\\# injected" not in line and "`" not in line for line in lines)

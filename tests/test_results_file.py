@@ -174,7 +174,7 @@ def test_a_v1_reuse_case_never_passes(tmp_path: Path):
 def test_json_that_python_cannot_hold_is_refused(tmp_path: Path):
     doc = json.dumps(_doc()).replace('"max_new_tokens": 20', '"max_new_tokens": 1' + "0" * 5000, 1)
     (tmp_path / "huge.json").write_text(doc)
-    with pytest.raises(ResultsFileError, match="not a results file"):
+    with pytest.raises(ResultsFileError, match="config.max_new_tokens is an integer of 5001 digits"):
         load_results(tmp_path / "huge.json")
     (tmp_path / "twice.json").write_text('{"schema": "parity.results/2", "cases": [{"id": "a", "id": "b"}]}')
     with pytest.raises(ResultsFileError, match=r"cases\[0\] has the key 'id' twice"):

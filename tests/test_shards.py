@@ -124,11 +124,16 @@ def test_a_shard_is_the_shards_verdict_and_says_so(runs):
 
 @pytest.mark.parametrize("field, value, companions", [
     ("model", "tiny-qwen3-vl-moe", {}), ("backend", "sglang", {"tp_size": 1}),
-    ("logprob_tol", 0.5, {"logprob_tol_source": "user"}), ("tie_margin", 0.2, {}), ("runner", "legacy", {}),
+    ("logprob_tol", 0.5, {"logprob_tol_source": "user"}), ("tie_margin", 0.2, {"tie_margin_source": "user"}), ("runner", "legacy", {}),
     ("graph_backend", "cuda", {}), ("max_new_tokens", 5, {}),
 ])
 def test_merge_refuses_another_experiment(runs, tmp_path, field, value, companions):
-    other = edited(runs, tmp_path, "s2", lambda doc: doc["config"].update({field: value, **companions}))
+    def edit(doc):
+        doc["config"].update({field: value, **companions})
+        if field == "model":  # the same weights under another name: the identity names the model too
+            doc["config"]["model_identity"]["name"] = value
+
+    other = edited(runs, tmp_path, "s2", edit)
     result = invoke("merge", str(runs["s1"]), other, str(runs["s3"]), "--out", str(tmp_path / "m"))
     assert result.exit_code == 2
     assert other in result.output and f"config.{field}" in result.output and "same experiment" in result.output
@@ -136,7 +141,7 @@ def test_merge_refuses_another_experiment(runs, tmp_path, field, value, companio
 
 
 @pytest.mark.parametrize("field, value, message", [
-    ("dtype", "bfloat16", "logprob_tol_source 'auto' gives 0.5 for dtype 'bfloat16'"),  # its records are float32 too
+    ("dtype", "bfloat16", "logprob_tol_source 'auto' gives 0.75 for dtype 'bfloat16'"),  # its records are float32 too
     ("scenarios", ["four-arm"], "config.plan"),  # the plan is scenario-major over config.scenarios
 ])
 def test_a_shard_relabelled_as_another_experiment_is_refused_on_load(runs, tmp_path, field, value, message):

@@ -106,7 +106,7 @@ def test_too_many_frames_is_a_usage_error(tmp_path):
     frames = [Image.new("RGB", (32, 32), (i, 0, 0)) for i in range(70)]
     path = tmp_path / "long.gif"
     frames[0].save(path, save_all=True, append_images=frames[1:], duration=100)
-    with pytest.raises(UsageError, match="more than the 64 parity takes"):
+    with pytest.raises(UsageError, match="more than the 64 frames parity takes"):
         video_fixture(path)
 
 

@@ -30,6 +30,7 @@ from parity.evidence import Evidence
 from parity.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
 from parity.lm_body import KVCache
 from parity.localization import LocalizationError, Probed
+from parity.model_identity import CONFIG_KEY
 from parity.models import LoadedModel
 from parity.models.qwen3_vl import PreparedPrompt
 
@@ -296,6 +297,7 @@ class TransformersBackend:
             "captured_buckets": list(self._capture),
             "deepstack_slot_bytes": self._runner.deepstack_slot_bytes if self._runner else None,
             "preset_seed": self.loaded.seed,
+            CONFIG_KEY: self.loaded.identity.to_json(),
             "chunk_size": self.chunk_size,  # what the family scenarios' serving used (design §10)
             "prefix_cache_page": PAGE_TOKENS,
         }

@@ -12,9 +12,10 @@ to a request, the start-up checks beyond the tap, the exit explanation, and the 
 from __future__ import annotations
 
 import abc
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from parity.arms import MODES
 from parity.backends.protocol import Generation, Request
@@ -33,6 +34,7 @@ from parity.design import SERVER_PROFILES
 from parity.errors import ArmFailure, UsageError
 from parity.evidence import ChunkRun, ServingEvidence, image_span
 from parity.fixtures import Fixture
+from parity.model_identity import CONFIG_KEY, ModelIdentity, of_checkpoint
 from parity.presets import PRESETS
 
 PROBE_PROMPT = "Say OK."
@@ -56,10 +58,13 @@ class EngineBackend(abc.ABC):
     package: EnginePackage  # the engine's Python package and parity's plugin entry point for it
     cache_flush_path: str  # POST: empties a server's prefix cache
 
-    def __init__(self, settings: Any, prompts: ChatPrompts, facts: CheckpointFacts) -> None:
+    def __init__(self, settings: Any, prompts: ChatPrompts, facts: CheckpointFacts,
+                 identity: Callable[[], ModelIdentity]) -> None:
         self.settings = settings
         self.prompts = prompts
         self.facts = facts
+        self._identify = identity  # called once, after the servers have loaded (and fetched) the weights
+        self._identity: ModelIdentity | None = None
         self.plan = self.plan_launch(MODES)  # refuses impossible GPU combinations before any start
         self.tag_images: dict[str, str | None] = {}  # every tag sent -> the sha256 of its image
         self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
@@ -332,9 +337,12 @@ class EngineBackend(abc.ABC):
     def config(self) -> Mapping[str, Any]:
         name, settings = self.name, self.settings
         planned = {m: self.planned_flags(m) for m in self._modes}
+        if self._identity is None:
+            self._identity = self._identify()
         return {
             "dtype": settings.facts.dtype or self.facts.dtype,
             "deepstack_layers": self.facts.deepstack_layers,
+            CONFIG_KEY: self._identity.to_json(),
             **self.engine_config(),
             f"{name}_servers": {**{m: self._commands.get(m, planned[m]) for m in self._modes}, **self._commands},
             f"{name}_concurrent": settings.concurrent,
@@ -371,6 +379,17 @@ def served_model(model: str, seed: int | None = None) -> str:
     from parity.models.preset_checkpoint import saved_preset
 
     return str(saved_preset(model, seed))
+
+
+def served_identity(model: str, seed: int | None = None) -> Callable[[], ModelIdentity]:
+    """How to identify what the servers load for `model`, once they have: an embedded preset by its
+    built weights (the same identity as in-process), a checkpoint by its files (a hub id's weights are
+    fetched by the servers themselves, into the cache this reads)."""
+    if model in PRESETS:
+        from parity.models import preset_identity
+
+        return functools.partial(preset_identity, model, seed)
+    return functools.partial(of_checkpoint, model)
 
 
 def server_args_for(options: Any, args: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from parity.errors import UsageError
+from parity.model_identity import PRESET, ModelIdentity, of_checkpoint, weights_sha256
 from parity.models.checkpoint import SUPPORTED_MODEL_TYPES, check_architecture, load_checkpoint
 from parity.models.qwen3_vl import Qwen3VLAdapter
 from parity.presets import DEFAULT_MODEL, OMNI_THINKER, PRESETS
@@ -27,6 +28,7 @@ class LoadedModel:
     name: str
     adapter: Qwen3VLAdapter
     embedded: bool
+    identity: ModelIdentity  # the weights judged (design §4b, v5)
     seed: int | None = None  # the seed an embedded preset was built from; None for a checkpoint
 
     @property
@@ -65,14 +67,16 @@ def load_model(
     if embedded:
         seed = PRESETS[name].seed if seed is None else seed
         model, processor = _build_preset(name, seed)
+        identity = preset_identity(name, seed)
     else:
         model, processor = load_checkpoint(name, torch_dtype)
+        identity = of_checkpoint(name)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
     if model.config.model_type in ("qwen3_vl_moe", OMNI_THINKER):
         # Batched expert matmuls have no data-dependent shapes or host syncs, so a CUDA graph can
         # capture the body; eager arms use the same kernels, so the comparison stays fair.
         model.set_experts_implementation("batched_mm")
-    return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded, seed)
+    return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded, identity, seed)
 
 
 def check_runnable(name: str) -> None:
@@ -90,6 +94,14 @@ def _build_preset(name: str, seed: int):
     model, processor = _built_preset(name, seed)
     # Callers move the model to their device and dtype: each gets its own copy of the weights.
     return copy.deepcopy(model), processor
+
+
+@functools.lru_cache(maxsize=None)
+def preset_identity(name: str, seed: int | None = None) -> ModelIdentity:
+    """A preset's identity: its name, seed and the hash of its weights as built (float32)."""
+    seed = PRESETS[name].seed if seed is None else seed
+    model, _ = _built_preset(name, seed)
+    return ModelIdentity(name, PRESET, seed, weights_sha256(model.state_dict().items()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -12,7 +12,7 @@ from parity.localization import not_available, target_of
 from parity.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.text import encodable, md_code, md_text, visible
-from parity.identity import SOURCE_KEY
+from parity.identity import SOURCE_KEY, model_of
 from parity.sharding import describe as describe_shard
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
 from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
@@ -142,7 +142,7 @@ def _md_header(run: RunResult) -> str:
                                              f"teacher-forced delta is within it too")
     return (
         f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{md_text(run.verdict.reason)}\n\n{notes}"
-        f"Model {md_code(str(run.config.get('model')))} · backend {md_code(str(run.config.get('backend')))} · "
+        f"Model {md_code(model_of(run))} · backend {md_code(str(run.config.get('backend')))} · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
         f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}\n"
     )

@@ -8,7 +8,11 @@ here, so an edited value is a usage error naming it, never a traceback or a hang
 from __future__ import annotations
 
 from parity.buckets import AUTO
+from parity.engines.registry import BACKENDS
+from parity.identity import SOURCE_KEY
 from parity.metrics import NOISE_FLOOR
+from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
+from parity.model_identity import PRESET, read_identity
 from parity.presets import PRESETS
 from parity.results.fields import Invalid, get, integer, ints, non_negative_int, number, positive
 
@@ -20,6 +24,8 @@ V2_MIN_LOGPROB_TOL = 1e-6
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # Linux's largest configurable CPU count (NR_CPUS): no machine reports more threads.
 MAX_THREADS = 8192
+# What `--dtype` resolves to; the tolerances, records and rebuilds of a run all read it.
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
@@ -42,8 +48,39 @@ def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
         config.pop("tie_margin", None)
         config.pop("deepstack_layers", None)
     _check_rebuild_fields(config, v2)
-    _check_environment(environment)
+    _check_vocabulary(config, v2)
+    if v2:
+        _check_identity(config)
+    _check_environment(environment, v2)
     return config
+
+
+def _check_vocabulary(config: dict, v2: bool) -> None:
+    """A backend or dtype parity does not know would be read under another's rules."""
+    backend = get(config, "backend", str, "config", optional=not v2)
+    if backend is not None and backend not in BACKENDS:
+        raise Invalid(f"config.backend {backend!r} is not a backend parity has ({', '.join(BACKENDS)})")
+    dtype = get(config, "dtype", str, "config", optional=not v2)
+    if dtype is not None and dtype not in DTYPES:
+        raise Invalid(f"config.dtype {dtype!r} is not one parity runs ({', '.join(DTYPES)})")
+
+
+def _check_identity(config: dict) -> None:
+    """The model's identity (design §4b, v5) agrees with the fields that name the model."""
+    try:
+        identity = read_identity(config.get(IDENTITY_KEY))
+    except ValueError as err:
+        raise Invalid(f"config.{IDENTITY_KEY} {err}") from None
+    where = f"config.{IDENTITY_KEY}"
+    if identity.name != config["model"]:
+        raise Invalid(f"{where}.name is {identity.name!r}, but config.model is {config['model']!r}")
+    if (identity.kind == PRESET) != (config["model"] in PRESETS):
+        raise Invalid(f"{where}.kind is {identity.kind!r}, but {config['model']!r} is "
+                      f"{'an embedded preset' if config['model'] in PRESETS else 'not an embedded preset'}")
+    seed = config.get("preset_seed")
+    if identity.kind == PRESET and "preset_seed" in config and seed != identity.seed:
+        raise Invalid(f"{where}.seed is {identity.seed}, but config.preset_seed is {seed!r}: the weights judged were "
+                      "built from another seed than the file says")
 
 
 def _check_rebuild_fields(config: dict, v2: bool) -> None:
@@ -89,9 +126,16 @@ def _check_context(config: dict, captured: tuple[int, ...], tokens: int | None) 
                       f"{preset.name}")
 
 
-def _check_environment(environment: dict) -> None:
+def _check_environment(environment: dict, v2: bool) -> None:
     threads = get(environment, "threads", int, "environment", optional=True)
     if threads is not None:
         integer(threads, "environment.threads", 1, MAX_THREADS)
     get(environment, "device", str, "environment", optional=True)
+    # The code that wrote the file (design §4b): a merge of shards of different code is refused unless
+    # asked for, so a file may not drop the field to slip past that check.
+    # A merge made with --allow-mixed-code lists every source it merged.
+    source = get(environment, SOURCE_KEY, (str, list), "environment", optional=not v2)
+    sources = [source] if isinstance(source, str) else source or []
+    if (source is not None and not sources) or any(not isinstance(s, str) or not s.strip() for s in sources):
+        raise Invalid(f"environment.{SOURCE_KEY} must name the parity source that wrote the file")
 

@@ -18,6 +18,12 @@ MAX_COUNT = 10**7
 # few float32 ulps above 0 for a near-certain token (an ulp is ~2e-6 at logits of ~30); anything
 # above this is no rounding but an impossible score.
 MAX_LOGPROB = 1e-5
+# Every other number a run writes (tolerances, norms, seconds, errors, log-probabilities) stays far
+# inside this; beyond it a value is an edit, and sums over a sweep's millions of steps could overflow.
+MAX_MAGNITUDE = 1e12
+# An integer literal of more digits than 2**64 - 1 has is no count, id or seed parity writes; json
+# would parse thousands of digits into an int that later arithmetic cannot turn into a float.
+MAX_INT_DIGITS = 20
 
 
 class Invalid(Exception):
@@ -46,6 +52,8 @@ def number(value: Any, where: str) -> float:
         raise Invalid(f"{where} must be a number")
     if not math.isfinite(value):
         raise Invalid(f"{where} is {value}: numbers in a results file must be finite")
+    if abs(value) > MAX_MAGNITUDE:
+        raise Invalid(f"{where} is {value:g}, beyond ±{MAX_MAGNITUDE:g}: no run writes such a number")
     return float(value)
 
 
@@ -87,8 +95,8 @@ def ints(values: Any, where: str, minimum: int = 0) -> tuple[int, ...]:
 
 
 def is_logprob(value: Any) -> bool:
-    """A finite number <= MAX_LOGPROB (not a bool): what every valid logprob is."""
-    return (type(value) is float or type(value) is int) and -math.inf < value <= MAX_LOGPROB
+    """A number in [-MAX_MAGNITUDE, MAX_LOGPROB] (not a bool): what every valid logprob is."""
+    return (type(value) is float or type(value) is int) and -MAX_MAGNITUDE <= value <= MAX_LOGPROB
 
 
 def logprobs(values: Any, where: str) -> tuple[float, ...]:
@@ -103,7 +111,19 @@ def logprobs(values: Any, where: str) -> tuple[float, ...]:
     return out
 
 
-_BIG_EXPONENT = re.compile(r"[eE][+-]?0*[1-9][0-9]{2,}")
+# Only a literal with a three-digit exponent, or a run of more digits than any value parity writes,
+# can overflow a float or be an unbounded integer: the document is parsed literal by literal (slow on
+# a large sweep) only then. A long digit run inside a string only costs that slower parse.
+_UNBOUNDED_LITERAL = re.compile(rf"[eE][+-]?0*[1-9][0-9]{{2,}}|[0-9]{{{MAX_INT_DIGITS + 1},}}")
+
+
+class _Unbounded(float):
+    """Where an integer literal of more than MAX_INT_DIGITS digits stood (found after parsing)."""
+
+    def __new__(cls, literal: str) -> "_Unbounded":
+        value = super().__new__(cls, math.inf)
+        value.digits = len(literal.lstrip("-"))
+        return value
 
 
 def parse_unique_keys(text: str) -> Any:
@@ -131,12 +151,18 @@ def parse_unique_keys(text: str) -> Any:
             unbounded.append(literal)
         return value
 
-    # Only a literal with a three-digit exponent can overflow to infinity: check floats one by one
-    # (slow on a large sweep) only then.
-    hooks = {"parse_float": finite} if _BIG_EXPONENT.search(text) else {}
+    def bounded(literal: str) -> int | float:
+        if len(literal.lstrip("-")) > MAX_INT_DIGITS:
+            unbounded.append(literal)
+            return _Unbounded(literal)
+        return int(literal)
+
+    hooks = {"parse_float": finite, "parse_int": bounded} if _UNBOUNDED_LITERAL.search(text) else {}
     doc = json.loads(text, object_pairs_hook=pairs, parse_constant=constant, **hooks)
     if unbounded:
         where, value = _find_unbounded(doc)
+        if isinstance(value, _Unbounded):
+            raise Invalid(f"{where} is an integer of {value.digits} digits, more than any value in a results file")
         raise Invalid(f"{where} is {value}: numbers in a results file must be finite")
     if twice:
         where, key = _find_object(doc, twice, "document")

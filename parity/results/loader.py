@@ -30,7 +30,7 @@ from parity.results.fields import Invalid, get, non_negative_int, number, parse_
 from parity.results.plan import planned_but_absent
 from parity.results.requirements import check_all
 from parity.results.sequences import completed, read_requests
-from parity.textfiles import TooLarge, read_text_capped
+from parity.textfiles import NotAFile, TooLarge, described, read_text_capped
 
 # A run's file is tens of KB per case; a merged sweep of 5,000 cases at 64 new tokens is a few hundred
 # MB (scripts/bench_merge_scale.py). Anything larger is not a results file, and reading it is a hang.
@@ -106,7 +106,8 @@ def _case(raw: Any, where: str, v2: bool) -> CaseResult:
 
 # Fields parity 0.1 never wrote: a /1 file that has one is a /2 file relabelled, which would switch
 # the /2 rules off (design §4b).
-_V2_ONLY_CONFIG = ("tie_margin", "deepstack_layers", "logprob_mean_tol", "logprob_tol_source", "plan", "shard",
+_V2_ONLY_CONFIG = ("tie_margin", "tie_margin_source", "deepstack_layers", "logprob_mean_tol", "logprob_tol_source",
+                   "plan", "shard",
                    "localize_threshold", "tp_size")
 _V2_ONLY_CASE = ("requests", "localization", "localization_plot")
 _V2_ONLY_ARM = ("evidence", "forced", "forced_seconds")
@@ -191,12 +192,15 @@ def load_results(path: str | Path) -> RunResult:
         text = read_text_capped(path, MAX_FILE_BYTES)
     except TooLarge as err:
         raise ResultsFileError(shown, f"{err}; not a results file") from None
+    except NotAFile as err:
+        raise ResultsFileError(shown, f"{err}; give a results.json") from None
     except FileNotFoundError:
         raise ResultsFileError(shown, "no such file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as err:
-        # A directory, no permission, a name too long, a path under a file, bytes that are not UTF-8.
-        reason = getattr(err, "strerror", None) or err.__class__.__name__
-        raise ResultsFileError(shown, f"cannot be read ({reason})") from None
+    except OSError as err:
+        # No permission, a name too long, a path under a file, a symbolic-link loop.
+        raise ResultsFileError(shown, f"cannot be read ({described(err)})") from None
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ResultsFileError(shown, f"cannot be read ({err.__class__.__name__})") from None
     try:
         doc = parse_unique_keys(text)
         del text  # a sweep's file is hundreds of MB: not held beside what is built from it

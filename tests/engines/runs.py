@@ -12,6 +12,7 @@ from parity.fixtures import Prompt, builtin_fixture
 from parity.planning import CaseSpec, RunSpec
 from parity.results import FOUR_ARM, RunResult
 from tests.engines.servers import SGLANG_STANDIN as STANDIN
+from tests.engines.servers import standin_identity
 
 MAX_NEW_TOKENS = 6
 
@@ -26,7 +27,7 @@ def make_backend(run_dir: Path, tiny_parts, *standin_args: str, concurrent: bool
     kwargs.setdefault("ready_timeout", 30.0)
     return sglang_backend.create_sglang_backend(
         model="tiny-standin", max_new_tokens=MAX_NEW_TOKENS, run_dir=run_dir, concurrent=concurrent,
-        processor=processor, model_config=config, stop_grace=5.0, ready_poll=0.05,
+        processor=processor, model_config=config, identity=standin_identity, stop_grace=5.0, ready_poll=0.05,
         launch_command=[sys.executable, str(STANDIN), "--standin-image-token-id", image_token, *standin_args],
         **kwargs)
 

@@ -16,6 +16,17 @@ SGLANG_STANDIN = HERE / "sglang_standin.py"
 VLLM_STANDIN = HERE / "vllm_standin.py"
 
 
+def standin_identity():
+    """What a stand-in server serves as `tiny-standin` (the backends' `identity`): a checkpoint whose
+    files are the stand-ins' sources."""
+    import hashlib
+
+    from parity.model_identity import CHECKPOINT, ModelIdentity
+
+    digest = hashlib.sha256(SGLANG_STANDIN.read_bytes() + VLLM_STANDIN.read_bytes()).hexdigest()
+    return ModelIdentity("tiny-standin", CHECKPOINT, None, digest)
+
+
 def running(pid: int) -> bool:
     """True while `pid` runs; a zombie nobody reaped (PID 1 here may not) has stopped running."""
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from parity.engines.sglang.backend import create_sglang_backend
 from parity.engines.vllm.backend import create_vllm_backend
-from tests.engines.servers import SGLANG_STANDIN, VLLM_STANDIN, assert_nothing_left
+from tests.engines.servers import SGLANG_STANDIN, VLLM_STANDIN, assert_nothing_left, standin_identity
 from tests.engines.runs import MAX_NEW_TOKENS, run
 from tests.engines.vllm_standin import ByteProcessor, model_config
 
@@ -33,6 +33,7 @@ def _sglang(tiny_parts) -> Engine:
         return create_sglang_backend(
             model="tiny-standin", max_new_tokens=MAX_NEW_TOKENS, run_dir=run_dir, concurrent=concurrent,
             gpus=(0, 1) if concurrent else (), processor=processor, model_config=config, stop_grace=5.0,
+            identity=standin_identity,
             ready_poll=0.05, ready_timeout=30.0,
             launch_command=[sys.executable, str(SGLANG_STANDIN), "--standin-image-token-id", image_token, *flags])
 
@@ -44,6 +45,7 @@ def _vllm() -> Engine:
         return create_vllm_backend(
             model="tiny-standin", max_new_tokens=MAX_NEW_TOKENS, run_dir=run_dir, concurrent=concurrent,
             gpus=(0, 1) if concurrent else (), processor=ByteProcessor(), model_config=model_config(),
+            identity=standin_identity,
             stop_grace=5.0, ready_poll=0.05, ready_timeout=60.0,
             launch_command=[sys.executable, str(VLLM_STANDIN), *flags])
 

@@ -22,7 +22,7 @@ from parity.errors import ArmFailure, BackendUnavailableError, UsageError
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines import gpus, launcher
 from parity.engines.sglang import servers
-from tests.engines.servers import REPO, SGLANG_STANDIN, assert_nothing_left, running
+from tests.engines.servers import REPO, SGLANG_STANDIN, assert_nothing_left, running, standin_identity
 
 STANDIN = SGLANG_STANDIN
 
@@ -45,7 +45,7 @@ def make_backend(run_dir: Path, processor, *standin_args: str, concurrent: bool 
         model="tiny-standin", max_new_tokens=6, run_dir=run_dir, concurrent=concurrent,
         ready_timeout=ready_timeout, launch_command=[sys.executable, str(STANDIN), *standin_args],
         processor=processor, model_config=build_config(PRESETS["tiny-qwen3-vl"], processor.tokenizer),
-        stop_grace=5.0, ready_poll=0.05, **kwargs)
+        stop_grace=5.0, ready_poll=0.05, identity=standin_identity, **kwargs)
 
 
 def test_sequential_sessions_launch_one_server_at_a_time(tmp_path: Path, processor) -> None:

@@ -24,7 +24,7 @@ from parity.results.loader import load_results
 from parity.verdict import judge_run
 from tests.engines.runs import run
 from tests.engines.servers import VLLM_STANDIN as STANDIN
-from tests.engines.servers import assert_nothing_left
+from tests.engines.servers import assert_nothing_left, standin_identity
 from tests.engines.vllm_standin import ByteProcessor, model_config
 
 MAX_NEW_TOKENS = 4
@@ -39,6 +39,7 @@ def make_backend(run_dir: Path, *standin_args: str, graph_mode: str = "full_and_
     return vllm_backend.create_vllm_backend(
         model="tiny-standin", max_new_tokens=MAX_NEW_TOKENS, run_dir=run_dir, graph_mode_name=graph_mode,
         ready_timeout=60.0, processor=ByteProcessor(), model_config=model_config(), stop_grace=5.0, ready_poll=0.05,
+        identity=standin_identity,
         launch_command=[sys.executable, str(STANDIN), *standin_args], **kwargs)
 
 

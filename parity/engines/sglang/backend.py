@@ -21,7 +21,9 @@ from parity.backends.protocol import Request
 from parity.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
-from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, server_args_for, served_model
+from parity.engines.engine import (
+    Completion, EngineBackend, checkpoint_inputs, server_args_for, served_identity, served_model,
+)
 from parity.engines.gpus import gpu_count, gpu_memory, visible_gpu_count
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
@@ -56,8 +58,8 @@ class SglangBackend(EngineBackend):
                 f"{plugin.ENTRY_POINT_GROUP} entry point is found, keep '{plugin.ENTRY_POINT_NAME}' in "
                 "SGLANG_PLUGINS if you set it, and look for 'Failed to apply hooks' in the log")
 
-    def __init__(self, settings: SglangSettings, prompts, facts) -> None:
-        super().__init__(settings, prompts, facts)
+    def __init__(self, settings: SglangSettings, prompts, facts, identity) -> None:
+        super().__init__(settings, prompts, facts, identity)
         # A video is written at SGLang's own sampling rate, padded to whole pairs, so that its
         # preprocessing keeps every frame (docs/engines/sglang-cpu.md, "Video requests").
         self.media = MediaFiles(settings.run_dir / "media", video_fps=VIDEO_FPS, even_frames=True)
@@ -193,13 +195,15 @@ class SglangBackend(EngineBackend):
 def create_sglang_backend(*, sglang_args: tuple[str, ...] = (), device: str = "cuda", graph_backend: str | None = None,
                           fix: str | None = None, threads: int | None = None, seed: int | None = None,
                           gpu_memory_reader=None, launch_command: Sequence[str] | None = None,
-                          processor: Any = None, model_config: Any = None, **server: Any) -> SglangBackend:
+                          processor: Any = None, model_config: Any = None, identity: Any = None,
+                          **server: Any) -> SglangBackend:
     """The backend the CLI builds; `server` holds the `ServerSettings` fields (model, max_new_tokens,
     run_dir, concurrent, gpus, mem_fraction, ready_timeout, stop_grace, ready_poll).
 
     `launch_command` (or PARITY_SGLANG_LAUNCH) replaces `python -m sglang.launch_server` and then
     skips the SGLang/GPU checks (tests start a stand-in); `processor` and `model_config` skip loading
-    the checkpoint's (tests inject the tiny ones); `gpu_memory_reader` replaces nvidia-smi. `device`
+    the checkpoint's (tests inject the tiny ones), and `identity` (a callable) identifying its weights;
+    `gpu_memory_reader` replaces nvidia-smi. `device`
     "cpu" serves on SGLang's CPU engine, whose prefill graph replays through parity's emulation
     (`graph_backend` "emulated", the default there); `fix` runs parity's DeepStack slot fix in the
     servers. An embedded preset as `model` (built from `seed`) is served from its checkpoint folder
@@ -222,8 +226,9 @@ def create_sglang_backend(*, sglang_args: tuple[str, ...] = (), device: str = "c
         if device != "cpu":  # a CPU server needs no GPU
             check_gpu_count(settings.facts, settings.gpus, gpu_count(), visible_gpu_count())
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
+    identity = identity or served_identity(settings.model, seed)
     settings = replace(settings, model=served_model(settings.model, seed))
-    return SglangBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
+    return SglangBackend(settings, *checkpoint_inputs(settings.model, processor, model_config), identity)
 
 
 def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> SglangBackend:

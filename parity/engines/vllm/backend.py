@@ -19,7 +19,9 @@ from parity.backends.options import BackendOptions
 from parity.backends.protocol import Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
-from parity.engines.engine import Completion, EngineBackend, checkpoint_inputs, server_args_for, served_model
+from parity.engines.engine import (
+    Completion, EngineBackend, checkpoint_inputs, server_args_for, served_identity, served_model,
+)
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server
 from parity.engines.prompts import MediaFiles
@@ -53,10 +55,10 @@ class VllmBackend(EngineBackend):
                 "if you set it, do not set VLLM_USE_V2_MODEL_RUNNER=0 (the tap wraps Model Runner V2), and look "
                 "for 'parity:' lines in the log")
 
-    def __init__(self, settings: VllmSettings, prompts, facts) -> None:
+    def __init__(self, settings: VllmSettings, prompts, facts, identity) -> None:
         self.capture = settings.capture
         self._sizes: tuple[int, ...] = self.capture.sizes_for(())
-        super().__init__(settings, prompts, facts)
+        super().__init__(settings, prompts, facts, identity)
         self._envs: dict[str, dict[str, str]] = {}
         # A video is written at the rate vLLM's Qwen3-VL loader samples (multimodal/video.py::
         # Qwen3VLVideoBackend, 2 fps), so that it keeps every frame (docs/engines/vllm-cpu.md).
@@ -197,11 +199,11 @@ def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str
                         buckets: str | tuple[int, ...] = "auto", fix: str | None = None, device: str = "cuda",
                         graph_backend: str | None = None, threads: int | None = None, seed: int | None = None,
                         launch_command: Sequence[str] | None = None, processor: Any = None, model_config: Any = None,
-                        **server: Any) -> VllmBackend:
+                        identity: Any = None, **server: Any) -> VllmBackend:
     """The backend the CLI builds; `server` holds the `ServerSettings` fields. `launch_command`
     replaces `python -m vllm.entrypoints.cli.main serve` (tests start a stand-in) and then skips
     the vLLM/GPU checks; `processor` and `model_config` skip loading the checkpoint's (tests inject
-    the tiny ones). `fix` runs parity's DeepStack clear fix in the servers. `device` "cpu" serves
+    the tiny ones), and `identity` (a callable) identifying its weights. `fix` runs parity's DeepStack clear fix in the servers. `device` "cpu" serves
     on vLLM's CPU worker, whose graphs replay through parity's emulation (`graph_backend`
     "emulated", the default there); an embedded preset as `model` (built from `seed`) is served
     from its checkpoint folder in parity's cache."""
@@ -226,8 +228,9 @@ def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str
             raise BackendUnavailableError(f"--vllm-fix {fix} was written against vLLM {deepstack_clear.WRITTEN_FOR}; "
                                           f"this environment has vLLM {found}")
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
+    identity = identity or served_identity(settings.model, seed)
     settings = replace(settings, model=served_model(settings.model, seed))
-    return VllmBackend(settings, *checkpoint_inputs(settings.model, processor, model_config))
+    return VllmBackend(settings, *checkpoint_inputs(settings.model, processor, model_config), identity)
 
 
 def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> VllmBackend:
