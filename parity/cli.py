@@ -97,7 +97,7 @@ def cli() -> None:
 @click.option("--audio", "audios", multiple=True,
               help="audio-tone or a WAV file, for a model that takes audio: audio-only cases, judged before any arm.")
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeatable); default: each fixture's first prompt.")
-@click.option("--prompts", "prompts_file", help="A text file with one prompt per line (# comments allowed).")
+@click.option("--prompts", "prompts_file", callback=not_empty(), help="A text file with one prompt per line (# comments allowed).")
 @click.option("--max-new-tokens", type=int, default=20, show_default=True, callback=positive)
 @click.option("--logprob-tol", default="auto", show_default=True, callback=auto_or_number(MIN_LOGPROB_TOL, True, " (the fp32 noise floor of any x86 CPU)"),
               help="auto (from the dtype's measured noise) or a number: a comparison matches within it.")
@@ -157,7 +157,7 @@ def run(**options) -> None:
     from parity.interrupts import first_stop_only
     from parity.models import check_runnable
     from parity.run_command import (
-        OutputOptions, RunStopped, build_cases, check_writable, default_run_dir, execute_run, plan_note,
+        OutputOptions, RunStopped, build_cases, check_junit, check_writable, default_run_dir, execute_run, plan_note,
     )
     from parity.sharding import Shard, check_not_empty
 
@@ -179,11 +179,10 @@ def run(**options) -> None:
     )
     if spec.shard is not None:
         check_not_empty(spec.shard, len(spec.scenarios) * len(spec.cases))
-    output = OutputOptions(
-        run_dir=check_writable("--out", Path(o["out_dir"]) if o["out_dir"] else default_run_dir(o["model"]), True),
-        junit=check_writable("--junit", Path(o["junit_path"]), False) if o["junit_path"] else None,
-        plots=not o["no_plot"],
-    )
+    run_dir = check_writable("--out", Path(o["out_dir"]) if o["out_dir"] else default_run_dir(o["model"]), True)
+    inputs = (*o["images"], *o["videos"], *o["audios"], *([o["prompts_file"]] if o["prompts_file"] else []))
+    junit = check_writable("--junit", Path(o["junit_path"]), False) if o["junit_path"] else None
+    output = OutputOptions(run_dir=run_dir, junit=check_junit(junit, run_dir, inputs), plots=not o["no_plot"])
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
@@ -332,10 +331,11 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 
     Refuses (exit 2) files of different experiments, a shard given twice and a missing shard."""
     from parity.merge import MergeOutput, run_merge
-    from parity.run_command import check_writable
+    from parity.run_command import check_junit, check_writable
 
-    output = MergeOutput(check_writable("--out", Path(out_dir), True),
-                         check_writable("--junit", Path(junit_path), False) if junit_path else None, not no_plot)
+    out = check_writable("--out", Path(out_dir), True)
+    junit = check_writable("--junit", Path(junit_path), False) if junit_path else None
+    output = MergeOutput(out, check_junit(junit, out, results_files), not no_plot)
     from parity.interrupts import first_stop_only
 
     with first_stop_only():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind

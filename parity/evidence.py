@@ -122,9 +122,11 @@ class ServingEvidence:
     # DeepStack (a server's warm-up); None: it did not replay.
     graph_ready: bool | None = None
     encoder: EncoderRun | None = None  # its image's pass through the encoder graphs
+    prompt_tokens: int | None = None  # the rows of the prompt these chunks serve (v5); None: not recorded
 
     def to_json(self) -> dict:
         return {"chunks": [c.to_json() for c in self.chunks], "cached_tokens": self.cached_tokens,
+                "prompt_tokens": self.prompt_tokens,
                 "image_span": None if self.image_span is None else list(self.image_span),
                 "buffer_growth": None if self.buffer_growth is None else list(self.buffer_growth),
                 "graph_ready": self.graph_ready,
@@ -140,6 +142,20 @@ class ServingEvidence:
             return "a chunk replayed in a bucket smaller than itself"
         if self.buffer_growth is not None and not 0 < self.buffer_growth[0] < self.buffer_growth[1]:
             return "a buffer growth must go from a smaller to a larger, positive size"
+        return self._tiling_inconsistency()
+
+    def _tiling_inconsistency(self) -> str | None:
+        """The chunks and the cache hit cover the prompt exactly, and its image rows lie inside it."""
+        total = self.prompt_tokens
+        if total is None:
+            return None
+        if self.cached_tokens >= total:
+            return f"cached_tokens {self.cached_tokens} leave none of the {total}-token prompt to compute"
+        if self.chunks and self.chunks[-1].end != total:
+            return (f"its chunks cover rows [{self.cached_tokens}, {self.chunks[-1].end}) of a {total}-token prompt, "
+                    "not all of it")
+        if self.image_span is not None and not 0 <= self.image_span[0] < self.image_span[1] <= total:
+            return f"image_span {list(self.image_span)} is not inside the {total}-token prompt"
         return None
 
 

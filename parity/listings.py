@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from parity.errors import UsageError
@@ -13,8 +15,11 @@ def fixtures(write_dir: str | None) -> None:
     """List the built-in fixtures: images (`--fixture`) and videos (`--video`), each with its size,
     frames, sha256 of its raw RGB pixels (a video's: of its decoded frames), its twin's, and its prompts."""
     from parity.fixtures import builtin_fixtures, load_prompts, write_pngs
+    from parity.run_command import check_writable
     from parity.videos import builtin_videos
 
+    if write_dir:  # before the listing: a folder that cannot be written is the one line said
+        check_writable("--write", Path(write_dir), True)
     prompts = load_prompts()
     for fixture in [*builtin_fixtures(), *builtin_videos()]:
         size = "{}x{}".format(*fixture.size)

@@ -9,6 +9,7 @@ from the file. Everything a user can get wrong is checked before the model loads
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -172,7 +173,10 @@ def _backend(run: RunResult, device: str | None, requests: dict[str, tuple[Reque
     device = device or ran_on
     embedded = config["model"] in PRESETS
     threads = environment.get("threads") if device == "cpu" and ran_on == "cpu" else None
-    apply_thread_policy(threads if isinstance(threads, int) and threads > 0 else None, embedded)
+    # The run's thread count reproduces its numerics, but never more threads than this machine has: a
+    # file's count (up to 8192 is valid) would only oversubscribe the CPUs and crawl.
+    threads = min(threads, os.cpu_count() or 1) if isinstance(threads, int) and threads > 0 else None
+    apply_thread_policy(threads, embedded)
     seed = config.get("preset_seed") if embedded else None
     loaded = load_model(str(config["model"]), device=device, dtype=str(config["dtype"]), seed=seed)
     captured = tuple(int(b) for b in config["captured_buckets"])

@@ -10,6 +10,7 @@ shard missing (unless `--allow-missing` names it, and then the verdict is at bes
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,9 +194,9 @@ def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> R
 
 def _check_out_holds_no_input(paths: Sequence[str], out_dir: Path) -> None:
     """The merge writes into --out; an input there would be overwritten by the merge of itself."""
-    folder = out_dir.resolve()
+    folder = Path(os.path.realpath(out_dir))  # realpath never raises, a loop in an input's path included
     for path in paths:
-        resolved = Path(path).resolve()
+        resolved = Path(os.path.realpath(path))
         if resolved == folder or folder in resolved.parents:
             raise UsageError(f"--out {out_dir}: holds the input {path}, which the merge would overwrite; "
                              "write the merge to another folder")

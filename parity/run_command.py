@@ -110,20 +110,52 @@ def default_run_dir(model: str) -> Path:
 def check_writable(option: str, path: Path, directory: bool) -> Path:
     """Fail before the run, not after it, when a file or folder the run must write cannot be
     written; creates nothing (a usage error later must not leave empty folders or files)."""
+    _check_resolvable(option, path)
     if path.exists():
         if path.is_dir() != directory:
             raise UsageError(f"{option} {path}: is {'not ' if directory else ''}a folder")
+        if not directory and not path.is_file():
+            raise UsageError(f"{option} {path}: is not a regular file (a FIFO, socket or device); give a file path")
         if not os.access(path, os.W_OK | (os.X_OK if directory else 0)):
             raise UsageError(f"{option} {path}: cannot be written (permission denied)")
         return path
     ancestor = path.parent
     while not ancestor.exists():
+        _check_resolvable(option, ancestor)
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise UsageError(f"{option} {path}: cannot be written ({ancestor} is a file)")
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UsageError(f"{option} {path}: cannot be written (permission denied in {ancestor})")
     return path
+
+
+def _check_resolvable(option: str, path: Path) -> None:
+    """A path that exists as a name but cannot be followed (a symbolic-link loop, a link through a
+    file) would fail only when the run writes, after all its work."""
+    if os.path.lexists(path):
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            return  # a dangling link: written through like a new file
+        except OSError as err:
+            raise UsageError(f"{option} {path}: {described(err)}") from None
+
+
+def check_junit(junit: Path | None, out_dir: Path, inputs: Sequence[str | Path] = ()) -> Path | None:
+    """`--junit` may name neither the run folder's own results.json or report.md (it would replace
+    the results it reports on) nor an input of the run."""
+    if junit is None:
+        return None
+    target = os.path.realpath(junit)  # realpath never raises, a loop in an input's path included
+    for own in ("results.json", "report.md"):
+        if target == os.path.realpath(out_dir / own):
+            raise UsageError(f"--junit {junit}: is the run folder's {own}, which the JUnit file would overwrite; "
+                             "give another path")
+    for given in inputs:
+        if target == os.path.realpath(given):
+            raise UsageError(f"--junit {junit}: is the input {given}, which the JUnit file would overwrite")
+    return junit
 
 
 # Seconds per generation of a tiny preset on one CPU core, measured with `parity run --fixture all

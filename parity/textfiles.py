@@ -52,6 +52,7 @@ def regular_file(path: str | Path, limit: int | None = None) -> os.stat_result:
 def read_bytes_capped(path: str | Path, limit: int) -> bytes:
     """The bytes of a regular file of at most `limit` bytes. Opened without blocking, so a FIFO put in
     the path's place after the check cannot hang the reader either."""
+    regular_file(path, limit)  # names what the path is (opening a socket only says "no such device")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     with os.fdopen(fd, "rb") as handle:
         status = os.fstat(fd)

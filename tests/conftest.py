@@ -101,6 +101,7 @@ REAL_RUNS = {
     "legacy": ("--scenario", "all", "--runner", "legacy"),
     "no-clear": ("--scenario", "all", "--runner", "no-clear"),
     "video": ("--scenario", "all", "--video", "all"),
+    "chunk-1000": ("--scenario", "chunked", "--chunk-size", "1000"),  # INCONCLUSIVE_NOT_REPLAYED: one chunk
 }
 REAL_RUN_TOKENS = "8"
 

@@ -17,7 +17,7 @@ from parity.arms import arm as arm_of
 from parity.errors import UsageError
 from parity.fixtures import builtin_fixture
 from parity.plan import PlanEntry, plan_json, text_sha256
-from parity.evidence import Evidence
+from parity.evidence import DeepStackRecord, Evidence
 from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
@@ -47,6 +47,12 @@ def make_evidence(mode: str, replayed: bool | None = _DEFAULT, tap_calls: int = 
                     max_bucket=max_bucket)
 
 
+def make_record(action: str) -> DeepStackRecord:
+    """The tap's record of the same made-up DeepStack rows, handed on as `action`."""
+    return DeepStackRecord(shape=(PROMPT_TOKENS, 6), dtype="float32", nonzero_rows=4, l2_norm=1.0,
+                           sha256=hashlib.sha256(b"deepstack").hexdigest(), action=action)
+
+
 def make_arm(
     name: str,
     ids: Sequence[int],
@@ -69,9 +75,12 @@ def make_arm(
     reps = tuple(r if isinstance(r, Repeat) else Repeat(tuple(r), lps[: len(r)]) for r in repeats)
     if evidence is _DEFAULT:
         evidence = None if error else make_evidence(mode)
+    # Where the tap fired it recorded what it saw (design §4b, v5): the same rows for every arm.
+    record = make_record(deepstack.value) if evidence is not None and evidence.tap_calls else None
     return ArmResult(
         name=name, mode=mode, deepstack=deepstack, token_ids=tuple(ids),
         text=_text_of(ids) if text is None else text, token_logprobs=lps, top_logprobs=top,
+        deepstack_record=record,
         evidence=evidence, forced=MappingProxyType({k: tuple(v) for k, v in (forced or {}).items()}),
         error=error, seconds=seconds, repeats=reps,
     )

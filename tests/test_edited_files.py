@@ -9,6 +9,7 @@ trip: the unedited file loads and judges as it was written.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -25,7 +26,7 @@ def test_what_parity_writes_reads_back_as_written(real_run, name):
     assert rejudged["verdict"] == doc["verdict"] and EXIT_CODES[doc["verdict"]["code"]] == code
     # Every case, request, arm, comparison and verdict, exactly as written.
     assert rejudged == doc
-    assert {c["scenario"] for c in doc["cases"]} == set(SCENARIOS)
+    assert {c["scenario"] for c in doc["cases"]} == ({"chunked"} if name == "chunk-1000" else set(SCENARIOS))
 
 
 # --- edits ----------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ EDITS = [
     ("default", lambda d: (_set(d["config"], deepstack_layers=0),
                        [_set(a, deepstack_record=None) for c in d["cases"]
                         for a in (c["arms"].values() if "arms" in c else [x for r in c["requests"] for x in r["arms"].values()])]),
-     2, "eager_zero_deepstack and eager_normal answer differently (DeepStack power), but config.deepstack_layers is 0"),
+     2, "deepstack_record is null, but its tap saw DeepStack rows"),
     ("default", lambda d: (_set(_case(d), fixture=None), _set(d["config"]["plan"][0], image=None),
                            [_set(a, deepstack_record=None) for a in _arms(d).values()]), 2,
      "has another image or prompt than"),
@@ -149,6 +150,125 @@ EDITS = [
     ("video", lambda d: _case(d)["fixture"].pop("frames"), 2, "0 frames) is not that fixture's"),
     ("video", lambda d: _set(_case(d)["fixture"], frames=0), 2, "frames must be a video's frame count"),
 ]
+
+
+# --- trust v5: what the file says of the model, the serving path and the arms -------------------------
+
+def _serving(doc, scenario, request, arm):
+    return _arms(doc, scenario, request)[arm]["evidence"]["serving"]
+
+
+def _chunks_of(total, size, bucket):
+    return [[start, min(start + size, total), bucket, 0] for start in range(0, total, size)]
+
+
+def _forge_chunks(doc, arms=("bcg_normal",), replays=False, cover=None):
+    """The issue's attack on a `--chunk-size 1000` run: claim 8-token chunks that replayed."""
+    for name in arms:
+        arm = _arms(doc, "chunked", 0)[name]
+        total = arm["evidence"]["serving"]["prompt_tokens"]
+        bcg = arm["mode"] == "bcg"
+        chunks = _chunks_of(cover or total, 8, 8 if bcg else None)
+        arm["evidence"]["serving"]["chunks"] = chunks
+        if bcg:
+            arm["evidence"]["buckets"] = [8]
+            if replays:
+                arm["evidence"]["replayed_calls"] = len(chunks)
+
+
+def _each_arm(doc):
+    for case in doc["cases"]:
+        for arms in ([case["arms"]] if "arms" in case else [r["arms"] for r in case["requests"]]):
+            yield from arms.values()
+
+
+def _merge_first_chunks(serving, evidence):
+    first, second = serving["chunks"][:2]
+    serving["chunks"][:2] = [[first[0], second[1], 16, first[3] + second[3]]]
+    evidence["buckets"] = sorted({*evidence["buckets"], 16})
+
+
+def _arm_of(doc, scenario, request, arm):
+    return _arms(doc, scenario, request)[arm]
+
+
+V5_EDITS = [
+    # Serving evidence against the run it claims. The issue's --chunk-size 1000 forgery, in one arm or
+    # in every arm with the replay count raised to match, claims chunks parity never cuts.
+    ("chunk-1000", _forge_chunks, "parity cuts chunks of config.chunk_size 1000"),
+    ("chunk-1000", lambda d: _forge_chunks(d, ("bcg_normal", "eager_normal", "eager_zero_deepstack"), replays=True),
+     "parity cuts chunks of config.chunk_size 1000"),
+    # Each rule on its own, from a run whose chunks are real (chunk size 8).
+    ("default", lambda d: _serving(d, "chunked", 0, "bcg_normal")["chunks"].pop(),
+     "chunks cover rows [0, 32) of a 39-token prompt, not all of it"),
+    ("default", lambda d: _merge_first_chunks(_serving(d, "chunked", 0, "bcg_normal"),
+                                              _arm_of(d, "chunked", 0, "bcg_normal")["evidence"]),
+     "larger than config.chunk_size 8"),
+    ("default", lambda d: _set(_arm_of(d, "chunked", 0, "bcg_normal")["evidence"], replayed_calls=4),
+     "shows 5 replayed prefill(s), but"),
+    ("default", lambda d: _serving(d, "chunked", 0, "bcg_normal").pop("prompt_tokens"), "prompt_tokens is missing"),
+    ("default", lambda d: (_set(_serving(d, "prefix", 1, "bcg_normal"), cached_tokens=16, chunks=[[16, 48, 48, 2]]),
+                           _set(_arm_of(d, "prefix", 1, "bcg_normal")["evidence"], buckets=[48])),
+     "serving.cached_tokens is 16, but eager_normal's is 24"),
+    # DeepStack records where the tap fired, with rows where DeepStack moved the answer.
+    ("default", lambda d: _set(_arms(d)["bcg_normal"], deepstack_record=None), "deepstack_record is null, but its tap"),
+    ("default", lambda d: [_set(a, deepstack_record=None) for a in _each_arm(d)], "deepstack_record is null, but its tap"),
+    ("default", lambda d: [_set(a["deepstack_record"], nonzero_rows=0) for a in _each_arm(d) if a["deepstack_record"]],
+     "has 0 non-zero rows, but zeroing DeepStack changed"),
+    # Closed vocabularies and required provenance.
+    ("default", lambda d: _set(d["config"], backend="turbo"), "config.backend 'turbo' is not a backend parity has"),
+    ("default", lambda d: _set(d["config"], dtype="int8"), "config.dtype 'int8' is not one parity runs"),
+    ("default", lambda d: _set(d["config"], arms=["eager_normal", "eager_zero_deepstack"]),
+     "is not one of the arms the run selected"),
+    ("default", lambda d: d["environment"].pop("parity_source"), "environment lacks 'parity_source'"),
+    ("default", lambda d: _set(d["config"]["plan"][0], prompt_tokens=40), "plans 40 prompt tokens for"),
+    ("default", lambda d: [_set(e, prompt_tokens=10**6) for e in d["config"]["plan"]], "plans 1000000 prompt tokens"),
+    ("default", lambda d: [_set(e, prompt_tokens=38) for e in d["config"]["plan"] if e["scenario"] == "four-arm"],
+     "longer than the 38 tokens config.plan plans"),
+    # Which model it judged.
+    ("default", lambda d: d["config"].pop("model_identity"), "config.model_identity must be an object"),
+    ("default", lambda d: _set(d["config"]["model_identity"], name="tiny-qwen3-vl-moe"),
+     "model_identity.name is 'tiny-qwen3-vl-moe', but config.model is 'tiny-qwen3-vl'"),
+    ("default", lambda d: _set(d["config"]["model_identity"], kind="checkpoint", seed=None), "is an embedded preset"),
+    ("default", lambda d: _set(d["config"]["model_identity"], seed=3), "model_identity.seed is 3, but config.preset_seed"),
+    ("default", lambda d: _set(d["config"]["model_identity"], sha256="x" * 64), "sha256 must be 64 lowercase hex"),
+]
+
+
+@pytest.mark.parametrize("name, edit, message", V5_EDITS)
+def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, name, edit, message):
+    _, doc, _ = real_run(name)
+    edit(doc)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_the_chunk_size_run_the_forgeries_start_from_is_not_a_pass(real_run):
+    """The negative control of the chunk forgeries: as written, the run never reached the chunked path."""
+    _, doc, code = real_run("chunk-1000")
+    assert code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED"
+
+
+@pytest.mark.parametrize("literal, message", [
+    ("1" * 400, "is an integer of 400 digits"),
+    ("-" + "9" * 310, "is an integer of 310 digits"),
+    ("1" * 401 + ".5", "is inf: numbers in a results file must be finite"),
+    ("1e400", "is inf: numbers in a results file must be finite"),
+    ("123456789012345678901", "is an integer of 21 digits"),
+])
+@pytest.mark.parametrize("command", [("verdict",), ("verdict", "--json"), ("report", "--format", "json"),
+                                     ("merge", "--out", "OUT")])
+def test_numbers_past_any_bound_are_refused_naming_the_field(parity_cli, real_run, tmp_path, literal, message, command):
+    path, _, _ = real_run("legacy")
+    text = re.sub(r'"lm_calls": \d+', f'"lm_calls": {literal}', path.read_text(), count=1)
+    edited = tmp_path / "edited.json"
+    edited.write_text(text)
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in command]
+    result = parity_cli(*args[:1], str(edited), *args[1:])
+    assert result.exit_code == 2 and message in result.output and "evidence.lm_calls" in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 @pytest.mark.parametrize("name, edit, code, message", EDITS)

@@ -138,7 +138,9 @@ def test_report_formats_and_no_bare_nan(parity_cli):
                               bcg_zero_deepstack=dict(arms["eager_zero_deepstack"], mode="bcg")), 2),
     (lambda arms: arms["bcg_normal"].update(mode="eager"), 2),
     (lambda arms: arms["eager_normal"]["token_logprobs"].__setitem__(3, float("nan")), 2),
-    (lambda arms: arms["bcg_normal"]["evidence"].update(tap_calls=0), 4),
+    (lambda arms: arms["bcg_normal"]["evidence"].update(tap_calls=0), 2),  # its record says the tap fired
+    (lambda arms: (arms["bcg_normal"]["evidence"].update(tap_calls=0), arms["bcg_normal"].update(deepstack_record=None)),
+     4),  # a silent tap on an image request (rule 1b)
 ])
 def test_verdict_refuses_to_pass_an_edited_file(parity_cli, tmp_path, edit, code):
     _, doc, _ = parity_cli.run()

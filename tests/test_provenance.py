@@ -290,3 +290,36 @@ def test_an_arm_whose_own_results_break_a_rule_fails_in_the_run_and_in_its_file(
     again = invoke("verdict", str(out / "results.json"))
     assert written["code"] == "ERROR" and again.exit_code == 4
     assert again.output.splitlines()[-1] == f"{written['code']}: {written['reason']}"
+
+
+def test_shards_of_two_checkpoints_under_one_path_do_not_merge(tmp_path):
+    """Issue 34: `--model DIR` names one checkpoint on one machine and another elsewhere. Nothing in a
+    four-arm plan repeats an image and prompt across shards, so only the model's identity (the
+    checkpoint's content hash) can tell; the merge names both models. Negative control: the shards of
+    one checkpoint merge."""
+    import shutil
+
+    from parity.models import load_model
+
+    folder = tmp_path / "checkpoint"
+
+    def save(seed: int) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        loaded = load_model("tiny-qwen3-vl", device="cpu", dtype="float32", seed=seed)
+        loaded.adapter.model.save_pretrained(folder)
+        loaded.adapter.processor.save_pretrained(folder)
+
+    common = ("--model", str(folder), "--fixture", "all", "--max-new-tokens", "3", "--no-plot", "--buckets", "48")
+    save(0)
+    for k in (1, 2, 3):
+        assert invoke("run", "--out", str(tmp_path / f"a{k}"), *common, "--shard", f"{k}/3").exit_code in (0, 1, 3)
+    save(1)
+    for k in (2, 3):
+        assert invoke("run", "--out", str(tmp_path / f"b{k}"), *common, "--shard", f"{k}/3").exit_code in (0, 1, 3)
+    one = invoke("merge", *(str(tmp_path / f"a{k}" / "results.json") for k in (1, 2, 3)), "--out", str(tmp_path / "ok"))
+    assert one.exit_code in (0, 1, 3) and "Error" not in one.output, one.output
+    mixed = invoke("merge", str(tmp_path / "a1" / "results.json"), *(str(tmp_path / f"b{k}" / "results.json")
+                                                                     for k in (2, 3)), "--out", str(tmp_path / "m"))
+    assert mixed.exit_code == 2 and "shards of two models" in mixed.output, mixed.output
+    assert mixed.output.count(f"{folder} (checkpoint, files sha256") == 2
+    assert not (tmp_path / "m" / "results.json").exists()

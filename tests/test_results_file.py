@@ -1,6 +1,7 @@
 """The results file (design §4): /2 round trip, /1 still read, and every bad document a usage error."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,9 @@ from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, sco
 
 
 def _record(replay):
-    return DeepStackRecord((39, 192), "float32", 12, 1.5, "ab" * 32, "normal", calls=1, replay=replay)
+    from tests.helpers_runs import make_record
+
+    return replace(make_record("normal"), calls=2, replay=replay)
 
 
 def test_round_trip_keeps_every_field(tmp_path: Path):
@@ -90,7 +93,7 @@ def test_files_that_cannot_be_read(tmp_path: Path):
         load_results(tmp_path / ("n" * 5000 + ".json"))
     with pytest.raises(ResultsFileError, match="cannot be read"):
         load_results(tmp_path / "x.json" / "under-a-file.json")
-    with pytest.raises(ResultsFileError, match="cannot be read"):
+    with pytest.raises(ResultsFileError, match="is a folder, not a file"):
         load_results(tmp_path)
     (tmp_path / "latin1.json").write_bytes(b"\xff\xfe{")
     with pytest.raises(ResultsFileError, match="cannot be read"):

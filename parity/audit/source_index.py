@@ -12,6 +12,8 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from parity.textfiles import read_text_capped
+
 
 @dataclass(frozen=True)
 class FunctionInfo:
@@ -23,6 +25,8 @@ class FunctionInfo:
 
 
 PARAM = "param:"
+# The largest module of an engine is a few hundred kB; a larger .py (or a FIFO named like one) is not read.
+MAX_SOURCE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,9 @@ class ModuleInfo:
     classes: dict[str, ClassInfo]
     functions: dict[str, FunctionInfo]  # module-level functions
     assignments: dict[str, ast.expr]  # module-level `NAME = <expr>`
+    # Every name the module imports from inside the package, wherever the import stands: a package's
+    # `__init__` re-exports its classes, also under `if TYPE_CHECKING:` or in a lazy `__getattr__`.
+    exports: dict[str, str]
 
 
 class SourceIndex:
@@ -64,10 +71,14 @@ class SourceIndex:
         self._modules: dict[str, ModuleInfo | None] = {}
 
     def module(self, dotted: str) -> ModuleInfo | None:
-        """`dotted` relative to the package root (`models.qwen3_vl`); None when it has no file."""
+        """`dotted` relative to the package root (`models.qwen3_vl`), a module or a sub-package's
+        `__init__`; None when it has no file."""
         if dotted not in self._modules:
-            path = self.root.joinpath(*dotted.split(".")).with_suffix(".py")
-            self._modules[dotted] = _read_module(dotted, path, self.package) if path.is_file() else None
+            folder = self.root.joinpath(*dotted.split("."))
+            path, package = folder.with_suffix(".py"), False
+            if not path.is_file() and (folder / "__init__.py").is_file():
+                path, package = folder / "__init__.py", True
+            self._modules[dotted] = _read_module(dotted, path, self.package, package) if path.is_file() else None
         return self._modules[dotted]
 
     def modules_under(self, folder: str) -> list[ModuleInfo]:
@@ -76,9 +87,18 @@ class SourceIndex:
         return [m for m in found if m is not None]
 
     def cls(self, qualname: str) -> ClassInfo | None:
-        module, _, name = qualname.rpartition(".")
-        info = self.module(module)
-        return None if info is None else info.classes.get(name)
+        """The class, where the module defines it or re-exports it from another module of the package."""
+        for _ in range(8):  # a chain of re-exports is short; a cycle of them is no class
+            module, _, name = qualname.rpartition(".")
+            info = self.module(module)
+            if info is None:
+                return None
+            if name in info.classes:
+                return info.classes[name]
+            if name not in info.exports:
+                return None
+            qualname = info.exports[name]
+        return None
 
     def mro(self, qualname: str) -> list[ClassInfo]:
         """The class and its ancestors that live in the package, nearest first (depth-first, left to
@@ -132,12 +152,13 @@ class SourceIndex:
         return None if found is None or found.startswith(PARAM) else found
 
 
-def _read_module(dotted: str, path: Path, package: str) -> ModuleInfo | None:
+def _read_module(dotted: str, path: Path, package: str, is_package: bool = False) -> ModuleInfo | None:
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        tree = ast.parse(read_text_capped(path, MAX_SOURCE_BYTES), filename=str(path))
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return None  # a file the audit cannot read is a file it reports nothing about
-    imports = _imports(tree, dotted, package)
+    here = dotted if is_package else dotted.rsplit(".", 1)[0] if "." in dotted else ""  # what `.` means
+    imports = _imports(tree.body, here, package)
     local = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
 
     def qualify(name: str) -> str:
@@ -153,14 +174,16 @@ def _read_module(dotted: str, path: Path, package: str) -> ModuleInfo | None:
                    for t in n.targets if isinstance(t, ast.Name)}
     functions = {n.name: _function(n, qualify) for n in tree.body
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    return ModuleInfo(dotted, path, classes, functions, assignments)
+    exports = {**_imports(ast.walk(tree), here, package, first_wins=True), **imports}  # top level wins
+    return ModuleInfo(dotted, path, classes, functions, assignments, exports)
 
 
-def _imports(tree: ast.Module, dotted: str, root: str) -> dict[str, str]:
-    """Local name -> dotted name relative to the package root, for imports from inside the package."""
-    package = dotted.rsplit(".", 1)[0] if "." in dotted else ""
+def _imports(nodes, package: str, root: str, first_wins: bool = False) -> dict[str, str]:
+    """Local name -> dotted name relative to the package root, for imports from inside the package;
+    `package` is what a relative import's `.` names. A name imported twice is bound by the last
+    import, as Python binds it; across branches (`first_wins`, a platform's alternatives) by the first."""
     names: dict[str, str] = {}
-    for node in tree.body:
+    for node in nodes:
         if not isinstance(node, ast.ImportFrom) or node.module is None and not node.level:
             continue
         if node.level:
@@ -171,7 +194,8 @@ def _imports(tree: ast.Module, dotted: str, root: str) -> dict[str, str]:
                 continue
             source = node.module[len(root) + 1:]
         for alias in node.names:
-            names[alias.asname or alias.name] = f"{source}.{alias.name}"
+            if not (first_wins and (alias.asname or alias.name) in names):
+                names[alias.asname or alias.name] = f"{source}.{alias.name}"
     return names
 
 

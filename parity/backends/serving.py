@@ -171,7 +171,7 @@ class PromptServer:
         if request.serving.recorded:
             # Once grown, the buffer stays grown: every later request is served past the growth.
             grown = runner.growths if runner is not None else []
-            evidence = ServingEvidence(image_span=self._image_span(prompt),
+            evidence = ServingEvidence(image_span=self._image_span(prompt), prompt_tokens=int(prompt.input_ids.shape[0]),
                                        buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
                                        graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
         return Served(prefill, 1, (prefill.bucket,), evidence, points)
@@ -205,7 +205,7 @@ class PromptServer:
                                    int(image_ids[window.start:window.end].sum())))
         if cache_key is not None:
             self._prefix_cache.insert(tap_mode, cache_key, keys, values)
-        evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0,
+        evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0, prompt_tokens=int(total),
                                    image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
         return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
                       tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)

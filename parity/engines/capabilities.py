@@ -51,6 +51,11 @@ class BackendInfo:
     factory: str  # "module:function"(options, max_new_tokens, run_dir) -> Backend, imported when used
     options: frozenset[str]  # the shared `parity run` options (click names) it uses beyond the common ones
     localizes: bool = False  # parity captures its graph itself, so a failing case's layers can be probed
+    # parity runs the model in its own process: it counts every LM entry itself, every replay it
+    # counts is one of the generation's prefills (scoring reuses them, decode steps run eagerly), and
+    # it cuts a prompt's chunks itself. A server's tap also counts its scoring requests' prefills,
+    # sees only the decode steps its engine runs eagerly, and the engine's scheduler cuts the chunks.
+    in_process: bool = False
     runbook: str | None = None  # what to read when its servers misbehave
     servers_key: str | None = None  # config key: each mode's server flags
     volatile_keys: tuple[str, ...] = ()  # config keys that differ between machines of one experiment

@@ -244,7 +244,8 @@ class EngineBackend(abc.ABC):
         captured = self._captured.get(server.process.name)
         ready = None if not replayed else (captured is not None and replayed <= captured)
         return ServingEvidence(chunks=tuple(chunks), cached_tokens=cached, graph_ready=ready,
-                               image_span=image_span(prompt_ids, self.prompts.visual_token_ids))
+                               image_span=image_span(prompt_ids, self.prompts.visual_token_ids),
+                               prompt_tokens=first.prompt_tokens)
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int] = (), serving: Sequence = ()) -> None:
         # A server has its serving features set by its flags: each profile gets its own servers

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 TRANSFORMERS = BackendInfo(
     name="transformers", factory="parity.backends.transformers_backend:from_options",
     options=frozenset({"runner", "localize_threshold", "buckets", "graph_backend", "threads", "chunk_size"}),
-    localizes=True,
+    localizes=True, in_process=True,
 )
 
 

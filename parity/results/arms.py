@@ -95,6 +95,10 @@ def _serving(raw: Any, where: str) -> ServingEvidence | None:
             raise Invalid(f"{where}.{key} must be [a, b]")
         return ints(value, f"{where}.{key}")  # type: ignore[return-value]
 
+    def count(key: str) -> int | None:
+        value = get(raw, key, int, where, optional=True)
+        return None if value is None else non_negative_int(value, f"{where}.{key}", 1)
+
     chunks = []
     for i, chunk in enumerate(get(raw, "chunks", list, where)):
         cwhere = f"{where}.chunks[{i}]"
@@ -117,6 +121,7 @@ def _serving(raw: Any, where: str) -> ServingEvidence | None:
         cached_tokens=non_negative_int(get(raw, "cached_tokens", int, where), f"{where}.cached_tokens"),
         image_span=pair("image_span"), buffer_growth=pair("buffer_growth"),
         graph_ready=get(raw, "graph_ready", bool, where, optional=True), encoder=encoder,
+        prompt_tokens=count("prompt_tokens"),
     )
 
 

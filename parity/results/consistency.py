@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 from parity.arms import EAGER_NORMAL, EAGER_ZERO
 from parity.buckets import AUTO, prefill_bucket_ladder, smallest_fitting
+from parity.engines import registry
 from parity.metrics import Tolerances, compare
 from parity.plan import read_plan
 from parity.results import (
@@ -192,7 +193,7 @@ def enough_lm_entries(run: RunResult) -> None:
     """A generation of n tokens is one prefill and n - 1 decode steps at least, where parity counts
     every LM entry itself (the transformers backend). A server's tap sees a decode step only where
     the step runs eagerly: decode steps replayed by the engine's decode graph never reach it."""
-    if run.config.get("backend", "transformers") != "transformers":
+    if not registry.of_run(run.config).in_process:
         return
     for request in _requests(run):
         for arm in _ran(request):
@@ -269,6 +270,39 @@ def _one_fingerprint(request: _Request, recorded: list[ArmResult], by_input: dic
                      "checkpoint or dtype")
 
 
+def records_where_the_tap_fired(run: RunResult) -> None:
+    """An arm whose tap saw DeepStack rows keeps their record, and an arm with a record had a tap that
+    fired (v5): a record deleted or added by hand would switch the fingerprint rules off or on."""
+    for request in _requests(run):
+        for arm in _ran(request):
+            evidence, record = arm.evidence, arm.deepstack_record
+            if evidence is None:
+                continue  # a /1 arm: the record is all the evidence there is
+            if evidence.tap_calls and record is None:
+                raise request.contradiction(arm, f"{request.at(arm)}.deepstack_record is null, but its tap saw "
+                                                 f"DeepStack rows in {evidence.tap_calls} LM entry(ies) "
+                                                 "(evidence.tap_calls): the record of what it saw is kept")
+            if record is not None and not evidence.tap_calls:
+                raise request.contradiction(arm, f"{request.at(arm)}.deepstack_record is set, but evidence.tap_calls "
+                                                 "is 0: a tap that never fired recorded nothing")
+
+
+def rows_where_deepstack_moved_the_answer(run: RunResult) -> None:
+    """Where zeroing DeepStack changed a case's eager answer (its power), every record of the case's
+    image requests saw non-zero DeepStack rows: zero rows cannot have moved an answer."""
+    tolerances = Tolerances(run.logprob_tol, run.tie_margin)
+    moved = {ci for ci, case in enumerate(run.cases)
+             if (pair := _power_pair(case)) is not None and compare(*pair, tolerances).difference_shown}
+    for request in _requests(run):
+        if request.case_index not in moved or request.fixture is None:
+            continue
+        for arm in _ran(request):
+            if arm.deepstack_record is not None and not arm.deepstack_record.nonzero_rows:
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record has 0 non-zero rows, but zeroing DeepStack changed "
+                         f"cases[{request.case_index}]'s eager answer: the rows it saw were not zero")
+
+
 def power_needs_deepstack(run: RunResult) -> None:
     """DeepStack can change an answer only where there is an image and a model that consumes it."""
     layers = run.deepstack_layers  # None in /1: inferred from the records, nothing to contradict
@@ -343,8 +377,8 @@ def _longest_prompt(run: RunResult) -> int | None:
 
 RULES: tuple[Callable[[RunResult], None], ...] = (
     forced_matches_own_scores, forced_scores_every_reference, replays_fit_their_buckets, evidence_matches_record,
-    enough_lm_entries, answers_fit_max_new_tokens, one_fingerprint_per_request, power_needs_deepstack,
-    captured_buckets_fit_the_prompts,
+    enough_lm_entries, answers_fit_max_new_tokens, records_where_the_tap_fired, one_fingerprint_per_request,
+    rows_where_deepstack_moved_the_answer, power_needs_deepstack, captured_buckets_fit_the_prompts,
 )
 
 

@@ -16,7 +16,9 @@ from typing import Callable
 from parity.engines import registry
 from parity.metrics import auto_tolerances
 from parity.results import SCHEMA, FixtureInfo, RunResult
+from parity.plan import read_plan
 from parity.results.consistency import RULES, Contradiction, _ran, _requests
+from parity.results.serving import RULES as SERVING_RULES
 
 
 def repeats_as_configured(run: RunResult) -> None:
@@ -119,13 +121,59 @@ def records_in_the_runs_dtype(run: RunResult) -> None:
                          f"{dtype!r}: the model computed DeepStack in another dtype than the file says")
 
 
+def arms_are_the_configured(run: RunResult) -> None:
+    """Every arm in the file is one `config.arms` selected (v5): an eager-only run with graph arms
+    spliced in would otherwise be judged as if the graph had run."""
+    selected = run.config.get("arms")
+    if run.schema != SCHEMA or not isinstance(selected, list):
+        return
+    for request in _requests(run):
+        for arm in request.arms:
+            if arm.name not in selected:
+                raise request.contradiction(arm, f"{request.at(arm)} is not one of the arms the run selected "
+                                                 f"(config.arms {selected})")
+
+
+def plan_prompts_are_the_evidence(run: RunResult) -> None:
+    """A case's planned prompt length (`config.plan[].prompt_tokens`, what buckets are captured for)
+    is its longest request's, as its arms recorded it: where parity counts the prompt it prefilled
+    itself (the in-process backend), no arm's prompt is longer and, once every request has run, one
+    is as long; a server's serving evidence is never longer than planned."""
+    if run.schema != SCHEMA:
+        return
+    try:
+        planned = {entry.id: entry.prompt_tokens for entry in read_plan(run.config)}
+    except ValueError:
+        return  # the loader has refused the plan already
+    exact = registry.of_run(run.config).in_process
+    seen: dict[int, list[int]] = {}
+    for request in _requests(run):
+        tokens = planned.get(request.case.id)
+        for arm in _ran(request) if tokens is not None else ():
+            evidence = arm.evidence
+            own = None if evidence is None else (
+                evidence.prompt_tokens if exact else evidence.serving and evidence.serving.prompt_tokens)
+            if own is None:
+                continue
+            if own > tokens:
+                raise request.contradiction(arm, f"{request.at(arm)}.evidence has a {own}-token prompt, longer than the "
+                                                 f"{tokens} tokens config.plan plans for {request.case.id}")
+            seen.setdefault(request.case_index, []).append(own)
+    for ci, prompts in seen.items():
+        case, tokens = run.cases[ci], planned[run.cases[ci].id]
+        ran_whole = all(request.arms for request in case.requests) and not any(a.failed for a in case.all_arms())
+        if exact and ran_whole and not run.interrupted and max(prompts) != tokens:
+            raise Contradiction(f"config.plan plans {tokens} prompt tokens for {case.id}, but its longest request "
+                                f"recorded {max(prompts)}")
+
+
 REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
     repeats_as_configured, ranks_as_configured, auto_tolerances_are_the_dtypes, builtin_fixtures_are_theirs,
-    records_in_the_runs_dtype,
+    records_in_the_runs_dtype, arms_are_the_configured, plan_prompts_are_the_evidence,
 )
 
 
 def check_all(run: RunResult) -> None:
     """Raise `Contradiction` for the first consistency rule or requirement the run breaks."""
-    for rule in (*RULES, *REQUIREMENTS):
+    for rule in (*RULES, *SERVING_RULES, *REQUIREMENTS):
         rule(run)
