@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# An environment with the real vLLM 0.33.0 and parity, on a CPU machine (no GPU needed), for
-# tests/engines/test_vllm_real.py: vLLM's own argument parser and config, plugin loader, Qwen3-VL
-# DeepStack set/get/clear methods and CUDA-graph dispatcher, run against parity with
-# VLLM_TARGET_DEVICE=cpu. It cannot serve a model: the wheel has no CPU kernels.
+# An environment with a real vLLM release parity supports (0.33.0 or 0.34.0) and parity, on a CPU
+# machine (no GPU needed), for the tests marked real_vllm: vLLM's own argument parser and config,
+# plugin loader, Qwen3-VL DeepStack methods and CUDA-graph dispatcher, and real `vllm serve` servers
+# on the CPU (through parity's stand-ins, docs/engines/vllm-cpu.md), with VLLM_TARGET_DEVICE=cpu.
 #
-#   bash scripts/setup_vllm_env.sh [VENV]
-#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest -q -m real_vllm tests/engines/test_vllm_real.py
+#   bash scripts/setup_vllm_env.sh [--version 0.34.0] [VENV]
+#   VLLM_TARGET_DEVICE=cpu VENV/bin/python -m pytest -q -m real_vllm
 #
-# VENV defaults to $PARITY_VLLM_VENV, else ~/.cache/parity/vllm-0.33.0-torch-2.14.1: keyed on the
-# pinned versions, outside the repository. An existing VENV with exactly these versions is reused
-# (seconds); anything else is rebuilt. Either way parity is then (re)installed into it editable from
-# this checkout, so its plugin entry point is this checkout's (.ci/run's third stage relies on it).
+# --version defaults to the newest release parity supports (SUPPORTED below, newest last); VENV to
+# $PARITY_VLLM_VENV, else ~/.cache/parity/vllm-<version>-torch-2.14.1: keyed on the versions, outside
+# the repository. An existing VENV with exactly these versions is reused (seconds); anything else is
+# rebuilt. Either way parity is then (re)installed into it editable from this checkout, so its plugin
+# entry point is this checkout's (.ci/run's vLLM stage relies on it). Adding a release: README,
+# "Following a new engine release".
 #
-# vllm 0.33.0 pins torch==2.14.0, torchvision==0.29.0 and torchaudio==2.11.0 with CUDA wheels
+# vllm 0.33.0 and 0.34.0 pin torch==2.14.0, torchvision==0.29.0 and torchaudio==2.11.0 with CUDA wheels
 # (several GB). This script does NOT install those pins: it installs torch 2.14.1 and torchvision
 # 0.29.1 (found in this machine's local package index), then vllm with --no-deps, then the
 # requirements the wheel's METADATA lists, less torch/torchvision/torchaudio and the GPU-only
@@ -24,9 +26,18 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-VLLM_VERSION="0.33.0"
+SUPPORTED=(0.33.0 0.34.0)  # parity/engines/vllm/versions.py, oldest first
+VLLM_VERSION="${SUPPORTED[-1]}"
 TORCH_VERSION="2.14.1"
 TORCHVISION_VERSION="0.29.1"
+if [ "${1:-}" = "--version" ]; then
+  VLLM_VERSION="${2:?--version needs a vLLM version, one of ${SUPPORTED[*]}}"
+  shift 2
+fi
+case " ${SUPPORTED[*]} " in
+  *" $VLLM_VERSION "*) ;;
+  *) echo "error: parity supports vLLM ${SUPPORTED[*]}, not $VLLM_VERSION (README: Following a new engine release)" >&2; exit 2 ;;
+esac
 VENV="${1:-${PARITY_VLLM_VENV:-${HOME}/.cache/parity/vllm-${VLLM_VERSION}-torch-${TORCH_VERSION}}}"
 
 case "$(mkdir -p "$(dirname "$VENV")" && cd "$(dirname "$VENV")" && pwd)/" in
@@ -34,8 +45,8 @@ case "$(mkdir -p "$(dirname "$VENV")" && cd "$(dirname "$VENV")" && pwd)/" in
 esac
 version="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 case "$version" in
-  3.10|3.11|3.12|3.13) ;;
-  *) echo "error: vllm $VLLM_VERSION needs Python 3.10-3.13; $PYTHON is $version (set PYTHON=python3.11)" >&2; exit 2 ;;
+  3.11|3.12|3.13|3.14) ;;
+  *) echo "error: vllm $VLLM_VERSION needs Python 3.11-3.14 (its Requires-Python); $PYTHON is $version (set PYTHON=python3.11)" >&2; exit 2 ;;
 esac
 
 PIP=("$VENV/bin/pip" install --quiet)

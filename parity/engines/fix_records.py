@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 RECORDS_FILE = "fix.jsonl"
 
@@ -60,10 +60,10 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def requested_variant(environ: Mapping[str, str], env_var: str, variants: tuple[str, ...], written_for: str,
-                      found: str | None, engine: str, records: Path | None) -> str | None:
+def requested_variant(environ: Mapping[str, str], env_var: str, variants: tuple[str, ...],
+                      validated: Collection[str], found: str | None, engine: str, records: Path | None) -> str | None:
     """The fix variant this server process was asked for (`environ[env_var]`) and may install, or
-    None. A fix written against one release refuses any other, and an unknown variant; the refusal
+    None. A fix validated on some releases refuses any other, and an unknown variant; the refusal
     is recorded for parity to read, and the server serves on without it."""
     variant = environ.get(env_var)
     if not variant:
@@ -71,8 +71,9 @@ def requested_variant(environ: Mapping[str, str], env_var: str, variants: tuple[
     refusal = None
     if variant not in variants:
         refusal = f"unknown variant {variant!r}; known: {', '.join(variants)}"
-    elif found != written_for:
-        refusal = f"written against {engine} {written_for}, this is {engine} {found or 'not installed'}"
+    elif found not in validated:
+        refusal = (f"validated on {engine} {', '.join(validated)}, this is {engine} "
+                   f"{found or 'not installed'}")
     if refusal:
         append_record(records, FixRecord(os.getpid(), variant, None, None, refusal, refused=True))
         return None

@@ -272,13 +272,19 @@ def _one_fingerprint(request: _Request, recorded: list[ArmResult], by_input: dic
 
 def records_where_the_tap_fired(run: RunResult) -> None:
     """An arm whose tap saw DeepStack rows keeps their record, and an arm with a record had a tap that
-    fired (v5): a record deleted or added by hand would switch the fingerprint rules off or on."""
+    fired (v5): a record deleted or added by hand would switch the fingerprint rules off or on. On a
+    server the tap also counts the arm's scoring requests, while the record is its generation's: a
+    generation whose prefix-cache hit covered every visual row saw none, and has no record."""
+    in_process = registry.of_run(run.config).in_process
     for request in _requests(run):
         for arm in _ran(request):
             evidence, record = arm.evidence, arm.deepstack_record
             if evidence is None:
                 continue  # a /1 arm: the record is all the evidence there is
-            if evidence.tap_calls and record is None:
+            serving = evidence.serving
+            hit_over_rows = (not in_process and serving is not None and serving.image_span is not None
+                             and serving.cached_tokens >= serving.image_span[1])
+            if evidence.tap_calls and record is None and not hit_over_rows:
                 raise request.contradiction(arm, f"{request.at(arm)}.deepstack_record is null, but its tap saw "
                                                  f"DeepStack rows in {evidence.tap_calls} LM entry(ies) "
                                                  "(evidence.tap_calls): the record of what it saw is kept")

@@ -66,3 +66,17 @@ def installed(package: str) -> str | None:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def real_vllm_marks() -> list:
+    """The marks of a module that runs the real vLLM: `real_vllm`, and skipped (saying why) unless the
+    installed vLLM is a release parity supports (parity/engines/vllm/versions.py)."""
+    import pytest
+
+    from parity.engines.vllm import versions
+
+    found = installed("vllm")
+    return [pytest.mark.real_vllm,
+            pytest.mark.skipif(versions.release(found) is None, reason=(
+                f"needs a vLLM parity supports ({versions.supported()}), found {found or 'none'}; "
+                "scripts/setup_vllm_env.sh --version V sets up an environment that has it"))]

@@ -35,21 +35,15 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # vLLM's config code needs a platform; CPU is this one
 
 from parity.engines.vllm import plugin, servers  # noqa: E402
-from tests.engines.servers import installed  # noqa: E402
+from tests.engines.servers import installed, real_vllm_marks  # noqa: E402
 from tests.engines.vllm_steps import HIDDEN, IMAGE_PROMPT, LEVELS, TEXT_PROMPT, Engine  # noqa: E402
 
-VERSION = "0.33.0"
 
 
 
 
 _FOUND = installed("vllm")
-pytestmark = [
-    pytest.mark.real_vllm,
-    pytest.mark.skipif(_FOUND != VERSION,
-                       reason=f"needs vllm=={VERSION} (found {_FOUND}); scripts/setup_vllm_env.sh "
-                              "sets up an environment that has it"),
-]
+pytestmark = real_vllm_marks()
 
 
 # --- command lines ------------------------------------------------------------------------------------------
@@ -124,14 +118,21 @@ def test_capture_sizes_resolve_as_parity_plans_and_vllms_default_is_the_trap() -
     from vllm.config.vllm import VllmConfig
 
     def resolve(sizes, max_num_seqs, batched=8192):
-        stub = SimpleNamespace(
-            model_config=SimpleNamespace(enforce_eager=False), speculative_config=None, performance_mode="balanced",
-            uniform_decode_query_len=1, scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs,
-                                                                          max_num_batched_tokens=batched),
-            compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL,
-                                                 **({} if sizes is None else {"cudagraph_capture_sizes": sizes})))
+        """The prefill graphs' token sizes and the largest, as vLLM resolves them (0.34 resolves the
+        decode graphs apart, by request count; the prefill sizes are what an image prefill needs)."""
+        stub = object.__new__(VllmConfig)  # every method of the real config, only these fields set
+        fields = dict(model_config=SimpleNamespace(enforce_eager=False), speculative_config=None,
+                      performance_mode="balanced",
+                      scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched),
+                      compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode.FULL,
+                                                           **({} if sizes is None else {"cudagraph_capture_sizes": sizes})))
+        for key, value in fields.items():
+            object.__setattr__(stub, key, value)
         VllmConfig._set_cudagraph_sizes(stub)
-        return stub.compilation_config.cudagraph_capture_sizes, stub.compilation_config.max_cudagraph_capture_size
+        config = stub.compilation_config
+        # 0.34 keeps the prefill graphs' token sizes apart (versions.py); 0.33 has the one list.
+        prefill = getattr(config, "prefill_cudagraph_capture_token_sizes", config.cudagraph_capture_sizes)
+        return list(prefill), max(prefill, default=0)
 
     planned = servers.CaptureSizes(None, None).sizes_for([300, 41])
     assert planned[-1] == 304 and resolve(list(planned), 1) == (list(planned), 304)  # they stand, whatever --max-num-seqs

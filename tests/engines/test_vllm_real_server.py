@@ -1,8 +1,8 @@
-"""parity against real vLLM 0.33.0 servers on this CPU: vLLM's own `CudaGraphManager` (FULL) and
+"""parity against real vLLM servers (each supported release, versions.py) on this CPU: vLLM's own `CudaGraphManager` (FULL) and
 breakable wrapper capturing and replaying through parity's emulated graph (docs/vllm-runbook.md,
 "On a CPU"; docs/engines/vllm-cpu.md).
 
-Marked `real_vllm`; skipped, with the reason, where vLLM 0.33.0 is not installed. `.ci/run` runs
+Marked `real_vllm`; skipped, with the reason, where no supported vLLM is installed. `.ci/run` runs
 them in its vLLM stage, in an environment outside the repository. Each run starts two real
 servers, one after the other (about 40 s each to start on 2 cores): the released runner in both
 graph modes (the leak), parity's `deepstack-clear` fix in both, vLLM's default mode with its
@@ -18,18 +18,12 @@ from pathlib import Path
 import pytest
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
-from parity.engines.vllm import deepstack_clear, servers
-from tests.engines.servers import installed
+from parity.engines.vllm import deepstack_clear, servers, versions
+from tests.engines.servers import installed, real_vllm_marks
 
-VERSION = "0.33.0"
 _FOUND = installed("vllm")
 
-pytestmark = [
-    pytest.mark.real_vllm,
-    pytest.mark.skipif(_FOUND != VERSION, reason=(
-        f"vLLM {VERSION} is not installed here (found: {_FOUND or 'none'}); .ci/run and "
-        "scripts/setup_vllm_env.sh set up an environment that has it")),
-]
+pytestmark = real_vllm_marks()
 MAX_NEW_TOKENS = 8
 IMAGE_TOKENS = 12  # the rgb-stripes fixture's visual tokens in the tiny preset: the rows a leak leaves
 
@@ -76,7 +70,7 @@ def core_cases(doc: dict) -> list[dict]:
 
 
 @pytest.mark.parametrize("graph_mode", ["full", "breakable"])
-def test_released_0_33_leaks_an_images_deepstack_into_later_text_requests(tmp_path_factory, graph_mode) -> None:
+def test_released_leaks_an_images_deepstack_into_later_text_requests(tmp_path_factory, graph_mode) -> None:
     out, result, doc = run_of(tmp_path_factory, graph_mode, fixed=False)
     assert result.exit_code == 1, result.output[-3000:]
     assert doc["verdict"]["code"] == "FAIL_STALE_STATE", doc["verdict"]
@@ -95,10 +89,13 @@ def test_released_0_33_leaks_an_images_deepstack_into_later_text_requests(tmp_pa
     assert config["vllm_device"] == "cpu" and config["vllm_graph_backend"] == "emulated"
     assert config["vllm_compile_mode"] == "none" and config["vllm_fix"] is None
     assert all("VLLM::Worker" in p[0] for p in config["vllm_tap_processes"].values())
-    assert config["vllm_server_env"]["bcg"][servers.V2_ENV] == "1"
-    assert doc["environment"]["vllm"] == VERSION
+    assert doc["environment"]["vllm"] == _FOUND
     log = (out / "vllm-bcg.log").read_text()
-    assert "Using V2 Model Runner" in log and "Capturing CUDA graphs" in log  # vLLM's own words
+    assert "Capturing CUDA graphs" in log  # vLLM's own words
+    if versions.release(_FOUND).v1_runner:  # a release with V1 to fall back to is told to use V2, and says so
+        assert config["vllm_server_env"]["bcg"][servers.V2_ENV] == "1" and "Using V2 Model Runner" in log
+    else:  # 0.34 has V2 alone, and calls the variable redundant
+        assert servers.V2_ENV not in config["vllm_server_env"]["bcg"] and "is redundant" not in log
     assert not list(out.glob("*.standin-calls.jsonl"))  # no unfaithful stand-in call
     assert "localization is not available on the vllm backend" in result.output
     assert_no_server_left()
@@ -137,7 +134,7 @@ def serving_of(case: dict, request: int) -> dict:
 UNREACHABLE = {"growth": "sizes its DeepStack buffers once", "layout": "-cc.cudagraph_mm_encoder"}
 
 
-def test_released_0_33_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_factory) -> None:
+def test_released_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_factory) -> None:
     """Findings (docs/scenarios.md): under FULL replay the stale DeepStack reaches a request's own
     later chunks (a text-only chunk reads the rows its image chunk left) and the suffix after a
     prefix-cache hit; the warm-up text request reads rows at its scoring."""
@@ -202,6 +199,7 @@ def test_a_configuration_the_standin_attention_cannot_compute_is_an_error_naming
     assert_no_server_left()
 
 
+@pytest.mark.skipif(not versions.nearest(_FOUND).v1_runner, reason="this vLLM has no V1 model runner (0.34 removed it)")
 def test_a_server_on_the_v1_runner_is_an_error_that_says_so(tmp_path: Path, monkeypatch) -> None:
     real_env = servers.cpu_env
     monkeypatch.setattr(servers, "cpu_env", lambda *a: {**real_env(*a), servers.V2_ENV: "0"})
@@ -226,7 +224,7 @@ def video_run(tmp_path_factory, fixed: bool):
     return VIDEO_RUNS[fixed]
 
 
-def test_released_0_33_leaks_a_videos_deepstack_even_past_a_hit_over_all_its_rows(tmp_path_factory) -> None:
+def test_released_leaks_a_videos_deepstack_even_past_a_hit_over_all_its_rows(tmp_path_factory) -> None:
     out, result, doc = video_run(tmp_path_factory, fixed=False)
     assert result.exit_code == 1, result.output[-3000:]
     assert {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]} == dict.fromkeys(("stream", "prefix"),

@@ -299,7 +299,7 @@ def test_the_fix_is_activated_with_the_tap_armed_too(tmp_path: Path) -> None:
     """Both variables set (how parity starts a fixed server): the fix answers too; in this fake
     vLLM, without a release version, it refuses and records why where parity reads it."""
     from parity.engines import fix_records
-    from parity.engines.vllm import deepstack_clear
+    from parity.engines.vllm import deepstack_clear, versions
 
     for name, text in FAKE_VLLM.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +310,7 @@ def test_the_fix_is_activated_with_the_tap_armed_too(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=60)
     assert "WRAPPED=" in proc.stdout, proc.stderr
     (record,) = fix_records.read_records(tmp_path / "tap")
-    assert record.refused and deepstack_clear.WRITTEN_FOR in record.note
+    assert record.refused and f"validated on vLLM {', '.join(versions.fix_validated())}" in record.note
 
 
 # --- the verdict ---------------------------------------------------------------------------------------------

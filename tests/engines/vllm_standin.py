@@ -210,7 +210,7 @@ class Engine:
     """One request at a time: a prefill step, then one decode step per further token."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from parity.engines.vllm import deepstack_clear, plugin, tap
+        from parity.engines.vllm import deepstack_clear, plugin, tap, versions
 
         self.args = args
         breakable = os.environ.get("VLLM_USE_BREAKABLE_CUDAGRAPH", "0") == "1"
@@ -218,9 +218,9 @@ class Engine:
         self.state = ModelState(self.model)
         hooks = None if args.standin_no_plugin else plugin.activate()
         folder = os.environ.get(plugin.ENV_VAR)
-        # The stand-in is vLLM 0.33.0 as far as the fix is concerned (no vLLM is installed here).
+        # The stand-in is the newest vLLM parity supports, as far as the fix is concerned (none is installed).
         fix = None if args.standin_no_plugin else deepstack_clear.activate(
-            os.environ, Path(folder) if folder else None, version=lambda: deepstack_clear.WRITTEN_FOR)
+            os.environ, Path(folder) if folder else None, version=lambda: versions.NEWEST.version)
         if fix is not None:  # the fix wraps first, as parity's plugin does: the tap sees what a step reads
             self.state.prepare_inputs_embeds = deepstack_clear.wrap_step(
                 ModelState.prepare_inputs_embeds, fix).__get__(self.state)

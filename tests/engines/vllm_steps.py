@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own DeepStack methods, dispatcher and step preparation driven step by step on stub
+"""vLLM's own DeepStack methods, dispatcher and step preparation driven step by step on stub
 objects, with parity's tap (and fix) around them: what `test_vllm_real.py` runs where vLLM is
 installed (a helper module; vLLM is imported only when an Engine is built)."""
 
@@ -75,16 +75,22 @@ class Engine:
         self.state = state
         self.prepare = taps.wrap_step(prepare, self.tap)
 
+        # What the manager's __init__ would set, for every supported release at once (the names each
+        # reads differ: 0.34 keys prefill graphs by tokens and decode graphs by requests, versions.py).
         manager = object.__new__(CudaGraphManager)
-        manager.vllm_config = SimpleNamespace(speculative_config=None,
+        manager.vllm_config = SimpleNamespace(speculative_config=None, uniform_decode_query_len=1,
                                               cache_config=SimpleNamespace(use_kda_recoverssm=False))
         manager.max_num_reqs, manager.decode_query_len, manager.varlen_decode = 4, 1, False
+        manager.decode_query_lens, manager.decode_request_sizes, manager.decode_max_reqs = {1: 4}, None, {1: 4}
         manager.cudagraph_mode = CUDAGraphMode[cudagraph_mode]
-        manager.compilation_config = SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24, 32, 40, 48],
-                                                     max_cudagraph_capture_size=48)
+        sizes = [1, 2, 4, 8, 16, 24, 32, 40, 48]
+        manager.compilation_config = SimpleNamespace(
+            cudagraph_capture_sizes=sizes, max_cudagraph_capture_size=48, prefill_cudagraph_capture_token_sizes=sizes,
+            decode_cudagraph_capture_request_sizes=[1, 2, 4], max_decode_cudagraph_capture_tokens=None)
         manager.ubatch_runner, manager.lora_capture_cases = None, [0]
         manager._lora_dispatch_map, manager._max_lora_case = {}, 0
         manager._candidates, manager._capture_descs, manager.use_breakable_cg = {}, {}, False
+        manager._decode_descs = {}
         manager._init_candidates()
         manager.graphs = {}
         self.persistent, self.manager, self.outputs = persistent, manager, {}

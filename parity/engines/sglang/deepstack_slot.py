@@ -156,5 +156,5 @@ def installed_sglang() -> str | None:
 
 def activate(environ: Mapping[str, str], records: Path | None) -> DeepStackSlotFix | None:
     """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
-    variant = requested_variant(environ, ENV_FIX, VARIANTS, WRITTEN_FOR, installed_sglang(), "SGLang", records)
+    variant = requested_variant(environ, ENV_FIX, VARIANTS, (WRITTEN_FOR,), installed_sglang(), "SGLang", records)
     return None if variant is None else DeepStackSlotFix(variant, records)

@@ -1,7 +1,10 @@
 """`parity audit --engine vllm`: vLLM's DeepStack models against its graph modes.
 
-Read from the installed source (docs/engines/vllm-0.33.md §2, §3):
-- a model class is served under the architectures `model_executor/models/registry.py` maps to it;
+Read from the installed source (docs/engines/vllm-0.33.md §2, §3, vllm-0.34.md §4.4):
+- a model class is served under the architectures `model_executor/models/registry.py` maps to it,
+  wherever it lives: `("qwen3_vl", …)` names a module of `model_executor.models`, a full module
+  string (`"vllm.models.qwen4_exp"`, 0.34) names a package of its own, whose `__init__` may
+  re-export the class lazily;
 - it keeps DeepStack in persistent per-model buffers when its class (or an ancestor) defines
   `_set_deepstack_input_embeds`; the step's rows are copied in before the forward, the forward
   reads views of them, and `_clear_deepstack_input_embeds` zeroes them from the Python `forward`;
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 from parity.audit.report import COVERED, EAGER, LEAKS, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
 from parity.audit.source_index import SourceIndex
-from parity.engines.vllm import deepstack_clear
+from parity.engines.vllm import deepstack_clear, versions
 from parity.engines.vllm.plugin import TARGETS
 
 PACKAGE = "vllm"
@@ -40,14 +43,14 @@ def _fixed_setter() -> str | None:
 def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...]]:
     registry = index.module(REGISTRY)
     if registry is None:
-        return (), (f"{REGISTRY} not found: this is not the vLLM parity knows (0.33.0)",)
+        return (), (f"{REGISTRY} not found: this is not a vLLM parity knows ({versions.supported()})",)
     classes: dict[str, list[str]] = {}
     for node in registry.assignments.values():
         for key, value in zip(getattr(node, "keys", []), getattr(node, "values", [])):
             parts = [getattr(e, "value", None) for e in getattr(value, "elts", [])]
             arch = getattr(key, "value", None)
             if len(parts) == 2 and all(isinstance(p, str) for p in parts) and isinstance(arch, str):
-                classes.setdefault(f"{MODELS}.{parts[0]}.{parts[1]}", []).append(arch)
+                classes.setdefault(registry_class(*parts), []).append(arch)
     rows = tuple(row for qualname, archs in sorted(classes.items())
                  if (row := _row(index, qualname, tuple(archs))) is not None)
     fixed = _fixed_setter()
@@ -62,10 +65,26 @@ def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...
     return rows, facts
 
 
+def registry_class(module: str, name: str) -> str:
+    """A registry entry's class, relative to the package root: a bare module names one of
+    `model_executor.models`, a full module string (`vllm.models.qwen3_5`) itself."""
+    if module.startswith(PACKAGE + "."):
+        return f"{module.removeprefix(PACKAGE + '.')}.{name}"
+    return f"{MODELS}.{module}.{name}"
+
+
+def _where(info) -> str:
+    """Where a class lives, as rows name it: `qwen3_vl` in `model_executor.models`, else its full
+    module (`vllm.models.qwen4_exp.nvidia.model`)."""
+    return info.module.removeprefix(MODELS + ".") if info.module.startswith(MODELS + ".") else \
+        f"{PACKAGE}.{info.module}"
+
+
 def _row(index: SourceIndex, qualname: str, archs: tuple[str, ...]) -> AuditRow | None:
-    if index.cls(qualname) is None or not index.mentions(qualname, NAMES):
+    info = index.cls(qualname)
+    if info is None or not index.mentions(info.qualname, NAMES):
         return None
-    module, name = qualname.rsplit(".", 2)[-2:]
+    qualname, module, name = info.qualname, _where(info), info.name
     setter = index.defining(qualname, SETTER)
     switch = index.sets(qualname, "use_deepstack")
     forward = index.defining(qualname, "forward")

@@ -10,6 +10,7 @@ leak witness (DeepStack rows an earlier request left in vLLM's persistent buffer
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -27,7 +28,7 @@ from parity.engines.pool import Server
 from parity.engines.prompts import MediaFiles
 from parity.engines.fix_records import read_records
 from parity.engines.settings import EnginePackage, check_cpu_placement, resolve_graph_backend
-from parity.engines.vllm import client, cpu_ops, deepstack_clear, plugin
+from parity.engines.vllm import client, cpu_ops, cpu_patches, deepstack_clear, plugin, versions
 from parity.engines.vllm.servers import (
     CACHE_FLUSH_PATH, READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
@@ -37,8 +38,8 @@ from parity.fixtures import Fixture
 from parity.presets import PRESETS
 
 
-PACKAGE = EnginePackage("vllm", "vLLM", "0.33.0", "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
-# vLLM 0.33's Qwen3-VL video loader samples at 2 frames a second (Qwen3VLVideoBackend.load_bytes).
+PACKAGE = EnginePackage("vllm", "vLLM", versions.NEWEST.version, "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
+# vLLM's Qwen3-VL video loader samples at 2 frames a second (0.33 and 0.34) (Qwen3VLVideoBackend.load_bytes).
 VIDEO_FPS = 2.0
 # Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
 FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
@@ -98,6 +99,12 @@ class VllmBackend(EngineBackend):
 
     def planned_flags(self, mode: str) -> list[str]:
         return list(server_flags(self.settings, mode, self.plan.placements[mode].mem_fraction, self._sizes))
+
+    def explain_exit(self, mode: str, failure: ArmFailure) -> ArmFailure:
+        """A CPU server that died on a patch target parity did not find says that first (another vLLM)."""
+        missing = next((line[line.index(cpu_patches.MISSING):] for line in (failure.log_tail or "").splitlines()
+                        if cpu_patches.MISSING in line), None)
+        return failure if missing is None else ArmFailure(f"{missing}; {failure}", log_tail=failure.log_tail)
 
     def started_problem(self, server: Server) -> str | None:
         """A server whose model process built vLLM's V1 runner: the tap, which wraps V2, cannot see it."""
@@ -223,14 +230,25 @@ def create_vllm_backend(*, vllm_args: tuple[str, ...] = (), graph_mode_name: str
     plan_launch(settings)  # usage errors (flags, GPU combinations) before anything is checked or loaded
     if launch_command is None:
         PACKAGE.check_installed(device == "cuda", "; --device cpu serves on the CPU")
-        found = PACKAGE.installed_version()
-        if fix is not None and found != deepstack_clear.WRITTEN_FOR:
-            raise BackendUnavailableError(f"--vllm-fix {fix} was written against vLLM {deepstack_clear.WRITTEN_FOR}; "
-                                          f"this environment has vLLM {found}")
+        check_release(PACKAGE.installed_version(), fix)
     launcher.free_port()  # fail early (exit 2) when no loopback port can be bound
     identity = identity or served_identity(settings.model, seed)
     settings = replace(settings, model=served_model(settings.model, seed))
     return VllmBackend(settings, *checkpoint_inputs(settings.model, processor, model_config), identity)
+
+
+def check_release(found: str | None, fix: str | None) -> None:
+    """One line when the installed vLLM is not a release parity supports: exit 2 with `--vllm-fix`,
+    which is accepted only where it was validated; a warning otherwise, and the run goes on as best
+    it can (the tap's probe fails the run, naming what it missed, if a hook target moved)."""
+    release = versions.release(found)
+    if fix is not None and found not in versions.fix_validated():
+        raise BackendUnavailableError(f"--vllm-fix {fix} is validated on vLLM {', '.join(versions.fix_validated())}; "
+                                      f"this environment has vLLM {found}")
+    if release is None:
+        print(f"warning: parity supports vLLM {versions.supported()}; this environment has vLLM {found}: the tap "
+              "runs as for the newest it knows, and the run fails naming any hook that moved (README: Following a "
+              "new engine release)", file=sys.stderr, flush=True)
 
 
 def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) -> VllmBackend:

@@ -1,4 +1,4 @@
-"""What parity changes, in-process, in the vLLM 0.33.0 servers it starts on a CPU (docs/engines/vllm-cpu.md).
+"""What parity changes, in-process, in the vLLM servers it starts on a CPU (docs/engines/vllm-cpu.md).
 
 Installed by parity's start-up hook (parity/engines/vllm/standin/sitecustomize.py) in every server
 process, only when parity sets `PARITY_VLLM_CPU`; no vLLM file is edited. Each change is applied
@@ -57,7 +57,32 @@ FORWARD_CONTEXT = "vllm.forward_context"
 STANDIN_BLOCK_MULTIPLE = 16  # what GPU attention takes; the stand-in attention pages at any size
 
 
+# The line a server's log shows when a patch target is not where parity expects it: a vLLM newer than
+# the releases parity knows (versions.py). The backend puts it first in the run's error.
+MISSING = "parity: a vLLM patch target is missing:"
+
+
+class MissingTarget(AttributeError):
+    """A module parity patches lacks what the patch changes: another vLLM than parity knows."""
+
+
+def target(module: types.ModuleType, path: str) -> Any:
+    """`module.<path>` (dotted attributes), or `MissingTarget` naming it, the installed vLLM and the
+    releases parity supports, instead of a traceback deep in vLLM's start-up."""
+    found: Any = module
+    for part in path.split("."):
+        if not hasattr(found, part):
+            from parity.engines.fix_records import installed_version
+            from parity.engines.vllm import versions
+
+            raise MissingTarget(f"{MISSING} {module.__name__}.{path} (vLLM {installed_version('vllm')}; parity supports "
+                                f"{versions.supported()}: README, \"Following a new engine release\")")
+        found = getattr(found, part)
+    return found
+
+
 def mark_triton_present(module: types.ModuleType) -> None:
+    target(module, "HAS_TRITON")
     module.HAS_TRITON = True
 
 
@@ -65,7 +90,8 @@ def mark_triton_present(module: types.ModuleType) -> None:
 
 def cpu_platform_graphs(module: types.ModuleType) -> None:
     """Static graphs supported, the capture sizes kept, attention called directly (change 1)."""
-    platform = module.CpuPlatform
+    platform = target(module, "CpuPlatform")
+    target(module, "CpuPlatform.check_and_update_config")
     if getattr(platform.check_and_update_config, PATCHED, False):
         return
 
@@ -92,6 +118,7 @@ def standin_block_sizes(module: types.ModuleType) -> None:
     """The CPU attention backend takes multiples of 16 tokens per KV block (change 0b)."""
     from vllm.v1.attention.backend import MultipleOf
 
+    target(module, "CPUAttentionBackend.get_supported_kernel_block_sizes")
     module.CPUAttentionBackend.get_supported_kernel_block_sizes = staticmethod(
         lambda kv_cache_spec=None: [MultipleOf(STANDIN_BLOCK_MULTIPLE)])
 
@@ -100,7 +127,7 @@ def attention_graph_support(module: types.ModuleType) -> None:
     """The CPU attention builder supports graphs of any batch (change 2)."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    module.CPUAttentionMetadataBuilder._cudagraph_support = AttentionCGSupport.ALWAYS
+    target(module, "CPUAttentionMetadataBuilder")._cudagraph_support = AttentionCGSupport.ALWAYS
 
 
 @contextlib.contextmanager
@@ -119,8 +146,8 @@ def _no_device_memory():
 
 def worker_captures(module: types.ModuleType) -> None:
     """The CPU worker captures its graphs before serving, as the GPU worker does (change 3)."""
-    worker = module.CPUWorker
-    if getattr(worker.compile_or_warm_up_model, PATCHED, False):
+    worker = target(module, "CPUWorker")
+    if getattr(target(module, "CPUWorker.compile_or_warm_up_model"), PATCHED, False):
         return
 
     def compile_or_warm_up_model(original, self):
@@ -147,9 +174,13 @@ def cpu_streams(module: types.ModuleType) -> None:
     """The graph manager's stream look-ups answer the CPU stream (change 3)."""
     import torch
 
+    target(module, "current_stream")  # both modules bind it; the manager's also binds graph_capture
+
     @contextlib.contextmanager
-    def graph_capture(device: Any = None):
-        yield _CaptureContext(torch.cpu.current_stream())
+    def graph_capture(device: Any = None, stream: Any = None):
+        # 0.33 calls graph_capture(device=...); 0.34 graph_capture(device, stream) with the manager's
+        # capture stream (versions.py): the CPU has one stream either way.
+        yield _CaptureContext(stream or torch.cpu.current_stream())
 
     module.graph_capture = graph_capture
     module.current_stream = torch.cpu.current_stream
@@ -170,7 +201,8 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
 
     from parity.emulated_graph import EmulatedGraph
 
-    original_set = module.set_forward_context
+    original_set = target(module, "set_forward_context")
+    target(module, "override_forward_context"), target(module, "is_forward_context_available")
 
     @contextlib.contextmanager
     def set_forward_context(*args: Any, **kwargs: Any):

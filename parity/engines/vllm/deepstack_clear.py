@@ -1,4 +1,4 @@
-"""parity's fix for vLLM 0.33's stale-DeepStack leak: the fix parity validates (off unless asked).
+"""parity's fix for vLLM's stale-DeepStack leak (0.33 and 0.34 alike): the fix parity validates (off unless asked).
 
 vLLM keeps DeepStack in persistent per-model buffers that every step shares: the setter copies a
 step's rows in before the forward, the forward reads them, and `_clear_deepstack_input_embeds`
@@ -31,11 +31,11 @@ from typing import Any, Callable, Mapping
 
 from parity.engines.after_import import around
 from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
+from parity.engines.vllm import versions
 
 ENV_FIX = "PARITY_VLLM_FIX"
 FIX = "deepstack-clear"
 VARIANTS = (FIX,)
-WRITTEN_FOR = "0.33.0"
 BUFFER_ATTR = "deepstack_input_embeds"
 DIRTY_ATTR = "_parity_deepstack_dirty"  # on the model: rows [0, dirty) may hold an earlier step's features
 FIXED_FLAG = "__parity_fix__"
@@ -119,5 +119,5 @@ def installed_vllm() -> str | None:
 def activate(environ: Mapping[str, str], records: Path | None,
              version: Callable[[], str | None] = installed_vllm) -> DeepStackClear | None:
     """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
-    variant = requested_variant(environ, ENV_FIX, VARIANTS, WRITTEN_FOR, version(), "vLLM", records)
+    variant = requested_variant(environ, ENV_FIX, VARIANTS, versions.fix_validated(), version(), "vLLM", records)
     return None if variant is None else DeepStackClear(records)

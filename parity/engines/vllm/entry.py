@@ -31,7 +31,8 @@ VLLM = BackendInfo(
                     "refused."}),
         EngineOption("vllm_fix", "--vllm-fix", {
             "type": click.Choice(["deepstack-clear"]), "default": None,
-            "help": "Run parity's DeepStack clear fix inside the vLLM servers (vLLM 0.33.0 only)."}),
+            "help": "Run parity's DeepStack clear fix inside the vLLM servers (the vLLM releases it was "
+                    "validated on: 0.33.0 and 0.34.0)."}),
         EngineOption("graph_mode", "--graph-mode", {
             "type": click.Choice(GRAPH_MODE_NAMES), "default": "full_and_piecewise", "show_default": True,
             "help": "vllm backend: the graph server's mode (the eager server runs -cc.cudagraph_mode=NONE)."}),
@@ -39,10 +40,10 @@ VLLM = BackendInfo(
     not_replayed_hint=not_replayed_hint,
     # docs/scenarios.md, "The real engines".
     unreachable={
-        PROVES_GROWTH: ("vLLM 0.33 sizes its DeepStack buffers once, at --max-num-batched-tokens rows "
+        PROVES_GROWTH: ("vLLM (0.33, 0.34) sizes its DeepStack buffers once, at --max-num-batched-tokens rows "
                         "(Qwen3VLForConditionalGeneration.__init__), and chunks every longer prefill to fit them, "
                         "so they never grow"),
-        PROVES_ENCODER_GRAPH: ("vLLM 0.33's vision-encoder graphs (-cc.cudagraph_mm_encoder, "
+        PROVES_ENCODER_GRAPH: ("vLLM's vision-encoder graphs (-cc.cudagraph_mm_encoder, "
                                "v1/worker/encoder_cudagraph.py) are not started or recorded by parity yet"),
     },
 )

@@ -28,7 +28,7 @@ from typing import Mapping
 
 from parity.engines.after_import import after_import, around
 from parity.engines.channel import TapChannel
-from parity.engines.vllm import deepstack_clear
+from parity.engines.vllm import deepstack_clear, versions
 
 ENV_VAR = "PARITY_VLLM_TAP"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -46,7 +46,8 @@ class Target:
     fix_wrapper: str | None = None  # and in parity.engines.vllm.deepstack_clear, where the fix wraps it
 
 
-# What the tap wraps in vLLM 0.33.0 (Model Runner V2); tests/engines/test_vllm_real.py checks each one.
+# What the tap wraps in Model Runner V2, the same in every supported release (versions.py);
+# tests/engines/test_vllm_real.py checks each one against the installed vLLM.
 TARGETS = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "dispatch", "wrap_dispatch"),
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "capture", "wrap_capture"),
@@ -56,9 +57,10 @@ TARGETS = (
            "_set_deepstack_input_embeds", "wrap_setter", "wrap_setter"),
 )
 
-# vLLM 0.33's two model runners, by module: the tap wraps V2 only, so which one a server built is
-# recorded where parity reads it (RUNNER_FILE), as evidence independent of vLLM's logging.
-RUNNERS = {"vllm.v1.worker.gpu.model_runner": "V2", "vllm.v1.worker.gpu_model_runner": "V1"}
+# vLLM's model runners, by module: the tap wraps V2 only, so which one a server built is recorded
+# where parity reads it (RUNNER_FILE), as evidence independent of vLLM's logging. V1 exists only in
+# the releases whose table row names it (0.34 removed it).
+RUNNERS = {"vllm.v1.worker.gpu.model_runner": "V2", **{r.v1_runner: "V1" for r in versions.RELEASES if r.v1_runner}}
 RUNNER_FILE = "runner.jsonl"
 RUNNER_FLAG = "__parity_runner__"
 
@@ -160,7 +162,7 @@ def wrap(module: ModuleType, target: Target, tap, fix=None) -> None:
         # Another vLLM than the tap knows: serve on, untapped; parity's probe then fails the run
         # with "the tap never fired", and this line in the server's log says why.
         print(f"parity: {target.module}.{target.cls}.{target.method} not found; the tap is not installed there "
-              "(parity's vLLM tap knows vLLM 0.33)", file=sys.stderr, flush=True)
+              f"(parity's vLLM tap knows vLLM {versions.supported()})", file=sys.stderr, flush=True)
         return
     cls = getattr(module, target.cls)
     if fix is not None and target.fix_wrapper and not deepstack_clear.is_fixed(original):

@@ -25,11 +25,12 @@ from parity.arms import MODES
 from parity.design import CHUNKED, PREFIX
 from parity.errors import UsageError
 from parity.engines.channel import TapChannel
+from parity.engines.fix_records import installed_version
 from parity.engines.flags import flag_values, int_flag, split_user_args
 from parity.engines.placement import LaunchPlan, Placement, plan_placement
 from parity.engines.settings import ServerSettings
 from parity.engines.startup import standin_env
-from parity.engines.vllm import cpu_ops, cpu_patches, deepstack_clear, plugin
+from parity.engines.vllm import cpu_ops, cpu_patches, deepstack_clear, plugin, versions
 
 LAUNCH_MODULE = ("-m", "vllm.entrypoints.cli.main", "serve")
 ARG_OPTION = "--vllm-arg"
@@ -154,7 +155,7 @@ def _token_count(args: Sequence[str], name: str, auto: bool = False) -> int | No
 
 @dataclass(frozen=True)
 class ServerFacts:
-    """What the user's `--vllm-arg`s decide for parity, resolved as vLLM 0.33 does."""
+    """What the user's `--vllm-arg`s decide for parity, resolved as vLLM does (0.33 and 0.34 alike)."""
 
     gpus_per_server: int  # tensor x pipeline x data parallel sizes
     max_model_len: int | None  # None: the model's own context (--max-model-len auto)
@@ -314,7 +315,8 @@ def server_env(settings: VllmSettings, channel: TapChannel, placement: Placement
     if settings.fix:
         env[deepstack_clear.ENV_FIX] = settings.fix
     if settings.on_cpu:
-        env.update(cpu_env(settings, standin_calls or channel.folder / "standin-calls.jsonl"))
+        env.update(cpu_env(settings, standin_calls or channel.folder / "standin-calls.jsonl",
+                           installed_version("vllm")))
     if PLUGINS_ENV in os.environ:  # unset loads every plugin; set (even empty) must name parity too
         names = [n.strip() for n in os.environ[PLUGINS_ENV].split(",") if n.strip()]
         env[PLUGINS_ENV] = ",".join(dict.fromkeys([*names, plugin.ENTRY_POINT_NAME]))
@@ -323,14 +325,16 @@ def server_env(settings: VllmSettings, channel: TapChannel, placement: Placement
     return env
 
 
-def cpu_env(settings: VllmSettings, standin_calls: Path) -> dict[str, str]:
+def cpu_env(settings: VllmSettings, standin_calls: Path, version: str | None = None) -> dict[str, str]:
     """A CPU server's environment: parity's start-up hook first on its own PYTHONPATH (never parity's),
-    Model Runner V2 forced with Triton interpreted (else vLLM falls back to V1, where the tap never
-    fires), the graph emulation when asked, and capped threads."""
+    Model Runner V2 with Triton interpreted (forced where the release still has V1 to fall back to,
+    `versions.Release.v1_runner`; where the tap never fires), the graph emulation when asked, and
+    capped threads. `version`: the installed vLLM's."""
+    v2 = {V2_ENV: "1"} if versions.nearest(version).v1_runner else {}
     return {
         **standin_env(STANDIN_DIR, settings.threads),
         "VLLM_TARGET_DEVICE": "cpu",
-        V2_ENV: "1",
+        **v2,
         "TRITON_INTERPRET": "1",
         cpu_patches.ENV_CPU: "1",
         cpu_patches.ENV_GRAPH: settings.graph_backend,

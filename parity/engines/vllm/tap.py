@@ -35,7 +35,8 @@ from parity.engines.after_import import around
 from parity.evidence import DeepStackRecord
 from parity.engines.channel import Control, TapChannel, TapEntry, process_role
 
-# What the wrappers rely on in vLLM 0.33.0; tests/engines/test_vllm_real.py checks each against the real code.
+# What the wrappers rely on in vLLM (the same in every supported release, versions.py);
+# tests/engines/test_vllm_real.py checks each against the installed code.
 BUFFER_ATTR = "deepstack_input_embeds"  # the model's list of per-level [max_tokens, hidden] buffers
 COUNTER_ATTR = "deepstack_input_embeds_num_tokens"  # rows set and not yet cleared
 BREAKABLE_ATTR = "use_breakable_cg"  # CudaGraphManager: PIECEWISE means breakable graphs
