@@ -45,19 +45,6 @@ def arm_selection(ctx, param, value):
     return value
 
 
-def tie_margin(ctx, param, value):
-    """`auto` (None: the dtype's, resolved with the tolerances) or a finite number >= 0."""
-    if value == "auto":
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        raise click.BadParameter(f"expected 'auto' or a number, got {value!r}") from None
-    if not math.isfinite(number) or not 0 <= number <= MAX_MAGNITUDE:
-        raise click.BadParameter(f"must be 'auto' or a finite number >= 0 (at most {MAX_MAGNITUDE:g}), got {value}")
-    return number
-
-
 def auto_or_number(lowest: float, inclusive: bool, note: str = ""):
     """A callback for `auto` (None: resolved later from the dtype's measured noise) or a finite number
     above `lowest` (or equal to it, when `inclusive`)."""
@@ -78,6 +65,9 @@ def auto_or_number(lowest: float, inclusive: bool, note: str = ""):
 
     return callback
 
+
+# `--tie-margin`: `auto` (the dtype's, resolved with the tolerances) or a finite number >= 0.
+tie_margin = auto_or_number(0.0, True)
 
 LOCALIZE_THRESHOLD_HELP = ("auto (from the dtype's measured noise) or a number: the first layer whose relative error "
                             "||h_bcg - h_eager|| / ||h_eager|| exceeds it is named.")

@@ -281,10 +281,7 @@ def records_where_the_tap_fired(run: RunResult) -> None:
             evidence, record = arm.evidence, arm.deepstack_record
             if evidence is None:
                 continue  # a /1 arm: the record is all the evidence there is
-            serving = evidence.serving
-            hit_over_rows = (not in_process and serving is not None and serving.image_span is not None
-                             and serving.cached_tokens >= serving.image_span[1])
-            if evidence.tap_calls and record is None and not hit_over_rows:
+            if evidence.tap_calls and record is None and not _prefill_without_visual_rows(evidence, in_process):
                 raise request.contradiction(arm, f"{request.at(arm)}.deepstack_record is null, but its tap saw "
                                                  f"DeepStack rows in {evidence.tap_calls} LM entry(ies) "
                                                  "(evidence.tap_calls): the record of what it saw is kept")
@@ -293,9 +290,19 @@ def records_where_the_tap_fired(run: RunResult) -> None:
                                                  "is 0: a tap that never fired recorded nothing")
 
 
+def _prefill_without_visual_rows(evidence, in_process: bool) -> bool:
+    """A server's generation whose prefix-cache hit covered every visual row: its prefill holds none,
+    so its tap record has no DeepStack rows (or none at all). parity's own tap sees the whole prompt."""
+    serving = evidence.serving
+    return (not in_process and serving is not None and serving.image_span is not None
+            and serving.cached_tokens >= serving.image_span[1])
+
+
 def rows_where_deepstack_moved_the_answer(run: RunResult) -> None:
     """Where zeroing DeepStack changed a case's eager answer (its power), every record of the case's
-    image requests saw non-zero DeepStack rows: zero rows cannot have moved an answer."""
+    image requests saw non-zero DeepStack rows: zero rows cannot have moved an answer (unless the
+    request's prefill computed no visual row, a server's prefix-cache hit over all of them)."""
+    in_process = registry.of_run(run.config).in_process
     tolerances = Tolerances(run.logprob_tol, run.tie_margin)
     moved = {ci for ci, case in enumerate(run.cases)
              if (pair := _power_pair(case)) is not None and compare(*pair, tolerances).difference_shown}
@@ -303,7 +310,8 @@ def rows_where_deepstack_moved_the_answer(run: RunResult) -> None:
         if request.case_index not in moved or request.fixture is None:
             continue
         for arm in _ran(request):
-            if arm.deepstack_record is not None and not arm.deepstack_record.nonzero_rows:
+            if (arm.deepstack_record is not None and not arm.deepstack_record.nonzero_rows
+                    and not (arm.evidence is not None and _prefill_without_visual_rows(arm.evidence, in_process))):
                 raise request.contradiction(
                     arm, f"{request.at(arm)}.deepstack_record has 0 non-zero rows, but zeroing DeepStack changed "
                          f"cases[{request.case_index}]'s eager answer: the rows it saw were not zero")

@@ -276,7 +276,7 @@ def test_the_fix_is_off_unless_asked_and_refuses_other_versions(tmp_path: Path, 
     assert [r.refused for r in refused] == [True, True]
     assert "this is SGLang 0.5.24" in refused[0].note and "unknown variant 'slot'" in refused[1].note
     problem, _ = server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "eager")
-    assert "refused to install: written against SGLang 0.5.23" in problem
+    assert "refused to install: validated on SGLang 0.5.23" in problem
     monkeypatch.setattr(deepstack_slot, "installed_sglang", lambda: "0.5.23")
     fix = deepstack_slot.activate({deepstack_slot.ENV_FIX: deepstack_slot.NO_CLEAR}, None)
     assert fix is not None and not fix.clears
@@ -329,7 +329,7 @@ def test_a_standin_op_called_in_the_server_is_an_error_naming_it(tmp_path: Path,
 def test_a_fix_that_refuses_to_install_in_the_server_is_an_error(tmp_path: Path, tiny_parts) -> None:
     result = run(make_backend(tmp_path, tiny_parts, concurrent=False, device="cpu", fix=deepstack_slot.FIX))
     assert result.verdict.code == "ERROR", result.verdict.reason
-    assert "deepstack-slot fix refused to install: written against SGLang 0.5.23" in four_arms(result)["bcg_normal"].error
+    assert "deepstack-slot fix refused to install: validated on SGLang 0.5.23" in four_arms(result)["bcg_normal"].error
     assert result.config["sglang_fix"] == "deepstack-slot"
     assert_nothing_left(tmp_path)
 

@@ -44,8 +44,9 @@ def test_the_omni_thinker_has_its_own_setter_and_still_leaks_with_the_fix(report
 
 
 # Every class that keeps DeepStack in vLLM's persistent buffers, per release, as read by hand in the
-# wheels (docs/engines/vllm-0.33.md §2, vllm-0.34.md §4.4): module -> (class, covered by parity's fix).
-# 0.34 registers model packages under vllm.models; Qwen4Exp there inherits Qwen3-VL's setter and clear.
+# wheels (docs/engines/vllm-0.33.md §2, vllm-0.34.md §3): module -> (class, covered by parity's fix).
+# Both releases register model packages under vllm.models; Qwen4Exp there inherits Qwen3-VL's setter
+# and clear (the audit missed it before it followed those entries), and 0.34 moved Qwen3.5 there.
 _BUFFERED = {
     "qwen3_vl": ("Qwen3VLForConditionalGeneration", True),
     "qwen3_vl_moe": ("Qwen3VLMoeForConditionalGeneration", True),
@@ -55,11 +56,9 @@ _BUFFERED = {
     "qwen3_omni_moe_thinker": ("Qwen3OmniMoeThinkerForConditionalGeneration", False),
     "clef_omni": ("ClefOmniForJointSchema", False),
     "cohere_compass": ("CohereCompassForConditionalGeneration", False),
+    "vllm.models.qwen4_exp.nvidia.model": ("Qwen4ExpForConditionalGeneration", True),
 }
-BUFFERED = {
-    "0.33.0": _BUFFERED,
-    "0.34.0": {**_BUFFERED, "vllm.models.qwen4_exp.nvidia.model": ("Qwen4ExpForConditionalGeneration", True)},
-}
+BUFFERED = {"0.33.0": _BUFFERED, "0.34.0": _BUFFERED}
 # Qwen3.5 computes DeepStack its forward never reads, wherever the registry points.
 QWEN3_5 = {"0.33.0": "qwen3_5", "0.34.0": "vllm.models.qwen3_5.nvidia.model"}
 

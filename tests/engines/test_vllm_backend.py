@@ -133,10 +133,11 @@ def test_the_fix_refuses_another_vllm_and_an_unknown_variant(tmp_path: Path) -> 
 
     env = {deepstack_clear.ENV_FIX: "deepstack-clear"}
     assert deepstack_clear.activate({}, tmp_path) is None and not fix_records.read_records(tmp_path)
-    assert deepstack_clear.activate(env, tmp_path, version=lambda: "0.34.0") is None
+    assert deepstack_clear.activate(env, tmp_path, version=lambda: "0.35.0") is None
     (refused,) = fix_records.read_records(tmp_path)
-    assert refused.refused and "written against vLLM 0.33.0, this is vLLM 0.34.0" in refused.note
-    assert deepstack_clear.activate(env, tmp_path, version=lambda: "0.33.0") is not None
+    assert refused.refused and "validated on vLLM 0.33.0, 0.34.0, this is vLLM 0.35.0" in refused.note
+    for version in ("0.33.0", "0.34.0"):  # every release it was validated on
+        assert deepstack_clear.activate(env, tmp_path, version=lambda: version) is not None
     with pytest.raises(UsageError, match="unknown vLLM fix"):
         make_backend(tmp_path, fix="deepstack-everything")
 

@@ -1,6 +1,6 @@
 """`parity audit --engine vllm`: vLLM's DeepStack models against its graph modes.
 
-Read from the installed source (docs/engines/vllm-0.33.md §2, §3, vllm-0.34.md §4.4):
+Read from the installed source (docs/engines/vllm-0.33.md §2, §3, vllm-0.34.md §3):
 - a model class is served under the architectures `model_executor/models/registry.py` maps to it,
   wherever it lives: `("qwen3_vl", …)` names a module of `model_executor.models`, a full module
   string (`"vllm.models.qwen4_exp"`, 0.34) names a package of its own, whose `__init__` may
