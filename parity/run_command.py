@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from parity.backends.options import BackendOptions
+from parity.engines import registry
 from parity.engines.registry import create_backend
 from parity.errors import NothingToProve, UsageError
 from parity.experiment import RunInterrupted, run_experiment
@@ -207,8 +208,9 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
     if with_other_media:
         raise UsageError("--audio makes audio-only cases, which have no DeepStack to prove; run them apart from "
                          "--fixture, --image and --video")
-    if backend.name != "transformers":
-        raise UsageError(f"--audio is judged by the transformers backend only, not --backend {backend.name}")
+    if not registry.info(backend.name).in_process:
+        raise UsageError(f"--audio is judged by the in-process backend only ({registry.DEFAULT}), not --backend "
+                         f"{backend.name}")
     clips = [audio_clip(given) for given in audios]
     prompts = _user_prompts(prompt_texts, prompts_file) or (AUDIO_PROMPT,)
     loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)

@@ -61,8 +61,8 @@ def graph_mode(run: RunResult) -> str:
 
 
 def label_of(run: RunResult) -> str:
-    engine = str(run.config.get("backend", "?"))
-    version = run.environment.get(engine) if engine != "transformers" else None
+    engine, backend = str(run.config.get("backend", "?")), registry.of_run(run.config)
+    version = run.environment.get(backend.package) if backend.package else None  # an engine's release
     gpu = run.environment.get("gpu") or run.environment.get("device") or "device not recorded"
     return " · ".join([str(run.config.get("model", "?")), f"{engine} {version}" if version else engine,
                        graph_mode(run), str(gpu)])

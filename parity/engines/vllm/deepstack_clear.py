@@ -18,7 +18,7 @@ of the buffers that the step did not write itself is zero.
 
 Nothing is done while a graph is being captured (the clearing must not be recorded into it). The
 same code runs under real CUDA graphs on a GPU: it touches only the persistent buffers, between
-steps, exactly where vLLM's setter does. It refuses any vLLM but the one it was written against.
+steps, exactly where vLLM's setter does. It refuses any vLLM it was not validated on (versions.py).
 Stdlib only at import (vLLM imports the plugin in every process); torch comes with the model.
 """
 
