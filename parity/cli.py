@@ -24,11 +24,11 @@ from parity.cli_options import (
 )
 from parity.engines import registry
 from parity.errors import NothingToProve, ParityError, UsageError
-from parity.interrupts import exit_code_of, signal_of
+from parity.run.interrupts import exit_code_of, signal_of
 from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES
 from parity.results import FOUR_ARM, SCENARIOS
-from parity.results.loader import MIN_LOGPROB_TOL
-from parity.verdict import USAGE_EXIT, exit_code
+from parity.trust.loader import MIN_LOGPROB_TOL
+from parity.judge.verdict import USAGE_EXIT, exit_code
 
 # Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
 MAX_SEED = 2**63 - 1
@@ -153,13 +153,13 @@ def run(**options) -> None:
     # Heavy imports (torch, transformers) only when running.
     from parity.arms import select_arms
     from parity.backends.options import BackendOptions
-    from parity.planning import RunSpec
-    from parity.interrupts import first_stop_only
+    from parity.run.planning import RunSpec
+    from parity.run.interrupts import first_stop_only
     from parity.models import check_runnable
     from parity.run_command import (
         OutputOptions, RunStopped, build_cases, check_junit, check_writable, default_run_dir, execute_run, plan_note,
     )
-    from parity.sharding import Shard, check_not_empty
+    from parity.plan.sharding import Shard, check_not_empty
 
     o = options
     named = o["scenario_names"] or (FOUR_ARM,)
@@ -217,10 +217,10 @@ def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json
     from parity.reporting.text import visible
-    from parity.results.loader import load_results
-    from parity.verdict import judge_run
+    from parity.trust.loader import load_results
+    from parity.judge.verdict import judge_run
 
-    from parity.sharding import describe as describe_shard
+    from parity.plan.sharding import describe as describe_shard
 
     run_result = judge_run(load_results(results_file))
     if as_json:
@@ -249,8 +249,8 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero:
     code is the matrix verdict's."""
     from parity.reporting.report import render_json, render_markdown
     from parity.reporting.terminal import print_table
-    from parity.results.loader import load_results
-    from parity.verdict import judge_run
+    from parity.trust.loader import load_results
+    from parity.judge.verdict import judge_run
 
     if len(results_files) > 1:
         from parity.merge import load_files, merge_matrix
@@ -336,7 +336,7 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
     out = check_writable("--out", Path(out_dir), True)
     junit = check_writable("--junit", Path(junit_path), False) if junit_path else None
     output = MergeOutput(out, check_junit(junit, out, results_files), not no_plot)
-    from parity.interrupts import first_stop_only
+    from parity.run.interrupts import first_stop_only
 
     with first_stop_only():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind
         merged, written = run_merge(results_files, output, allow_missing, matrix,
@@ -354,8 +354,8 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 def compare(before_file: str, after_file: str, fmt: str) -> None:
     """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
     from parity.reporting.before_after import compare_runs, render_markdown, render_table
-    from parity.results.loader import load_results
-    from parity.verdict import judge_run
+    from parity.trust.loader import load_results
+    from parity.judge.verdict import judge_run
 
     # Judged here, where the files are loaded: what they store about themselves is not trusted.
     result = compare_runs(judge_run(load_results(before_file)), judge_run(load_results(after_file)))

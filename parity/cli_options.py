@@ -12,7 +12,7 @@ import click
 from click.core import ParameterSource
 
 from parity.engines import registry
-from parity.results.fields import MAX_MAGNITUDE
+from parity.trust.fields import MAX_MAGNITUDE
 
 def positive(ctx, param, value):
     if value is not None and value <= 0:

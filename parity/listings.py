@@ -14,9 +14,9 @@ from parity.errors import UsageError
 def fixtures(write_dir: str | None) -> None:
     """List the built-in fixtures: images (`--fixture`) and videos (`--video`), each with its size,
     frames, sha256 of its raw RGB pixels (a video's: of its decoded frames), its twin's, and its prompts."""
-    from parity.fixtures import builtin_fixtures, load_prompts, write_pngs
+    from parity.media.fixtures import builtin_fixtures, load_prompts, write_pngs
     from parity.run_command import check_writable
-    from parity.videos import builtin_videos
+    from parity.media.videos import builtin_videos
 
     if write_dir:  # before the listing: a folder that cannot be written is the one line said
         check_writable("--write", Path(write_dir), True)

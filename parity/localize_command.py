@@ -18,12 +18,12 @@ from parity.backends.protocol import Request
 from parity.engines import registry
 from parity.errors import UsageError
 from parity.design import RUNNER_VARIANTS, SEQUENCE_REQUESTS
-from parity.fixtures import LAYOUT_SIZES, Fixture, builtin_fixture, builtin_names, image_fixture
-from parity.videos import video_fixture
-from parity.localization import localize_run, target_of
+from parity.media.fixtures import LAYOUT_SIZES, Fixture, builtin_fixture, builtin_names, image_fixture
+from parity.media.videos import video_fixture
+from parity.run.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
-from parity.results.loader import load_results
-from parity.verdict import judge_run
+from parity.trust.loader import load_results
+from parity.judge.verdict import judge_run
 
 # What the command needs from the run's config to build the same model and runner again.
 _CONFIG_KEYS = ("model", "dtype", "runner", "graph_backend", "captured_buckets")
@@ -159,8 +159,8 @@ def _backend(run: RunResult, device: str | None, requests: dict[str, tuple[Reque
     from parity.backends.options import apply_thread_policy
     from parity.design import DEFAULT_CHUNK_TOKENS
     from parity.backends.transformers_backend import TransformersBackend
-    from parity.buckets import BucketPolicy
-    from parity.graph_runner import RunnerVariant
+    from parity.runner.buckets import BucketPolicy
+    from parity.runner.graph_runner import RunnerVariant
     from parity.models import load_model
     from parity.presets import PRESETS
 

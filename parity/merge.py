@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from parity.errors import UsageError
-from parity.interrupts import deferred_stops
-from parity.identity import MODEL_FIELD, SOURCE_KEY, difference_path, first_difference, identity, model_of, shown
+from parity.run.interrupts import deferred_stops
+from parity.judge.identity import MODEL_FIELD, SOURCE_KEY, difference_path, first_difference, identity, model_of, shown
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
 from parity.results import RunResult, Verdict, dumps, write_atomically
-from parity.results.consistency import Contradiction
-from parity.results.loader import MAX_FILE_BYTES, load_results
-from parity.results.requirements import check_all
-from parity.sharding import CONFIG_KEY, ShardRecord, merged_config, read_shard
-from parity.verdict import judge_run
+from parity.trust.consistency import Contradiction
+from parity.trust.loader import MAX_FILE_BYTES, load_results
+from parity.trust.requirements import check_all
+from parity.plan.sharding import CONFIG_KEY, ShardRecord, merged_config, read_shard
+from parity.judge.verdict import judge_run
 
 Warn = Callable[[str], object]
 

@@ -27,7 +27,7 @@ class TinyPreset:
     model_type: str = "qwen3_vl"  # the transformers family its config is (`qwen3_vl_moe` when moe)
 
 
-# The recipe works for any seed (tests/test_presets.py checks several); 0 is just the default.
+# The recipe works for any seed (tests/models/test_presets.py checks several); 0 is just the default.
 PRESETS: dict[str, TinyPreset] = {
     p.name: p
     for p in (

@@ -21,11 +21,11 @@ from parity.backends.options import BackendOptions
 from parity.engines import registry
 from parity.engines.registry import create_backend
 from parity.errors import NothingToProve, UsageError
-from parity.experiment import RunInterrupted, run_experiment
-from parity.planning import CaseSpec, RunSpec, planned_arm_runs
-from parity.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
-from parity.videos import builtin_video, builtin_videos, is_video_name, video_fixture
-from parity.interrupts import deferred_stops, exit_code_of, signal_of
+from parity.run.experiment import RunInterrupted, run_experiment
+from parity.run.planning import CaseSpec, RunSpec, planned_arm_runs
+from parity.media.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
+from parity.media.videos import builtin_video, builtin_videos, is_video_name, video_fixture
+from parity.run.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary, step_summary_wanted
 from parity.reporting.progress import progress_display
 from parity.reporting.report import render_markdown
@@ -202,7 +202,7 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
     """`--audio`: audio-only cases, judged before any arm. The model must take audio; each clip is
     prepared with each prompt, and when none carries a DeepStack row (audio has none) the run is
     INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm."""
-    from parity.audio import audio_clip
+    from parity.media.audio import audio_clip
     from parity.models import load_model
 
     if with_other_media:
@@ -232,7 +232,7 @@ def check_media(spec: RunSpec, backend: str) -> None:
     """A video for a server without PyAV to write the file it is sent as: exit 2 with the reason,
     before any server starts."""
     from parity.engines.registry import BACKENDS
-    from parity.videos import has_av
+    from parity.media.videos import has_av
 
     videos = [c.fixture.name for c in spec.cases if c.fixture is not None and c.fixture.is_video]
     if videos and BACKENDS[backend].servers_key is not None and not has_av():

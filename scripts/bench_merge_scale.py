@@ -24,9 +24,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from parity.plan import PlanEntry, plan_json, read_plan, text_sha256  # noqa: E402
-from parity.results.loader import MAX_FILE_BYTES  # noqa: E402
-from parity.sharding import Shard, assignment, shard_config  # noqa: E402
+from parity.plan.entries import PlanEntry, plan_json, read_plan, text_sha256  # noqa: E402
+from parity.trust.loader import MAX_FILE_BYTES  # noqa: E402
+from parity.plan.sharding import Shard, assignment, shard_config  # noqa: E402
 
 
 def parity(*args: str, stdout=subprocess.DEVNULL) -> tuple[int, float, float]:

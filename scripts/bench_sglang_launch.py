@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from parity.arms import ARM_ORDER, select_arms
-from parity.experiment import run_experiment
-from parity.planning import CaseSpec, RunSpec
-from parity.fixtures import Prompt, builtin_fixture
+from parity.run.experiment import run_experiment
+from parity.run.planning import CaseSpec, RunSpec
+from parity.media.fixtures import Prompt, builtin_fixture
 from parity.engines.sglang.backend import SglangBackend, create_sglang_backend
 
 STANDIN = Path(__file__).resolve().parent.parent / "tests" / "engines" / "sglang_standin.py"

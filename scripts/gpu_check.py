@@ -27,12 +27,12 @@ import torch
 from parity.arms import select_arms
 from parity.backends.transformers_backend import TransformersBackend
 from parity.design import FAMILY_SCENARIOS, PLANTED_BUGS
-from parity.experiment import run_experiment
-from parity.planning import CaseSpec, RunSpec
-from parity.fixtures import builtin_fixture, default_prompts
-from parity.graph_runner import PrefillGraphRunner, RunnerVariant
+from parity.run.experiment import run_experiment
+from parity.run.planning import CaseSpec, RunSpec
+from parity.media.fixtures import builtin_fixture, default_prompts
+from parity.runner.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.models import load_model
-from parity.metrics import tuple_text
+from parity.judge.metrics import tuple_text
 from parity.reporting.report import localization_sentence, render_markdown
 from parity.results import write_results
 
@@ -49,7 +49,7 @@ PLANTED_VERDICTS = {"chunk-misaligned": "FAIL_GRAPH_DIVERGES", "prefix-offset": 
 
 
 def expected_verdict(preset: str, runner: str, scenario: str) -> str:
-    """What tests/test_end_to_end.py and docs/scenarios.md say each variant gives, on any device."""
+    """What tests/run/test_end_to_end.py and docs/scenarios.md say each variant gives, on any device."""
     if "nodeepstack" in preset:  # nothing to drop or leak, and no power: no scenario proves anything
         return "INCONCLUSIVE_NO_POWER"
     if runner == "fixed":
@@ -162,7 +162,7 @@ def slot_memory(device: str, graph_backend: str) -> list[dict]:
 
 
 def _graph(name: str, device: torch.device):
-    from parity.graph_runner import GraphBackend
+    from parity.runner.graph_runner import GraphBackend
 
     return GraphBackend.resolve(name, device)
 

@@ -24,11 +24,11 @@ from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, select_a
 from parity.backends.options import PRESET_THREADS  # noqa: E402
 from parity.backends.protocol import Request  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
-from parity.experiment import run_experiment  # noqa: E402
-from parity.planning import CaseSpec, RunSpec  # noqa: E402
-from parity.fixtures import builtin_fixtures, default_prompts  # noqa: E402
-from parity.graph_runner import RunnerVariant  # noqa: E402
-from parity.localization import Step, Target, auto_threshold, localize  # noqa: E402
+from parity.run.experiment import run_experiment  # noqa: E402
+from parity.run.planning import CaseSpec, RunSpec  # noqa: E402
+from parity.media.fixtures import builtin_fixtures, default_prompts  # noqa: E402
+from parity.runner.graph_runner import RunnerVariant  # noqa: E402
+from parity.run.localization import Step, Target, auto_threshold, localize  # noqa: E402
 from parity.models import load_model  # noqa: E402
 from parity.presets import PRESETS  # noqa: E402
 

@@ -38,15 +38,15 @@ from PIL import Image  # noqa: E402
 from parity.arms import select_arms  # noqa: E402
 from parity.backends.options import PRESET_THREADS  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
-from parity.experiment import run_experiment  # noqa: E402
-from parity.planning import CaseSpec, RunSpec  # noqa: E402
-from parity.fixtures import Fixture, Prompt, builtin_fixtures, default_prompts  # noqa: E402
-from parity.graph_runner import PrefillGraphRunner, RunnerVariant  # noqa: E402
-from parity.metrics import (  # noqa: E402
+from parity.run.experiment import run_experiment  # noqa: E402
+from parity.run.planning import CaseSpec, RunSpec  # noqa: E402
+from parity.media.fixtures import Fixture, Prompt, builtin_fixtures, default_prompts  # noqa: E402
+from parity.runner.graph_runner import PrefillGraphRunner, RunnerVariant  # noqa: E402
+from parity.judge.metrics import (  # noqa: E402
     auto_tolerances, first_divergence, flip_deltas, flip_margins, forced_deltas, position_deltas,
 )
 from parity.models import load_model  # noqa: E402
-from parity.verdict import checks_for  # noqa: E402
+from parity.judge.verdict import checks_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 import mutants  # noqa: E402

@@ -18,12 +18,12 @@ from parity.arms import select_arms  # noqa: E402
 from parity.backends.options import apply_thread_policy  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
 from parity.design import RUNNER_VARIANTS, SCENARIOS  # noqa: E402
-from parity.experiment import run_experiment  # noqa: E402
-from parity.fixtures import builtin_fixture, builtin_fixtures, default_prompts  # noqa: E402
-from parity.graph_runner import RunnerVariant  # noqa: E402
+from parity.run.experiment import run_experiment  # noqa: E402
+from parity.media.fixtures import builtin_fixture, builtin_fixtures, default_prompts  # noqa: E402
+from parity.runner.graph_runner import RunnerVariant  # noqa: E402
 from parity.models import load_model  # noqa: E402
-from parity.planning import CaseSpec, RunSpec  # noqa: E402
-from parity.videos import builtin_videos  # noqa: E402
+from parity.run.planning import CaseSpec, RunSpec  # noqa: E402
+from parity.media.videos import builtin_videos  # noqa: E402
 
 TOKENS = 12
 

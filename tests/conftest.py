@@ -27,12 +27,12 @@ def every_run_rejudges_the_same():
     """Every run the suite makes, through the CLI or the library, is written and read back, and
     `parity verdict` of its file must say exactly what the run said (design §4b: the run applies
     every rule of the loader to itself)."""
-    import parity.experiment
+    import parity.run.experiment
     from parity.results import dumps
-    from parity.results.loader import run_from_json
-    from parity.verdict import judge_run
+    from parity.trust.loader import run_from_json
+    from parity.judge.verdict import judge_run
 
-    real = parity.experiment._run_result
+    real = parity.run.experiment._run_result
 
     def checked(*args, **kwargs):
         run = real(*args, **kwargs)
@@ -45,7 +45,7 @@ def every_run_rejudges_the_same():
         return run
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(parity.experiment, "_run_result", checked)
+        patch.setattr(parity.run.experiment, "_run_result", checked)
         yield
 
 

@@ -15,14 +15,14 @@ from typing import Mapping, Sequence
 from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.arms import arm as arm_of
 from parity.errors import UsageError
-from parity.fixtures import builtin_fixture
-from parity.plan import PlanEntry, plan_json, text_sha256
+from parity.media.fixtures import builtin_fixture
+from parity.plan.entries import PlanEntry, plan_json, text_sha256
 from parity.evidence import DeepStackRecord, Evidence
 from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
 )
-from parity.verdict import FOUR_ARMS, checks_for, judge_run
+from parity.judge.verdict import FOUR_ARMS, checks_for, judge_run
 
 # Two answers that differ from the first token on: what DeepStack on/off gives a working model.
 NORMAL_IDS: tuple[int, ...] = (11, 12, 13, 14, 15)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from parity.backends.transformers_backend import LMExecutor, TransformersBackend, TransformersSession
-from parity.graph_runner import PrefillGraphRunner
+from parity.runner.graph_runner import PrefillGraphRunner
 
 
 class SkipsCopyWhenShapeRepeats(PrefillGraphRunner):

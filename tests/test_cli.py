@@ -47,7 +47,7 @@ def test_sglang_options_on_the_transformers_backend_warn(parity_cli, monkeypatch
 
 def test_a_large_plan_says_its_size_before_it_starts(parity_cli, monkeypatch, tmp_path):
     import parity.run_command
-    from parity.planning import RunSpec, planned_arm_runs
+    from parity.run.planning import RunSpec, planned_arm_runs
 
     started = []
     monkeypatch.setattr(parity.run_command, "create_backend", lambda *a: started.append(1) or (_ for _ in ()).throw(
@@ -56,7 +56,7 @@ def test_a_large_plan_says_its_size_before_it_starts(parity_cli, monkeypatch, tm
     prompts.write_text("\n".join(f"prompt {i}" for i in range(30)))
     result, _, _ = parity_cli.run("--fixture", "all", "--prompts", str(prompts), "--scenario", "all",
                                   "--max-new-tokens", "20")
-    from parity.fixtures import builtin_fixtures
+    from parity.media.fixtures import builtin_fixtures
 
     from parity.design import SEQUENCE_REQUESTS
 
@@ -84,7 +84,7 @@ def test_listing_commands(parity_cli, tmp_path):
     assert all(name in models for name in ("tiny-qwen3-vl ", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack"))
     result = parity_cli("fixtures", "--write", str(tmp_path / "pngs"))
     assert result.exit_code == 0 and "rgb-stripes" in result.output and "128x96" in result.output
-    from parity.fixtures import builtin_fixtures
+    from parity.media.fixtures import builtin_fixtures
 
     written = {p.name for p in (tmp_path / "pngs").iterdir()}
     assert {f"{f.name}.png" for f in builtin_fixtures()} | {f"{f.twin().name}.png" for f in builtin_fixtures()} == written

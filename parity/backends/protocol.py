@@ -8,7 +8,7 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from parity.design import Serving
 from parity.evidence import DeepStackRecord, Evidence
-from parity.fixtures import Fixture
+from parity.media.fixtures import Fixture
 from parity.results import TopLogprobs
 
 

@@ -17,13 +17,13 @@ from typing import Callable
 import torch
 
 from parity.backends.protocol import Request
-from parity.encoder_graphs import EncoderGraphs
+from parity.runner.encoder_graphs import EncoderGraphs
 from parity.evidence import ChunkRun, EncoderRun, ServingEvidence, image_span
-from parity.graph_runner import PrefillGraphRunner, Window
-from parity.lm_body import Past
+from parity.runner.graph_runner import PrefillGraphRunner, Window
+from parity.runner.lm_body import Past
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
 from parity.design import PAGE_TOKENS
-from parity.tap import apply_tap
+from parity.runner.tap import apply_tap
 
 TokenKey = tuple  # one prompt token as the cache matches it: (token id, image sha256 or None)
 

@@ -33,7 +33,7 @@ from parity.engines.standin_calls import StandinLog
 from parity.design import SERVER_PROFILES
 from parity.errors import ArmFailure, UsageError
 from parity.evidence import ChunkRun, ServingEvidence, image_span
-from parity.fixtures import Fixture
+from parity.media.fixtures import Fixture
 from parity.model_identity import CONFIG_KEY, ModelIdentity, of_checkpoint
 from parity.presets import PRESETS
 

@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 from parity.backends.protocol import Request
 from parity.errors import UsageError
-from parity.fixtures import Fixture
+from parity.media.fixtures import Fixture
 from parity.models.qwen3_vl import chat_text, video_inputs
-from parity.videos import write_lossless
+from parity.media.videos import write_lossless
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class ChatPrompts:
 
 class MediaFiles:
     """Fixtures saved once under the run folder, losslessly: an image as PNG, a video as FFV1
-    (`parity.videos.write_lossless`), each as the engine's decoder reads it."""
+    (`parity.media.videos.write_lossless`), each as the engine's decoder reads it."""
 
     def __init__(self, folder: Path, video_fps: float | None = None, even_frames: bool = False) -> None:
         self._folder = folder

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from parity.errors import UsageError
-from parity.audio import AudioClip
-from parity.fixtures import Fixture
-from parity.lm_body import Qwen3VLTextBody
+from parity.media.audio import AudioClip
+from parity.media.fixtures import Fixture
+from parity.runner.lm_body import Qwen3VLTextBody
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerFast
 
-from parity.audio import RATE
+from parity.media.audio import RATE
 from parity.presets import TinyPreset
 
 # The names the Omni processor reads from its tokenizer.

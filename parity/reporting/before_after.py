@@ -17,10 +17,10 @@ from rich.table import Table
 from rich.text import Text
 
 from parity.results import CaseResult, Comparison, RunResult, Verdict
-from parity.metrics import tuple_text
+from parity.judge.metrics import tuple_text
 from parity.reporting.report import check_label
 from parity.reporting.text import visible
-from parity.verdict import ERROR, PASS, Check, Group, checks_for, judged
+from parity.judge.verdict import ERROR, PASS, Check, Group, checks_for, judged
 
 # Config keys whose difference changes what the comparisons mean. logprob_tol changes `match`;
 # max_new_tokens and dtype change the arms' answers themselves.

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Sequence
 
 from parity.results import CaseResult, RunResult, Verdict, write_atomically
-from parity.metrics import tuple_text
+from parity.judge.metrics import tuple_text
 from parity.reporting.report import arm_evidence_text, arms_with_labels, check_label, rows
-from parity.verdict import ERROR, PASS, judged
+from parity.judge.verdict import ERROR, PASS, judged
 
 SUITE_PREFIX = "parity"
 

@@ -16,11 +16,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from parity import metrics
-from parity.metrics import first_divergence
+from parity.judge import metrics
+from parity.judge.metrics import first_divergence
 from parity.reporting.text import visible
 from parity.results import ArmResult, CaseResult, RunResult
-from parity.verdict import checks_for, comparable_pairs
+from parity.judge.verdict import checks_for, comparable_pairs
 
 FIG_SIZE_IN = (8.0, 4.0)
 DPI = 100

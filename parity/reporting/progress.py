@@ -8,7 +8,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeElapsedColumn
 
-from parity.experiment import Progress, ProgressFn
+from parity.run.experiment import Progress, ProgressFn
 from parity.reporting.text import terminal, visible
 
 

@@ -8,14 +8,14 @@ from typing import Iterator
 
 from parity.engines import registry
 from parity.evidence import Evidence, ServingEvidence
-from parity.localization import not_available, target_of
-from parity.metrics import format_delta, tuple_text
+from parity.run.localization import not_available, target_of
+from parity.judge.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.text import encodable, md_code, md_text, visible
-from parity.identity import SOURCE_KEY, model_of
-from parity.sharding import describe as describe_shard
+from parity.judge.identity import SOURCE_KEY, model_of
+from parity.plan.sharding import describe as describe_shard
 from parity.results import ArmResult, CaseResult, Comparison, RunResult, dumps, localization_to_json
-from parity.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
+from parity.judge.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, self_delta
 
 FORMATS = ("markdown", "json", "table")
 _ARM_TEXT_LIMIT = 4000  # per arm in report.md; the whole report must fit a PR comment

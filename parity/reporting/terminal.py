@@ -10,13 +10,13 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from parity.metrics import tuple_text
+from parity.judge.metrics import tuple_text
 from parity.reporting.report import (
     arm_evidence_text, arms_with_labels, check_label, localization_sentence, not_localized_note, rows, run_notes,
 )
 from parity.reporting.text import terminal
 from parity.results import CaseResult, RunResult
-from parity.verdict import PASS
+from parity.judge.verdict import PASS
 
 
 def print_table(run: RunResult, console: Console) -> None:

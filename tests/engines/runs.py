@@ -7,9 +7,9 @@ from pathlib import Path
 
 from parity.arms import select_arms
 from parity.engines.sglang import backend as sglang_backend
-from parity.experiment import run_experiment
-from parity.fixtures import Prompt, builtin_fixture
-from parity.planning import CaseSpec, RunSpec
+from parity.run.experiment import run_experiment
+from parity.media.fixtures import Prompt, builtin_fixture
+from parity.run.planning import CaseSpec, RunSpec
 from parity.results import FOUR_ARM, RunResult
 from tests.engines.servers import SGLANG_STANDIN as STANDIN
 from tests.engines.servers import standin_identity

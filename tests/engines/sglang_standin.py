@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the stand-in core be
 
 import standin_core as core  # noqa: E402
 from standin_core import Rejected, add_common_args, add_switches  # noqa: E402
-from parity.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
+from parity.runner.buckets import prefill_bucket_ladder  # noqa: E402  (stdlib-only at import time)
 from parity.engines import standin_calls  # noqa: E402
 from parity.engines.sglang import deepstack_slot, kernel_standin, plugin  # noqa: E402
 

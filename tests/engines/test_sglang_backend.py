@@ -15,8 +15,8 @@ import pytest
 
 from parity.design import CORE_SCENARIOS as SCENARIOS  # what the stand-in servers serve
 from parity.results import REUSE, STREAM, write_results
-from parity.results.loader import load_results
-from parity.verdict import judge_run
+from parity.trust.loader import load_results
+from parity.judge.verdict import judge_run
 from tests.engines.servers import assert_nothing_left
 from tests.engines.runs import four_arms, make_backend, run
 

@@ -16,7 +16,7 @@ from parity.engines.sglang import plugin
 from parity.engines.evidence import TaggedRequest, TapSilence, arm_evidence, check_fired, request_record
 from parity.engines.channel import TapChannelError
 from parity.engines.sglang.plugin import DEEPSTACK_KEY, TapChannel, TapEntry, TapHook
-from parity.tap import fingerprint
+from parity.runner.tap import fingerprint
 
 RAW, BUCKET, WIDTH = 6, 8, 12  # 6 real tokens padded to an 8-token bucket, 4 x 3 DeepStack
 

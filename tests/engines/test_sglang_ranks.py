@@ -17,12 +17,12 @@ import torch
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.errors import ResultsFileError
 from parity.results import write_results
-from parity.results.loader import load_results
+from parity.trust.loader import load_results
 from parity.engines.evidence import RankDisagreement, TaggedRequest, TapSilence, arm_evidence, check_fired, rank_label
 from parity.engines.sglang.plugin import TapEntry
 from parity.engines.sglang.servers import ServerFacts, check_gpu_count
-from parity.tap import fingerprint
-from parity.verdict import judge_run
+from parity.runner.tap import fingerprint
+from parity.judge.verdict import judge_run
 from tests.helpers_runs import NORMAL_IDS, ZERO_IDS, make_arm, make_case, make_run
 from tests.engines.servers import assert_nothing_left
 from tests.engines.runs import four_arms, make_backend, run

@@ -185,9 +185,9 @@ def _stream_with(variant: str, tmp_path: Path):
     from parity.arms import select_arms
     from parity.backends.options import BackendOptions
     from parity.engines.registry import create_backend
-    from parity.experiment import run_experiment
-    from parity.planning import CaseSpec, RunSpec
-    from parity.fixtures import builtin_fixture, default_prompts
+    from parity.run.experiment import run_experiment
+    from parity.run.planning import CaseSpec, RunSpec
+    from parity.media.fixtures import builtin_fixture, default_prompts
     from parity.results import STREAM
 
     fixture = builtin_fixture("rgb-stripes")

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from parity.engines.vllm import backend as vllm_backend
-from parity.fixtures import builtin_fixture
+from parity.media.fixtures import builtin_fixture
 from parity.design import CORE_SCENARIOS as SCENARIOS  # what the stand-in servers serve
 from parity.results import FOUR_ARM, REUSE, STREAM, RunResult, write_results
-from parity.results.loader import load_results
-from parity.verdict import judge_run
+from parity.trust.loader import load_results
+from parity.judge.verdict import judge_run
 from tests.engines.runs import run
 from tests.engines.servers import VLLM_STANDIN as STANDIN
 from tests.engines.servers import assert_nothing_left, standin_identity

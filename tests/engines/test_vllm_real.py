@@ -212,7 +212,7 @@ def test_the_real_dispatcher_picks_full_for_an_image_prefill_and_none_for_the_ea
 def test_the_wrapped_setter_zeroes_and_records_with_the_real_methods(tmp_path: Path) -> None:
     import torch
 
-    from parity.tap import fingerprint
+    from parity.runner.tap import fingerprint
 
     recorded, zeroed = Engine(tmp_path / "r", "FULL"), Engine(tmp_path / "z", "FULL", control="zero")
     normal_hidden, _, seen = recorded.request(IMAGE_PROMPT, (3, 16))

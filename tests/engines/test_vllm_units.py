@@ -20,11 +20,11 @@ import torch
 from parity.errors import UsageError
 from parity.evidence import LeakWitness
 from parity.results import write_results
-from parity.results.loader import load_results
+from parity.trust.loader import load_results
 from parity.engines.channel import TapChannel
 from parity.engines.evidence import TaggedRequest, arm_evidence
 from parity.engines.http import ServerRejected
-from parity.verdict import judge_run
+from parity.judge.verdict import judge_run
 from parity.engines.vllm import client, plugin, servers, tap as taps
 
 from tests.engines.servers import REPO
@@ -215,7 +215,7 @@ def test_an_unarmed_tap_passes_through_and_records_nothing(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("control", ["record", "zero"])
 def test_the_setter_is_fingerprinted_in_parity_layout_and_zeroed_for_the_zero_arm(tmp_path: Path, control) -> None:
-    from parity.tap import fingerprint
+    from parity.runner.tap import fingerprint
 
     channel = TapChannel(tmp_path)
     channel.create()

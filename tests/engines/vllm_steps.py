@@ -107,7 +107,7 @@ class Engine:
         return hidden
 
     def _capture(self, desc) -> None:
-        from parity.emulated_graph import EmulatedGraph, graph
+        from parity.runner.emulated_graph import EmulatedGraph, graph
 
         captured = EmulatedGraph()
         with graph(captured):

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 from parity.backends.options import BackendOptions
 from parity.backends.protocol import Request
-from parity.buckets import prefill_bucket_ladder, smallest_fitting
+from parity.runner.buckets import prefill_bucket_ladder, smallest_fitting
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.engine import (
@@ -35,7 +35,7 @@ from parity.engines.sglang.servers import (
     fraction_for_share, mode_flags, plan_launch, server_env, server_flags, split_user_args,
 )
 from parity.errors import ArmFailure, UsageError
-from parity.fixtures import Fixture
+from parity.media.fixtures import Fixture
 
 # A launch command other than `python -m sglang.launch_server` (a wrapper, another interpreter, a
 # stand-in): shlex-split and used as given, without checking SGLang or a GPU here.

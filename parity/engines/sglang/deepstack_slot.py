@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
-from parity.slot_contract import refresh
+from parity.runner.slot_contract import refresh
 
 ENV_FIX = "PARITY_SGLANG_FIX"
 FIX = "deepstack-slot"

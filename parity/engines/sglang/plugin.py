@@ -9,7 +9,7 @@ on `prepare_mm_inputs`, the last eager point before the language model in both e
 runs the model. For a tagged request the hook records every entry: which process saw it, whether
 it was an extend (prompt) batch, its padded and real token counts, whether BCG replay was active
 (`replay_layer_forward` installed on the LM instance) and, where `input_deepstack_embeds` is
-present, hands it to parity's one tap (`parity.tap.apply_tap`) and stores the fingerprint.
+present, hands it to parity's one tap (`parity.runner.tap.apply_tap`) and stores the fingerprint.
 
 The hook is steered through parity's channel (`parity.engines.channel`): a control file set only
 while a tagged request runs, so the server's own warm-up request is never tapped or recorded, and
@@ -128,7 +128,7 @@ class TapHook:
 
     @staticmethod
     def _tap(mode: str, tensor: Any, raw: int | None) -> tuple[Any, DeepStackRecord]:
-        from parity.tap import apply_tap
+        from parity.runner.tap import apply_tap
         import torch
 
         # Fingerprint and zero only the real rows: a BCG bucket's padded tail would make eager and

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from parity.arms import MODES, load_arms
-from parity.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
+from parity.runner.buckets import SGLANG_MAX_PREFILL_BUCKET, prefill_bucket_ladder, smallest_fitting
 from parity.design import CHUNKED, PAGE_TOKENS, PREFIX
 from parity.errors import UsageError
 from parity.engines.flags import flag_values, int_flag

@@ -34,7 +34,7 @@ from parity.engines.vllm.servers import (
     plan_launch, server_env, server_flags, split_vllm_args,
 )
 from parity.errors import ArmFailure, BackendUnavailableError, UsageError
-from parity.fixtures import Fixture
+from parity.media.fixtures import Fixture
 from parity.presets import PRESETS
 
 

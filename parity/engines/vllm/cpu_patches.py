@@ -22,7 +22,7 @@ capture and replay through parity's emulated graph (§3, gates 6-13):
    every bound from tensors when it runs, as FA3 does;
 3. the CPU worker captures (it never calls `capture_model`), with a workspace manager and CPU
    stand-ins for the streams, the pool and `torch.cuda.graph`; `torch.cuda.CUDAGraph` is the
-   emulation (parity/emulated_graph.py).
+   emulation (parity/runner/emulated_graph.py).
 
 With `PARITY_VLLM_COMPILE=eager` as well, the piecewise modes replay (§6, 15-17): vLLM's own
 piecewise compile is kept (the platform would turn it into a whole-model trace), its
@@ -199,7 +199,7 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
     persistent buffers, their Python numbers frozen at capture as in a real graph."""
     import torch
 
-    from parity.emulated_graph import EmulatedGraph
+    from parity.runner.emulated_graph import EmulatedGraph
 
     original_set = target(module, "set_forward_context")
     target(module, "override_forward_context"), target(module, "is_forward_context_available")
@@ -235,7 +235,7 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
 
 
 def install_emulated_graphs(torch_module: Any) -> None:
-    from parity.emulated_graph import EmulatedGraph, graph, graph_pool_handle
+    from parity.runner.emulated_graph import EmulatedGraph, graph, graph_pool_handle
 
     torch_module.cuda.CUDAGraph = EmulatedGraph
     if os.environ.get(ENV_COMPILE) == COMPILE_EAGER:

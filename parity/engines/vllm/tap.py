@@ -111,7 +111,7 @@ class StepTap:
         step = self._step
         if step is None or self.capturing():
             return original(model, embeds)
-        from parity.tap import apply_tap
+        from parity.runner.tap import apply_tap
 
         levels, tokens, hidden = embeds.shape
         rows = embeds.permute(1, 0, 2).reshape(tokens, levels * hidden)  # [tokens, hidden * levels]

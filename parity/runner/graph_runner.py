@@ -1,0 +1,348 @@
+"""The prefill graph runner and its slot contract (design §6): the fix parity validates.
+
+A captured graph reads only its static slots. Every live input must be copied into a slot before
+replay, or the graph silently computes with whatever the slot held: that is how SGLang's BCG
+dropped Qwen3-VL's DeepStack. The `fixed` variant refreshes the DeepStack slot before every
+replay, clears it on absence and fails closed on malformed input; `legacy` and `no-clear`
+reproduce the two ways of getting it wrong, so parity can prove it tells them apart.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from parity.runner import emulated_graph, slot_contract
+from parity.runner.lm_body import ConsumesDeepStack, Past, fill_past_mask
+
+Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is the bucket's rows
+
+
+class RunnerVariant(str, enum.Enum):
+    FIXED = "fixed"  # the slot contract of design §6
+    LEGACY = "legacy"  # no DeepStack slot: the upstream drop
+    NO_CLEAR = "no-clear"  # slot copied, never cleared: stale rows leak into the next request
+    # The bug family (design §10), each caught by its own scenario (docs/scenarios.md):
+    CHUNK_MISALIGNED = "chunk-misaligned"  # every chunk gets the prompt's first rows (mlx-vlm #1332)
+    PREFIX_OFFSET = "prefix-offset"  # rows not offset by the cached prefix (vLLM #41485)
+    GROWTH_REBIND = "growth-rebind"  # the buffer regrown, the graphs left on the old one (FastDeploy #5962)
+    WARMUP_SPECIALIZED = "warmup-specialized"  # a bucket's graph shaped by its first request (vLLM #43617)
+    LAYOUT_KEYED = "layout-keyed"  # vision-encoder graphs keyed by token count (SGLang #37043)
+
+
+@dataclass(frozen=True)
+class Window:
+    """The prompt rows `[start, end)` one prefill computes (a chunk, or what a prefix-cache hit
+    left), of which the first `cached` rows of the prompt came from the cache."""
+
+    start: int
+    end: int
+    cached: int = 0
+
+    def of(self, deepstack: torch.Tensor | None) -> torch.Tensor | None:
+        """This prefill's own DeepStack rows: what a correct engine hands its LM."""
+        return None if deepstack is None else deepstack[self.start:self.end]
+
+
+class GraphBackend(str, enum.Enum):
+    CUDA = "cuda"
+    EMULATED = "emulated"
+
+    @classmethod
+    def resolve(cls, name: str, device: torch.device) -> "GraphBackend":
+        if name == "auto":
+            return cls.CUDA if device.type == "cuda" else cls.EMULATED
+        backend = cls(name)
+        if backend is cls.CUDA and device.type != "cuda":
+            raise ValueError("graph backend 'cuda' needs the model on a CUDA device")
+        return backend
+
+
+class Padding(str, enum.Enum):
+    """What the rows of a bucket beyond the live request hold at replay."""
+
+    ZERO = "zero"  # zeroed before every replay: padded rows are provably inert
+    KEEP = "keep"  # left as they were: only the no-clear variant, to show the leak
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    buffer: torch.Tensor  # [max_tokens, ...] for token-major slots, [3, max_tokens] for positions
+    padding: Padding
+    token_axis: int = 0
+
+    def bucket(self, size: int) -> torch.Tensor:
+        return self.buffer.narrow(self.token_axis, 0, size)
+
+
+class _EmulatedGraph:
+    """A CUDA graph on any device (`parity.runner.emulated_graph`): capture records the body's ops on the
+    slots' tensors and freezes its Python decisions, as a real capture does; replay re-runs those
+    ops and writes the captured outputs in place. Like a real graph, it cannot see a live tensor
+    that was not copied into a slot; it reproduces replay semantics, not replay speed."""
+
+    def __init__(self, fn: Callable[[], Outputs]) -> None:
+        self._graph, self.outputs = emulated_graph.capture(fn)
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+class _CudaGraph:
+    def __init__(self, fn: Callable[[], Outputs], pool) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph, pool=pool):
+            self.outputs = fn()
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+def deepstack_slot_width(body: nn.Module, captured: bool, variant: RunnerVariant) -> int | None:
+    """Width of the DeepStack slot, or None when there must be no slot at all (zero cost)."""
+    if not captured or variant is RunnerVariant.LEGACY or not isinstance(body, ConsumesDeepStack):
+        return None
+    return body.hidden_size * body.deepstack_count if body.deepstack_count > 0 else None
+
+
+class PrefillGraphRunner:
+    """Captures `body(input_embeds, positions, deepstack)` once per token bucket and replays it.
+
+    Public verbs: `can_replay`, `replay`, `eager`, `close`. Slots (allocated once, at the largest
+    bucket): `input_embeds` [max_tokens, H] and `positions` [3, max_tokens], padding ZERO;
+    `deepstack` [max_tokens, H*n], padding ZERO (KEEP in the no-clear variant), only when the body
+    consumes DeepStack with n > 0 and something is captured. The DeepStack slot is the engine's
+    one buffer: an eager prefill in graph mode goes through it too, and grows it when it is too
+    small (the graphs are then captured again on the new buffer). With `context_rows`, each bucket
+    also has a context graph, for a prefill after rows already in the KV cache (a chunk, a prefix
+    hit): its slots hold up to that many past keys and values and the attention mask.
+
+    The body's outputs (hidden states, the prefill's keys and values) are the graph's static
+    outputs; `replay` returns copies of their real rows. `replay(..., probe=True)` replays a probe
+    graph of the same body on the same slots, whose extra output is the hidden state after every
+    layer (design §7), captured on first use.
+    """
+
+    def __init__(
+        self,
+        body: nn.Module,
+        *,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        buckets: tuple[int, ...],
+        variant: RunnerVariant = RunnerVariant.FIXED,
+        graph_backend: GraphBackend = GraphBackend.EMULATED,
+        context_rows: int = 0,
+    ) -> None:
+        self.variant = variant
+        self.graph_backend = graph_backend
+        self.buckets = tuple(sorted(set(buckets)))
+        self._body = body
+        max_tokens = self.buckets[-1] if self.buckets else 0
+        self._embeds = Slot("input_embeds", torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device), Padding.ZERO)
+        self._positions = Slot("positions", torch.zeros(3, max_tokens, dtype=torch.long, device=device), Padding.ZERO, 1)
+        width = deepstack_slot_width(body, bool(self.buckets), variant)
+        padding = Padding.KEEP if variant is RunnerVariant.NO_CLEAR else Padding.ZERO
+        self._deepstack = (
+            None if width is None
+            else Slot("deepstack", torch.zeros(max_tokens, width, dtype=dtype, device=device), padding)
+        )
+        buffer = None if self._deepstack is None else self._deepstack.buffer
+        self._slot_bytes = 0 if buffer is None else buffer.numel() * buffer.element_size()
+        self.context_rows = context_rows if self.buckets else 0
+        self._past: Past | None = None
+        if self.context_rows:
+            kv = (self.context_rows, *body.kv_shape)
+            self._past = Past(torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device),
+                              torch.zeros(max_tokens, self.context_rows + max_tokens, dtype=torch.bool, device=device))
+        self.growths: list[tuple[int, int]] = []  # (rows before, rows after) of each time the buffer grew
+        # The graphs a request with DeepStack captured (only the warm-up specialised variant captures
+        # on a request): the others were captured at start-up, or by a request without DeepStack.
+        self._captured_on_deepstack: set[tuple[int, bool]] = set()
+        self._graphs: dict[tuple[int, bool], _EmulatedGraph | _CudaGraph] = {}
+        self._bound: dict[tuple[int, bool], torch.Tensor | None] = {}  # the DeepStack rows each graph reads
+        self._probe_graphs: dict[tuple[int, bool], _EmulatedGraph | _CudaGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if graph_backend is GraphBackend.CUDA else None
+        if variant is not RunnerVariant.WARMUP_SPECIALIZED:  # that one captures on first use (its bug)
+            self._capture_all()
+
+    # -- capture ------------------------------------------------------------------------------
+
+    def _capture_all(self) -> None:
+        # Largest first: later, smaller graphs reuse the pool memory the largest one reserved.
+        for size in sorted(self.buckets, reverse=True):
+            for context in (False, True) if self.context_rows else (False,):
+                self._graphs[(size, context)] = self._capture(size, self._pool, probe=False, context=context)
+
+    def _capture(self, size: int, pool, probe: bool, context: bool, deepstack: bool = True):
+        key = (size, context)
+        if probe and key in self._bound:
+            bound = self._bound[key]  # a probe graph reads what its bucket's graph reads, stale or not
+        else:
+            # Binding the slot (not the live tensor) is what puts the DeepStack add into the graph.
+            bound = self._deepstack.bucket(size) if self._deepstack is not None and deepstack else None
+        if not probe:
+            self._bound[key] = bound
+        fn = self._bound_body(size, probe, context, bound)
+        with torch.inference_mode():
+            if self.graph_backend is GraphBackend.CUDA:
+                return _CudaGraph(fn, pool)
+            return _EmulatedGraph(fn)
+
+    def _bound_body(self, size: int, probe: bool, context: bool, deepstack: torch.Tensor | None
+                    ) -> Callable[[], Outputs]:
+        embeds, positions = self._embeds.bucket(size), self._positions.bucket(size)
+        extra = {"probe": True} if probe else {}  # a body need not know the options it is not given
+        if context:
+            extra["past"] = Past(self._past.keys, self._past.values, self._past.mask[:size, :self.context_rows + size])
+        return lambda: self._body(embeds, positions, deepstack, **extra)
+
+    def warmed_without_deepstack(self, num_tokens: int, context: bool = False) -> bool:
+        """Whether the graph a prefill of `num_tokens` would replay was captured before it arrived,
+        at start-up or by a request without DeepStack: what a server's warm-up leaves."""
+        key = (self.bucket_for(num_tokens), context)
+        return key in self._graphs and key not in self._captured_on_deepstack
+
+    # -- replay -------------------------------------------------------------------------------
+
+    @property
+    def deepstack_slot(self) -> torch.Tensor | None:
+        """The DeepStack slot's buffer, for inspection and tests (None when there is no slot)."""
+        return None if self._deepstack is None else self._deepstack.buffer
+
+    @property
+    def deepstack_slot_bytes(self) -> int:
+        """What the slot costs at capture (its growth, if any, is in each request's evidence)."""
+        return self._slot_bytes
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def can_replay(self, num_tokens: int, past_rows: int = 0) -> bool:
+        return num_tokens > 0 and self.bucket_for(num_tokens) is not None and past_rows <= self.context_rows
+
+    def replay(
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
+        probe: bool = False, window: Window | None = None, past: Past | None = None,
+    ) -> Outputs:
+        """Refresh every slot from the live inputs, replay the bucket's graph, return copies of the
+        outputs' real rows: (hidden [T, H], keys, values[, probe points]). With a `window`,
+        `deepstack` is the whole prompt's and the runner takes this prefill's rows from it; with
+        `past`, the bucket's context graph runs after those rows."""
+        num_tokens = input_embeds.shape[0]
+        bucket = self.bucket_for(num_tokens)
+        if bucket is None or num_tokens == 0:
+            raise ValueError(f"no captured bucket fits {num_tokens} tokens (buckets: {self.buckets})")
+        if past is not None and past.keys.shape[0] > self.context_rows:
+            raise ValueError(f"{past.keys.shape[0]} past rows exceed the context slot's {self.context_rows}")
+        rows = self.window_rows(deepstack, window)
+        self.refresh_deepstack(rows, num_tokens, bucket)  # validates first: may raise
+        self.refresh_inputs(input_embeds, positions, num_tokens, bucket)
+        if past is not None:
+            self.refresh_past(past, num_tokens, bucket)
+        graph = self._graph(bucket, probe, past is not None, rows is not None)
+        with torch.inference_mode():  # as at capture: the graph's outputs are inference tensors
+            graph.replay()
+        # Graph outputs are borrowed: the next replay overwrites them.
+        return tuple(output[:num_tokens].clone() for output in graph.outputs)
+
+    def window_rows(self, deepstack: torch.Tensor | None, window: Window | None) -> torch.Tensor | None:
+        """The DeepStack rows this prefill's slot gets: the window's own, or, in the planted
+        variants, rows from the wrong place of the prompt."""
+        if deepstack is None or window is None:
+            return deepstack
+        start = {RunnerVariant.CHUNK_MISALIGNED: window.cached,  # as if each chunk began the prompt
+                 RunnerVariant.PREFIX_OFFSET: window.start - window.cached,  # as if nothing were cached
+                 }.get(self.variant, window.start)
+        return deepstack[start:start + window.end - window.start]
+
+    def eager(
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
+        probe: bool = False, window: Window | None = None, past: Past | None = None,
+    ) -> Outputs:
+        """A prefill in graph mode that no bucket fits: the body runs eagerly, its DeepStack read
+        from the engine's buffer like a replay's, which grows when the rows do not fit."""
+        rows = window.of(deepstack) if window is not None else deepstack
+        if self._deepstack is not None and rows is not None:
+            self._ensure_rows(rows.shape[0])
+            slot_contract.refresh(self._deepstack.buffer, rows, rows.shape[0], rows=rows.shape[0],
+                                  clear=self._deepstack.padding is Padding.ZERO)
+            rows = self._deepstack.buffer[:rows.shape[0]]
+        extra = ({"probe": True} if probe else {}) | ({"past": past} if past is not None else {})
+        with torch.inference_mode():
+            return self._body(input_embeds, positions, rows, **extra)
+
+    def _ensure_rows(self, rows: int) -> None:
+        old = self._deepstack
+        if rows <= old.buffer.shape[0]:
+            return
+        grown = torch.zeros(rows, old.buffer.shape[1], dtype=old.buffer.dtype, device=old.buffer.device)
+        grown[:old.buffer.shape[0]].copy_(old.buffer)
+        self._deepstack = Slot(old.name, grown, old.padding)
+        self.growths.append((old.buffer.shape[0], rows))
+        if self.variant is RunnerVariant.GROWTH_REBIND:
+            return  # the bug: every captured graph still reads the old buffer
+        self._probe_graphs.clear()
+        keys = sorted(self._graphs, reverse=True)
+        self._graphs.clear()
+        for size, context in keys:  # the fix: the graphs read the buffer that is written
+            self._graphs[(size, context)] = self._capture(size, self._pool, probe=False, context=context)
+
+    def _graph(self, bucket: int, probe: bool, context: bool, has_deepstack: bool) -> _EmulatedGraph | _CudaGraph:
+        graphs = self._probe_graphs if probe else self._graphs
+        key = (bucket, context)
+        if key not in graphs:
+            # A probe graph has its own pool: captured after the others, kept apart. A warm-up
+            # specialised graph adds DeepStack only if the request that first needs it has some.
+            pool = torch.cuda.graph_pool_handle() if self.graph_backend is GraphBackend.CUDA else None
+            graphs[key] = self._capture(bucket, pool if probe else self._pool, probe, context,
+                                        has_deepstack or self.variant is not RunnerVariant.WARMUP_SPECIALIZED)
+            if has_deepstack and not probe:
+                self._captured_on_deepstack.add(key)
+        return graphs[key]
+
+    def refresh_inputs(self, input_embeds: torch.Tensor, positions: torch.Tensor, num_tokens: int, bucket: int) -> None:
+        self._fill(self._embeds, input_embeds, num_tokens, bucket)
+        self._fill(self._positions, positions, num_tokens, bucket)
+
+    def refresh_deepstack(self, deepstack: torch.Tensor | None, num_tokens: int, bucket: int) -> None:
+        """The DeepStack slot contract (`slot_contract.refresh`): validated before any write."""
+        if self._deepstack is not None:
+            slot_contract.refresh(self._deepstack.buffer, deepstack, bucket, rows=num_tokens,
+                                  clear=self._deepstack.padding is Padding.ZERO)
+
+    def refresh_past(self, past: Past, num_tokens: int, bucket: int) -> None:
+        """The rows before this prefill into the context slots, and its padded mask over them."""
+        rows = past.keys.shape[0]
+        self._past.keys[:rows].copy_(past.keys)
+        self._past.values[:rows].copy_(past.values)
+        fill_past_mask(self._past.mask[:bucket, :self.context_rows + bucket], rows, num_tokens)
+
+    @staticmethod
+    def _fill(slot: Slot, live: torch.Tensor, num_tokens: int, bucket: int) -> None:
+        slot.bucket(num_tokens).copy_(live)
+        if slot.padding is Padding.ZERO and bucket > num_tokens:
+            slot.buffer.narrow(slot.token_axis, num_tokens, bucket - num_tokens).zero_()
+
+    @property
+    def max_bucket(self) -> int | None:
+        return self.buckets[-1] if self.buckets else None
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._probe_graphs.clear()
+        self._bound.clear()
+        self._deepstack = None
+        self._past = None

@@ -1,0 +1,141 @@
+"""The `config` (and the parts of `environment`) a results file is judged and rebuilt from.
+
+`parity verdict` reads the tolerances; `parity localize` rebuilds the model and its graphs from the
+model, seed, dtype, runner, buckets, token budget and thread count. Every such field is checked
+here, so an edited value is a usage error naming it, never a traceback or a hang later.
+"""
+
+from __future__ import annotations
+
+from parity.runner.buckets import AUTO
+from parity.engines.registry import BACKENDS
+from parity.judge.identity import SOURCE_KEY
+from parity.judge.metrics import NOISE_FLOOR
+from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
+from parity.model_identity import PRESET, read_identity
+from parity.presets import PRESETS
+from parity.trust.fields import Invalid, get, integer, ints, non_negative_int, number, positive
+
+# The smallest --logprob-tol a run may ask for: a smaller one cannot be met by a correct run on every
+# CPU. Files written before v3 may hold tolerances down to 1e-6 and are read as written.
+MIN_LOGPROB_TOL = NOISE_FLOOR
+V2_MIN_LOGPROB_TOL = 1e-6
+# torch.manual_seed takes any signed or unsigned 64-bit integer; a preset seed beyond is no seed.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+# Linux's largest configurable CPU count (NR_CPUS): no machine reports more threads.
+MAX_THREADS = 8192
+# What `--dtype` resolves to; the tolerances, records and rebuilds of a run all read it.
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
+    config = dict(raw)
+    tol = number(get(config, "logprob_tol", (int, float), "config"), "config.logprob_tol")
+    floor = V2_MIN_LOGPROB_TOL if v2 else 0.0
+    if tol < floor:
+        raise Invalid(f"config.logprob_tol must be >= {floor:g}, got {tol}")
+    mean = get(config, "logprob_mean_tol", (int, float), "config", optional=True)
+    if mean is not None and number(mean, "config.logprob_mean_tol") < floor:
+        raise Invalid(f"config.logprob_mean_tol must be >= {floor:g}, got {mean}")
+    if v2:
+        margin = number(get(config, "tie_margin", (int, float), "config"), "config.tie_margin")
+        if margin < 0:
+            raise Invalid(f"config.tie_margin must be >= 0, got {margin}")
+        non_negative_int(get(config, "deepstack_layers", int, "config"), "config.deepstack_layers")
+        if config.get("localize_threshold") is not None:
+            positive(config["localize_threshold"], "config.localize_threshold")
+    else:  # the v1 rules: no ties, DeepStack use inferred from the records
+        config.pop("tie_margin", None)
+        config.pop("deepstack_layers", None)
+    _check_rebuild_fields(config, v2)
+    _check_vocabulary(config, v2)
+    if v2:
+        _check_identity(config)
+    _check_environment(environment, v2)
+    return config
+
+
+def _check_vocabulary(config: dict, v2: bool) -> None:
+    """A backend or dtype parity does not know would be read under another's rules."""
+    backend = get(config, "backend", str, "config", optional=not v2)
+    if backend is not None and backend not in BACKENDS:
+        raise Invalid(f"config.backend {backend!r} is not a backend parity has ({', '.join(BACKENDS)})")
+    dtype = get(config, "dtype", str, "config", optional=not v2)
+    if dtype is not None and dtype not in DTYPES:
+        raise Invalid(f"config.dtype {dtype!r} is not one parity runs ({', '.join(DTYPES)})")
+
+
+def _check_identity(config: dict) -> None:
+    """The model's identity (design §4b, v5) agrees with the fields that name the model."""
+    try:
+        identity = read_identity(config.get(IDENTITY_KEY))
+    except ValueError as err:
+        raise Invalid(f"config.{IDENTITY_KEY} {err}") from None
+    where = f"config.{IDENTITY_KEY}"
+    if identity.name != config["model"]:
+        raise Invalid(f"{where}.name is {identity.name!r}, but config.model is {config['model']!r}")
+    if (identity.kind == PRESET) != (config["model"] in PRESETS):
+        raise Invalid(f"{where}.kind is {identity.kind!r}, but {config['model']!r} is "
+                      f"{'an embedded preset' if config['model'] in PRESETS else 'not an embedded preset'}")
+    seed = config.get("preset_seed")
+    if identity.kind == PRESET and "preset_seed" in config and seed != identity.seed:
+        raise Invalid(f"{where}.seed is {identity.seed}, but config.preset_seed is {seed!r}: the weights judged were "
+                      "built from another seed than the file says")
+
+
+def _check_rebuild_fields(config: dict, v2: bool) -> None:
+    """What `parity localize` rebuilds the run from; parity writes all of them in /2."""
+    model = get(config, "model", str, "config", optional=not v2)
+    if model is not None and not model.strip():
+        raise Invalid("config.model is empty")
+    for key in ("backend", "dtype", "runner", "graph_backend"):
+        get(config, key, str, "config", optional=True)
+    tokens = get(config, "max_new_tokens", int, "config", optional=not v2)
+    if tokens is not None:
+        non_negative_int(tokens, "config.max_new_tokens", 1)
+    repeat = get(config, "repeat", int, "config", optional=True)
+    if repeat is not None:
+        non_negative_int(repeat, "config.repeat", 1)
+    seed = get(config, "preset_seed", int, "config", optional=True)
+    if seed is not None:
+        integer(seed, "config.preset_seed", *SEED_RANGE)
+    buckets = config.get("buckets")
+    if buckets is not None and buckets != AUTO:
+        if not isinstance(buckets, list) or not buckets:
+            raise Invalid(f"config.buckets must be {AUTO!r} or a non-empty list of bucket sizes")
+        ints(buckets, "config.buckets", minimum=1)
+    captured = get(config, "captured_buckets", list, "config", optional=True)
+    if captured is not None:
+        sizes = ints(captured, "config.captured_buckets", minimum=1)
+        if len(set(sizes)) != len(sizes):
+            raise Invalid("config.captured_buckets lists a bucket twice")
+        _check_context(config, sizes, tokens)
+
+
+def _check_context(config: dict, captured: tuple[int, ...], tokens: int | None) -> None:
+    """An embedded preset's context is known without building it: no bucket may pass it."""
+    preset = PRESETS.get(config.get("model"))
+    if preset is None:
+        return  # a checkpoint's context is its own config's; `parity localize` checks it after loading
+    too_big = [b for b in captured if b > preset.max_positions]
+    if too_big:
+        raise Invalid(f"config.captured_buckets has {too_big[0]}, beyond the {preset.max_positions}-token context "
+                      f"of {preset.name}")
+    if tokens is not None and tokens >= preset.max_positions:
+        raise Invalid(f"config.max_new_tokens is {tokens}, beyond the {preset.max_positions}-token context of "
+                      f"{preset.name}")
+
+
+def _check_environment(environment: dict, v2: bool) -> None:
+    threads = get(environment, "threads", int, "environment", optional=True)
+    if threads is not None:
+        integer(threads, "environment.threads", 1, MAX_THREADS)
+    get(environment, "device", str, "environment", optional=True)
+    # The code that wrote the file (design §4b): a merge of shards of different code is refused unless
+    # asked for, so a file may not drop the field to slip past that check.
+    # A merge made with --allow-mixed-code lists every source it merged.
+    source = get(environment, SOURCE_KEY, (str, list), "environment", optional=not v2)
+    sources = [source] if isinstance(source, str) else source or []
+    if (source is not None and not sources) or any(not isinstance(s, str) or not s.strip() for s in sources):
+        raise Invalid(f"environment.{SOURCE_KEY} must name the parity source that wrote the file")
+

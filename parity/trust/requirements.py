@@ -1,0 +1,179 @@
+"""What every run writes, required of every file that says it is one (design §4b).
+
+`results_consistency` refuses files that contradict themselves; these rules refuse files that lack
+what `parity run` always records, or relabel it: an edit that deletes a power arm's teacher-forced
+score, an arm's repeats or a tensor-parallel rank, or that raises an "auto" tolerance, changes what
+the verdict can see without contradicting anything else. `check_all` runs both sets, in the loader
+on every file and in `parity run` on the run itself (which fails the arm a rule names, so that
+`parity run` and `parity verdict` of its file always agree). Torch-free.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+from parity.engines import registry
+from parity.judge.metrics import auto_tolerances
+from parity.results import SCHEMA, FixtureInfo, RunResult
+from parity.plan.entries import read_plan
+from parity.trust.consistency import RULES, Contradiction, _ran, _requests
+from parity.trust.serving import RULES as SERVING_RULES
+
+
+def repeats_as_configured(run: RunResult) -> None:
+    """`--repeat N` gives every arm that ran N - 1 repeats; fewer only in a run that was stopped."""
+    repeat = run.config.get("repeat")
+    if not isinstance(repeat, int):
+        return
+    for request in _requests(run):
+        for arm in _ran(request):
+            held = len(arm.repeats)
+            if held > repeat - 1 or (held < repeat - 1 and not run.interrupted):
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.repeats holds {held} repeat(s), but config.repeat {repeat} gives every "
+                         f"arm that ran {repeat - 1}")
+
+
+def ranks_as_configured(run: RunResult) -> None:
+    """A tensor-parallel server's arm keeps one evidence record per rank (design §8), every run of it.
+    The SGLang backend records `tp_size` (a vLLM server's ranks are not counted yet: not checked)."""
+    if "tp_size" not in run.config:
+        backend = registry.of_run(run.config)
+        if run.schema == SCHEMA and backend.records_ranks:
+            raise Contradiction(f"config.tp_size is missing: a {backend.name} run records its tensor-parallel size")
+        return
+    tp_size = run.config["tp_size"]
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise Contradiction(f"config.tp_size must be an integer >= 1, got {tp_size!r}")
+    for request in _requests(run):
+        for arm in _ran(request):
+            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
+                                                   for i, r in enumerate(arm.repeats)]
+            for where, evidence in runs:
+                if evidence is None:
+                    continue
+                labels = {r.rank for r in evidence.ranks}
+                expected = tp_size if tp_size > 1 else 0
+                if len(evidence.ranks) != expected or len(labels) != len(evidence.ranks):
+                    raise request.contradiction(
+                        arm, f"{request.at(arm)}.{where}.ranks holds {len(labels)} distinct rank(s), but "
+                             f"config.tp_size {tp_size} runs every request on {tp_size} rank(s), each recorded "
+                             f"apart{' (none recorded for one rank)' if tp_size == 1 else ''}")
+
+
+def auto_tolerances_are_the_dtypes(run: RunResult) -> None:
+    """`logprob_tol_source: auto` means the dtype's measured bounds, not a number raised by hand;
+    `tie_margin_source: auto` the dtype's near-tie margin."""
+    config = run.config
+    auto = auto_tolerances(str(config.get("dtype")))
+    sources = (("logprob_tol_source", (("logprob_tol", auto.logprob_tol), ("logprob_mean_tol", auto.mean_tol))),
+               ("tie_margin_source", (("tie_margin", auto.tie_margin),)))
+    for source, fields in sources:
+        if config.get(source) != "auto":
+            if run.schema == SCHEMA and config.get(source) != "user":
+                raise Contradiction(f"config.{source} must be 'auto' or 'user', got {config.get(source)!r}")
+            continue
+        for key, value in fields:
+            if config.get(key) != value:
+                raise Contradiction(f"config.{key} is {config.get(key)!r}, but config.{source} 'auto' gives "
+                                    f"{value!r} for dtype {config.get('dtype')!r}")
+
+
+@functools.lru_cache(maxsize=1)
+def _builtin_pixels() -> dict[str, tuple[str, tuple[int, int], int]]:
+    from parity.media.fixtures import builtin_fixture, builtin_names
+
+    return {name: (f.sha256, f.size, len(f.frames))
+            for name in builtin_names(twins=True, videos=True) for f in (builtin_fixture(name),)}
+
+
+def builtin_fixtures_are_theirs(run: RunResult) -> None:
+    """A fixture named like a built-in one has its pixels (a user image never takes such a name)."""
+    for ci, case in enumerate(run.cases):
+        fixtures = [(f"cases[{ci}].fixture", case.fixture)] + [
+            (f"cases[{ci}].requests[{ri}].fixture", r.fixture) for ri, r in enumerate(case.requests)]
+        for where, fixture in fixtures:
+            _check_builtin(where, fixture)
+
+
+def _check_builtin(where: str, fixture: FixtureInfo | None) -> None:
+    if fixture is None:
+        return
+    known = _builtin_pixels().get(fixture.name)
+    if known is not None and known != (fixture.sha256, fixture.size, fixture.frames):
+        raise Contradiction(f"{where} is named {fixture.name!r}, the built-in fixture, but its sha256 "
+                            f"{fixture.sha256[:12]}… (size {list(fixture.size)}, {fixture.frames} frames) is not "
+                            f"that fixture's ({known[0][:12]}…, size {list(known[1])}, {known[2]} frames)")
+
+
+def records_in_the_runs_dtype(run: RunResult) -> None:
+    """The tap records the DeepStack rows the model computed, in the dtype it ran in."""
+    dtype = run.config.get("dtype")
+    if dtype is None:
+        return
+    for request in _requests(run):
+        for arm in _ran(request):
+            record = arm.deepstack_record
+            if record is not None and record.dtype != dtype:
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.deepstack_record.dtype is {record.dtype!r}, but config.dtype is "
+                         f"{dtype!r}: the model computed DeepStack in another dtype than the file says")
+
+
+def arms_are_the_configured(run: RunResult) -> None:
+    """Every arm in the file is one `config.arms` selected (v5): an eager-only run with graph arms
+    spliced in would otherwise be judged as if the graph had run."""
+    selected = run.config.get("arms")
+    if run.schema != SCHEMA or not isinstance(selected, list):
+        return
+    for request in _requests(run):
+        for arm in request.arms:
+            if arm.name not in selected:
+                raise request.contradiction(arm, f"{request.at(arm)} is not one of the arms the run selected "
+                                                 f"(config.arms {selected})")
+
+
+def plan_prompts_are_the_evidence(run: RunResult) -> None:
+    """A case's planned prompt length (`config.plan[].prompt_tokens`, what buckets are captured for)
+    is its longest request's, as its arms recorded it: where parity counts the prompt it prefilled
+    itself (the in-process backend), no arm's prompt is longer and, once every request has run, one
+    is as long; a server's serving evidence is never longer than planned."""
+    if run.schema != SCHEMA:
+        return
+    try:
+        planned = {entry.id: entry.prompt_tokens for entry in read_plan(run.config)}
+    except ValueError:
+        return  # the loader has refused the plan already
+    exact = registry.of_run(run.config).in_process
+    seen: dict[int, list[int]] = {}
+    for request in _requests(run):
+        tokens = planned.get(request.case.id)
+        for arm in _ran(request) if tokens is not None else ():
+            evidence = arm.evidence
+            own = None if evidence is None else (
+                evidence.prompt_tokens if exact else evidence.serving and evidence.serving.prompt_tokens)
+            if own is None:
+                continue
+            if own > tokens:
+                raise request.contradiction(arm, f"{request.at(arm)}.evidence has a {own}-token prompt, longer than the "
+                                                 f"{tokens} tokens config.plan plans for {request.case.id}")
+            seen.setdefault(request.case_index, []).append(own)
+    for ci, prompts in seen.items():
+        case, tokens = run.cases[ci], planned[run.cases[ci].id]
+        ran_whole = all(request.arms for request in case.requests) and not any(a.failed for a in case.all_arms())
+        if exact and ran_whole and not run.interrupted and max(prompts) != tokens:
+            raise Contradiction(f"config.plan plans {tokens} prompt tokens for {case.id}, but its longest request "
+                                f"recorded {max(prompts)}")
+
+
+REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
+    repeats_as_configured, ranks_as_configured, auto_tolerances_are_the_dtypes, builtin_fixtures_are_theirs,
+    records_in_the_runs_dtype, arms_are_the_configured, plan_prompts_are_the_evidence,
+)
+
+
+def check_all(run: RunResult) -> None:
+    """Raise `Contradiction` for the first consistency rule or requirement the run breaks."""
+    for rule in (*RULES, *SERVING_RULES, *REQUIREMENTS):
+        rule(run)

@@ -1,0 +1,137 @@
+"""A family scenario's serving evidence held to the run it claims to be from (design §10, v5).
+
+Rule 5b reads `evidence.serving` to decide whether a request reached its scenario's path (chunks,
+a cache hit, a grown buffer, an encoder graph). Evidence that only had to be well formed could be
+rewritten to claim a path the run never took: chunks of 8 tokens in a run with `--chunk-size 1000`,
+chunks that cover half the prompt, a buffer growth on an engine that has no growing buffer. Each
+rule below holds the evidence to something else the file records: the prompt, the configured chunk
+size, the arm's own replay count, the other mode's arm of the same request, and what the backend
+declares it cannot reach. Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
+from parity.engines import registry
+from parity.evidence import Evidence, ServingEvidence
+from parity.results import ArmResult, RunResult
+from parity.trust.consistency import Contradiction, _ran, _Request, _requests, _spec
+
+
+def _runs(arm: ArmResult) -> Iterator[tuple[str, Evidence]]:
+    """(JSON path suffix, evidence) of every run of the arm: the first, then each repeat's own."""
+    if arm.evidence is not None:
+        yield "evidence", arm.evidence
+    for i, repeat in enumerate(arm.repeats):
+        if repeat.evidence is not None:
+            yield f"repeats[{i}].evidence", repeat.evidence
+
+
+def _served(run: RunResult) -> Iterator[tuple[_Request, ArmResult, str, Evidence, ServingEvidence]]:
+    for request in _requests(run):
+        for arm in _ran(request):
+            for where, evidence in _runs(arm):
+                if evidence.serving is not None:
+                    yield request, arm, f"{request.at(arm)}.{where}.serving", evidence, evidence.serving
+
+
+def serving_names_its_prompt(run: RunResult) -> None:
+    """Serving evidence says how long the prompt it serves is (v5), so that its chunks can be shown
+    to tile it (`ServingEvidence.inconsistency`): without the length, any chunks would do."""
+    for request, arm, where, _, serving in _served(run):
+        if serving.prompt_tokens is None:
+            raise request.contradiction(arm, f"{where}.prompt_tokens is missing: serving evidence records the prompt "
+                                             "its chunks cover")
+
+
+def chunks_within_the_chunk_size(run: RunResult) -> None:
+    """A request served in chunks has none larger than `config.chunk_size`, and where parity cuts them
+    itself every chunk but the last is exactly that size; a request served whole has at most one
+    prefill."""
+    size = run.config.get("chunk_size")
+    exact = registry.of_run(run.config).in_process
+    for request, arm, where, _, serving in _served(run):
+        spec = _spec(request)
+        chunked = spec is not None and spec.serving.chunked
+        if chunked and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+            raise request.contradiction(arm, f"config.chunk_size is {size!r}, but {where} is of a request served "
+                                             "in chunks of it")
+        too_large = [c for c in serving.chunks if chunked and c.end - c.start > size]
+        if too_large:
+            c = too_large[0]
+            raise request.contradiction(arm, f"{where}.chunks has [{c.start}, {c.end}), {c.end - c.start} tokens, "
+                                             f"larger than config.chunk_size {size}")
+        cut = [c for c in serving.chunks[:-1] if exact and chunked and c.end - c.start != size]
+        if cut:
+            c = cut[0]
+            raise request.contradiction(arm, f"{where}.chunks has [{c.start}, {c.end}), {c.end - c.start} tokens before "
+                                             f"the last chunk: parity cuts chunks of config.chunk_size {size}")
+        if not chunked and len(serving.chunks) > 1:
+            raise request.contradiction(arm, f"{where}.chunks has {len(serving.chunks)} prefills, but the request is "
+                                             "not served in chunks")
+
+
+def replays_are_the_replayed_chunks(run: RunResult) -> None:
+    """Every chunk that replayed is a replay the arm counted: exactly its replays where parity counts
+    every LM entry itself (the in-process backend), at least where a server's tap also counts the
+    scoring requests' prefills and decode steps its engine replays."""
+    exact = registry.of_run(run.config).in_process
+    for request, arm, where, evidence, serving in _served(run):
+        replayed = sum(c.bucket is not None for c in serving.chunks) if serving.chunks else int(
+            bool(evidence.prefill_replayed))
+        if evidence.replayed_calls < replayed or (exact and evidence.replayed_calls != replayed):
+            raise request.contradiction(
+                arm, f"{where} shows {replayed} replayed prefill(s), but {where.removesuffix('.serving')}.replayed_calls "
+                     f"is {evidence.replayed_calls}")
+
+
+def modes_agree_on_serving(run: RunResult) -> None:
+    """The eager and the graph arm of one request, with the same DeepStack action, were served alike:
+    the same prompt, cut into the same chunks after the same cache hit. Only how each ran differs."""
+    for request in _requests(run):
+        arms = list(_ran(request))
+        for arm in arms:
+            if arm.mode != "bcg" or arm.evidence is None or arm.evidence.serving is None:
+                continue
+            eager = next((a for a in arms if a.mode == "eager" and a.deepstack == arm.deepstack), None)
+            if eager is None or eager.evidence is None or eager.evidence.serving is None:
+                continue
+            mine, theirs = _layout(arm.evidence.serving), _layout(eager.evidence.serving)
+            if mine != theirs:
+                field = next(k for k in mine if mine[k] != theirs[k])
+                raise request.contradiction(
+                    arm, f"{request.at(arm)}.evidence.serving.{field} is {mine[field]}, but {eager.name}'s is "
+                         f"{theirs[field]}: the two modes serve one request alike")
+
+
+def _layout(serving: ServingEvidence) -> dict:
+    return {"prompt_tokens": serving.prompt_tokens, "cached_tokens": serving.cached_tokens,
+            "chunks": [[c.start, c.end] for c in serving.chunks],
+            "image_span": None if serving.image_span is None else list(serving.image_span)}
+
+
+# What each path the backend may declare unreachable leaves in serving evidence when it was reached.
+_REACHED: dict[str, Callable[[ServingEvidence], bool]] = {
+    PROVES_GROWTH: lambda serving: serving.buffer_growth is not None,
+    PROVES_ENCODER_GRAPH: lambda serving: serving.encoder is not None,
+}
+
+
+def unreachable_paths_never_reached(run: RunResult) -> None:
+    """A path the backend declares it has no way to reach (`BackendInfo.unreachable`) was not reached."""
+    backend = registry.of_run(run.config)
+    for request, arm, where, _, serving in _served(run):
+        for path, why in backend.unreachable.items():
+            if _REACHED[path](serving):
+                raise request.contradiction(arm, f"{where} shows {path}, which the {backend.name} backend cannot "
+                                                 f"reach: {why}")
+
+
+RULES: tuple[Callable[[RunResult], None], ...] = (
+    serving_names_its_prompt, chunks_within_the_chunk_size, replays_are_the_replayed_chunks, modes_agree_on_serving,
+    unreachable_paths_never_reached,
+)
+
+__all__ = ["RULES", "Contradiction"]

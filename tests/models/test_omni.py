@@ -1,0 +1,103 @@
+"""The embedded Qwen3-Omni thinker (`tiny-qwen3-omni`): images and video with DeepStack through every
+arm and scenario, audio through its audio tower (exactly as transformers computes it), and a case
+whose only media is audio judged INCONCLUSIVE_NO_POWER before any arm."""
+
+from __future__ import annotations
+
+import wave
+
+import numpy as np
+import pytest
+import torch
+
+from parity.media.audio import RATE, audio_clip
+from parity.media.fixtures import builtin_fixture
+
+PROMPT = "What do you hear?"
+
+
+@pytest.mark.parametrize("fixture_name", [None, "rgb-stripes", "video-colour-cycle"])
+def test_audio_rows_come_from_the_audio_tower_exactly_as_transformers_computes_them(tiny_omni, fixture_name):
+    adapter = tiny_omni.adapter
+    fixture = builtin_fixture(fixture_name) if fixture_name else None
+    clip = audio_clip("audio-tone")
+    prepared = adapter.prepare(fixture, PROMPT, audio=clip)
+    assert int((prepared.input_ids == adapter.config.audio_token_id).sum()) > 0
+    with torch.no_grad():
+        reference = adapter.model(**adapter.processor_inputs(fixture, PROMPT, clip)).logits[0]
+        mine = adapter.lm_head(adapter.body(prepared.input_embeds, prepared.positions, prepared.deepstack)[0])
+    assert torch.allclose(mine, reference, atol=1e-5, rtol=0)
+    # Audio adds no DeepStack: only the image or video rows carry it.
+    if fixture is None:
+        assert prepared.deepstack is None
+    else:
+        assert torch.equal(prepared.deepstack.abs().sum(dim=1) > 0, prepared.input_ids == prepared.visual_token)
+
+
+def test_omni_passes_fixed_and_fails_legacy_on_images_and_video(parity_cli):
+    args = ("--model", "tiny-qwen3-omni", "--fixture", "all", "--video", "all", "--scenario", "all",
+            "--max-new-tokens", "2")
+    fixed, doc, _ = parity_cli.run(*args)
+    assert fixed.exit_code == 0 and doc["verdict"]["code"] == "PASS", fixed.output
+    assert len(doc["cases"]) == 10 * 8 and {c["fixture"].get("frames", 0) for c in doc["cases"]} == {0, 4, 5}
+    legacy, doc, _ = parity_cli.run("--model", "tiny-qwen3-omni", "--video", "video-moving-square",
+                                    "--fixture", "mosaic", "--runner", "legacy", "--max-new-tokens", "2", name="legacy")
+    assert legacy.exit_code == 1 and doc["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED", legacy.output
+    assert {c["verdict"]["code"] for c in doc["cases"]} == {"FAIL_DEEPSTACK_DROPPED"}
+
+
+def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path):
+    out = tmp_path / "out"
+    result = parity_cli("run", "--model", "tiny-qwen3-omni", "--audio", "audio-tone", "--out", str(out))
+    assert result.exit_code == 3, result.output
+    assert result.output.startswith("INCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone")
+    assert "audio adds no DeepStack" in result.output and "nothing ran" in result.output
+    assert not (out / "results.json").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--audio", "audio-tone"), "tiny-qwen3-vl takes no audio"),
+    (("--model", "tiny-qwen3-omni", "--audio", "audio-tone", "--fixture", "rgb-stripes"), "run them apart"),
+    (("--model", "tiny-qwen3-omni", "--audio", "nope.wav"), "no such file, and not a built-in clip"),
+])
+def test_audio_usage_errors(parity_cli, tmp_path, args, message):
+    result = parity_cli("run", *args, "--out", str(tmp_path / "out"))
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_a_wav_file_is_mixed_to_mono_and_resampled_to_the_model_rate(tmp_path):
+    path = tmp_path / "beep.wav"
+    left = (np.sin(np.arange(8000) / 8000 * 2 * np.pi * 440) * 16000).astype(np.int16)
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(2), out.setsampwidth(2), out.setframerate(8000)
+        out.writeframes(np.stack([left, np.zeros_like(left)], axis=1).tobytes())
+    clip = audio_clip(str(path))
+    assert clip.name == "beep" and len(clip.samples) == RATE and clip.seconds == 1.0
+    assert abs(float(np.abs(clip.samples).max()) - 0.5 * 16000 / 32768) < 1e-3  # the mono mix halves one channel
+    (tmp_path / "bad.wav").write_bytes(b"RIFF....WAVE")
+    with pytest.raises(Exception, match="not a PCM WAV file"):
+        audio_clip(str(tmp_path / "bad.wav"))
+
+
+def test_parity_models_lists_the_omni_thinker(parity_cli):
+    result = parity_cli("models")
+    assert "tiny-qwen3-omni" in result.output and "audio" in result.output
+
+
+def test_moe_checkpoints_are_saved_in_the_released_expert_layout(tmp_path):
+    """SGLang's loader transposes fused experts from the released [experts, in, out]; transformers 5
+    holds [experts, out, in]: the saved preset must be the released one (docs/engines/sglang-cpu.md)."""
+    from safetensors.torch import load_file
+
+    from parity.models import load_model
+    from parity.models.preset_checkpoint import saved_preset
+
+    folder = saved_preset("tiny-qwen3-vl-moe", root=tmp_path)
+    saved = {k: v for path in folder.glob("*.safetensors") for k, v in load_file(path).items()}
+    model = dict(load_model("tiny-qwen3-vl-moe").adapter.model.named_parameters())
+    fused = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert fused
+    for key in fused:
+        assert torch.equal(saved[key], model[key].transpose(-1, -2)), key
+    dense = [k for k in saved if k not in fused and k in model]
+    assert dense and all(torch.equal(saved[k], model[k]) for k in dense)

@@ -1,0 +1,430 @@
+"""`parity verdict` on results files: what parity writes re-judges to the same verdict, and an edited
+or self-contradictory file never re-judges to PASS (design §4, "v3 consistency").
+
+Every edit starts from a real run of the tiny preset (`real_run`, made once per session): exit 2 is
+a usage error naming the field, 3 is INCOMPLETE. The negative control of each edit is the round
+trip: the unedited file loads and judges as it was written.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from parity.results import SCENARIOS, run_to_json
+from parity.trust.loader import load_results
+from parity.judge.verdict import EXIT_CODES, judge_run
+from tests.conftest import REAL_RUNS
+
+
+@pytest.mark.parametrize("name", REAL_RUNS)
+def test_what_parity_writes_reads_back_as_written(real_run, name):
+    path, doc, code = real_run(name)
+    rejudged = run_to_json(judge_run(load_results(path)))
+    assert rejudged["verdict"] == doc["verdict"] and EXIT_CODES[doc["verdict"]["code"]] == code
+    # Every case, request, arm, comparison and verdict, exactly as written.
+    assert rejudged == doc
+    assert {c["scenario"] for c in doc["cases"]} == ({"chunked"} if name == "chunk-1000" else set(SCENARIOS))
+
+
+# --- edits ----------------------------------------------------------------------------------------
+
+def _case(doc, scenario="four-arm"):
+    return next(c for c in doc["cases"] if c["scenario"] == scenario)
+
+
+def _arms(doc, scenario="four-arm", request=0):
+    case = _case(doc, scenario)
+    return case["arms"] if scenario == "four-arm" else case["requests"][request]["arms"]
+
+
+def _drop_failing_requests(doc, scenario):
+    case = _case(doc, scenario)
+    # The requests whose graph answer differs from eager (the power check differs by design).
+    failing = {c["request"] for c in case["comparisons"] if not c["match"] and c["a"].startswith("bcg")}
+    assert failing  # the no-clear runner leaks stale rows: some request fails
+    case["requests"] = [r for i, r in enumerate(case["requests"]) if i not in failing]
+
+
+def _copy_answer(doc, source, target, keep_forced=True):
+    arms = _arms(doc)
+    arms[target].update({k: arms[source][k] for k in ("token_ids", "token_logprobs", "top_logprobs", "text")})
+    if not keep_forced:
+        arms[target]["forced"] = None
+
+
+def _set(obj, **values):
+    obj.update(values)
+
+
+EDITS = [
+    # A sequence case is complete only with all of its requests.
+    ("no-clear", lambda d: [_drop_failing_requests(d, s) for s in ("reuse", "stream", "growth")], 3,
+     "reuse/rgb-stripes/describe: INCOMPLETE: request 2 of 2 (follow-up (text only)): arm(s) not run"),
+    ("no-clear", lambda d: _drop_failing_requests(d, "stream"), 1,  # the reuse case still fails
+     "stream/rgb-stripes/describe: INCOMPLETE: request 4 of 5 (text only): arm(s) not run"),
+    ("no-clear", lambda d: _set(_case(d, "stream")["requests"][3], label="text"), 2,
+     "requests[3].label 'text' is not a request of the stream scenario"),
+    ("no-clear", lambda d: _case(d, "stream")["requests"].append(_case(d, "stream")["requests"][0]), 2,
+     "requests[5].label 'image' is repeated or out of order"),
+    ("no-clear", lambda d: _case(d, "reuse")["requests"].reverse(), 2, "is repeated or out of order"),
+    ("no-clear", lambda d: _set(_case(d, "stream")["requests"][3], fixture=_case(d, "stream")["fixture"]), 2,
+     "requests[3].fixture is 'rgb-stripes', but 'text only' is a text-only request"),
+    ("no-clear", lambda d: _set(_case(d, "stream")["requests"][2], fixture=_case(d, "stream")["fixture"]), 2,
+     "requests[2].fixture must be the twin of the case's image"),
+    # Another arm's answer whose teacher-forced scores say otherwise, with or without those scores.
+    ("legacy", lambda d: _copy_answer(d, "eager_normal", "bcg_normal"), 2,
+     "arms.bcg_normal.forced.eager_normal[0] is"),
+    ("legacy", lambda d: _copy_answer(d, "eager_normal", "bcg_normal", keep_forced=False), 2,
+     "arms.bcg_normal.forced lacks bcg_normal"),
+    # Replays in buckets the run never had or that cannot hold the prompt.
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], buckets=[16]), 2,
+     "evidence.buckets has 16, smaller than its 39-token prompt"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], buckets=[52]), 2,
+     "evidence.buckets has 52, which is not among the run's captured buckets"),
+    ("default", lambda d: _set(d["config"], captured_buckets=[16, *d["config"]["captured_buckets"]]), 2,
+     "config.captured_buckets lists a bucket twice"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], max_bucket=32), 2, "larger than its evidence.max_bucket"),
+    # Evidence and the tap's record disagree about the replay.
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["deepstack_record"], replay=False), 2,
+     "evidence.prefill_replayed is true, but its deepstack_record.replay is false"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], prefill_replayed=False, replayed_calls=0, buckets=[]),
+     2, "evidence.replayed_calls is 0, but its deepstack_record.replay is true"),
+    # Counts.
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], lm_calls=3), 2,
+     "lm_calls is 3, fewer than the prefill and 7 decode steps of its 8 tokens"),
+    ("default", lambda d: _set(_arms(d)["eager_normal"]["evidence"], tap_calls=-1), 2, "tap_calls must be >= 0, got -1"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], lm_calls=10**12, replayed_calls=10**12), 2,
+     "lm_calls is 1000000000000, above 10000000"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["evidence"], replayed_calls=True), 2,
+     "replayed_calls must be int, got bool"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["deepstack_record"], nonzero_rows=10**6), 2,
+     "nonzero_rows is 1000000, more than the"),
+    ("default", lambda d: _set(_arms(d)["bcg_normal"], token_ids=[-1] + _arms(d)["bcg_normal"]["token_ids"][1:]), 2,
+     "token_ids[0] must be >= 0, got -1"),
+    ("default", lambda d: _set(d["config"], max_new_tokens=4), 2, "has 8 tokens, more than config.max_new_tokens 4"),
+    ("default", lambda d: _arms(d)["eager_normal"]["token_logprobs"].__setitem__(0, 0.25), 2,
+     "token_logprobs[0] is 0.25: a log-probability cannot be positive"),
+    ("default", lambda d: _arms(d)["bcg_normal"]["top_logprobs"][0][0].__setitem__(1, 1.0), 2,
+     "top_logprobs[0][0] is 1.0"),
+    # DeepStack: one fingerprint per request, power only with an image and a model that consumes it.
+    ("default", lambda d: _set(_arms(d)["bcg_normal"]["deepstack_record"], sha256="0" * 64), 2,
+     "arms.bcg_normal.deepstack_record differs from eager_normal's"),
+    ("default", lambda d: _set(_arms(d)["eager_zero_deepstack"]["deepstack_record"], action="normal"), 2,
+     "deepstack_record.action is 'normal', but the arm runs DeepStack 'zero'"),
+    # config.plan says which image each case has, the same in every scenario
+    ("default", lambda d: (_set(_case(d), fixture=None), _set(d["config"]["plan"][0], image=None)), 2,
+     "has another image or prompt than"),
+    ("default", lambda d: _set(_case(d), fixture=None), 2, "another image under the same case id"),
+    ("default", lambda d: _set(d["config"], deepstack_layers=0), 2, "non-zero DeepStack rows, but config.deepstack_layers is 0"),
+    ("default", lambda d: (_set(d["config"], deepstack_layers=0),
+                       [_set(a, deepstack_record=None) for c in d["cases"]
+                        for a in (c["arms"].values() if "arms" in c else [x for r in c["requests"] for x in r["arms"].values()])]),
+     2, "deepstack_record is null, but its tap saw DeepStack rows"),
+    ("default", lambda d: (_set(_case(d), fixture=None), _set(d["config"]["plan"][0], image=None),
+                           [_set(a, deepstack_record=None) for a in _arms(d).values()]), 2,
+     "has another image or prompt than"),
+    ("default", lambda d: _set(_case(d), id=""), 2, "cases[0].id is empty"),
+    ("default", lambda d: _set(_case(d), id=" \t"), 2, "cases[0].id is empty"),
+    # Config fields `parity localize` rebuilds the run from.
+    ("default", lambda d: _set(d["config"], preset_seed=2**70), 2, "config.preset_seed is an integer of 22 digits"),
+    ("default", lambda d: _set(d["config"], preset_seed=2**64), 2, "config.preset_seed is 18446744073709551616, above 18446744073709551615"),
+    ("default", lambda d: _set(d["config"], preset_seed="0"), 2, "config.preset_seed must be int, got str"),
+    ("default", lambda d: _set(d["environment"], threads="1"), 2, "environment.threads must be int, got str"),
+    ("default", lambda d: _set(d["environment"], threads=10**6), 2, "environment.threads is 1000000, above 8192"),
+    ("default", lambda d: _set(d["config"], max_new_tokens="8"), 2, "config.max_new_tokens must be int, got str"),
+    ("default", lambda d: _set(d["config"], max_new_tokens=0), 2, "config.max_new_tokens must be >= 1, got 0"),
+    ("default", lambda d: _set(d["config"], captured_buckets=[100000]), 2,
+     "config.captured_buckets has 100000, beyond the 4096-token context of tiny-qwen3-vl"),
+    ("default", lambda d: _set(d["config"], captured_buckets=[*d["config"]["captured_buckets"], 2048]), 2,
+     "config.captured_buckets has 2048, but the run's longest prompt"),
+    ("default", lambda d: _set(d["config"], captured_buckets=[*d["config"]["captured_buckets"], 50]), 2,
+     "has 50, which is not on the bucket ladder"),
+    ("default", lambda d: _set(d["config"], buckets=[16]), 2, "which config.buckets [16] does not list"),
+    ("default", lambda d: _set(d["config"], buckets="most"), 2, "config.buckets must be 'auto' or a non-empty list"),
+    ("default", lambda d: _set(d["config"], model=["tiny-qwen3-vl"]), 2, "config.model must be str, got list"),
+    # A video is its decoded frames: fewer frames, or none (an image), is not the built-in video.
+    ("video", lambda d: _set(_case(d)["fixture"], frames=3), 2, "3 frames) is not that fixture's"),
+    ("video", lambda d: _case(d)["fixture"].pop("frames"), 2, "0 frames) is not that fixture's"),
+    ("video", lambda d: _set(_case(d)["fixture"], frames=0), 2, "frames must be a video's frame count"),
+]
+
+
+# --- trust v5: what the file says of the model, the serving path and the arms -------------------------
+
+def _serving(doc, scenario, request, arm):
+    return _arms(doc, scenario, request)[arm]["evidence"]["serving"]
+
+
+def _chunks_of(total, size, bucket):
+    return [[start, min(start + size, total), bucket, 0] for start in range(0, total, size)]
+
+
+def _forge_chunks(doc, arms=("bcg_normal",), replays=False, cover=None):
+    """The issue's attack on a `--chunk-size 1000` run: claim 8-token chunks that replayed."""
+    for name in arms:
+        arm = _arms(doc, "chunked", 0)[name]
+        total = arm["evidence"]["serving"]["prompt_tokens"]
+        bcg = arm["mode"] == "bcg"
+        chunks = _chunks_of(cover or total, 8, 8 if bcg else None)
+        arm["evidence"]["serving"]["chunks"] = chunks
+        if bcg:
+            arm["evidence"]["buckets"] = [8]
+            if replays:
+                arm["evidence"]["replayed_calls"] = len(chunks)
+
+
+def _each_arm(doc):
+    for case in doc["cases"]:
+        for arms in ([case["arms"]] if "arms" in case else [r["arms"] for r in case["requests"]]):
+            yield from arms.values()
+
+
+def _merge_first_chunks(serving, evidence):
+    first, second = serving["chunks"][:2]
+    serving["chunks"][:2] = [[first[0], second[1], 16, first[3] + second[3]]]
+    evidence["buckets"] = sorted({*evidence["buckets"], 16})
+
+
+def _arm_of(doc, scenario, request, arm):
+    return _arms(doc, scenario, request)[arm]
+
+
+V5_EDITS = [
+    # Serving evidence against the run it claims. The issue's --chunk-size 1000 forgery, in one arm or
+    # in every arm with the replay count raised to match, claims chunks parity never cuts.
+    ("chunk-1000", _forge_chunks, "parity cuts chunks of config.chunk_size 1000"),
+    ("chunk-1000", lambda d: _forge_chunks(d, ("bcg_normal", "eager_normal", "eager_zero_deepstack"), replays=True),
+     "parity cuts chunks of config.chunk_size 1000"),
+    # Each rule on its own, from a run whose chunks are real (chunk size 8).
+    ("default", lambda d: _serving(d, "chunked", 0, "bcg_normal")["chunks"].pop(),
+     "chunks cover rows [0, 32) of a 39-token prompt, not all of it"),
+    ("default", lambda d: _merge_first_chunks(_serving(d, "chunked", 0, "bcg_normal"),
+                                              _arm_of(d, "chunked", 0, "bcg_normal")["evidence"]),
+     "larger than config.chunk_size 8"),
+    ("default", lambda d: _set(_arm_of(d, "chunked", 0, "bcg_normal")["evidence"], replayed_calls=4),
+     "shows 5 replayed prefill(s), but"),
+    ("default", lambda d: _serving(d, "chunked", 0, "bcg_normal").pop("prompt_tokens"), "prompt_tokens is missing"),
+    ("default", lambda d: (_set(_serving(d, "prefix", 1, "bcg_normal"), cached_tokens=16, chunks=[[16, 48, 48, 2]]),
+                           _set(_arm_of(d, "prefix", 1, "bcg_normal")["evidence"], buckets=[48])),
+     "serving.cached_tokens is 16, but eager_normal's is 24"),
+    # DeepStack records where the tap fired, with rows where DeepStack moved the answer.
+    ("default", lambda d: _set(_arms(d)["bcg_normal"], deepstack_record=None), "deepstack_record is null, but its tap"),
+    ("default", lambda d: [_set(a, deepstack_record=None) for a in _each_arm(d)], "deepstack_record is null, but its tap"),
+    ("default", lambda d: [_set(a["deepstack_record"], nonzero_rows=0) for a in _each_arm(d) if a["deepstack_record"]],
+     "has 0 non-zero rows, but zeroing DeepStack changed"),
+    # Closed vocabularies and required provenance.
+    ("default", lambda d: _set(d["config"], backend="turbo"), "config.backend 'turbo' is not a backend parity has"),
+    ("default", lambda d: _set(d["config"], dtype="int8"), "config.dtype 'int8' is not one parity runs"),
+    ("default", lambda d: _set(d["config"], arms=["eager_normal", "eager_zero_deepstack"]),
+     "is not one of the arms the run selected"),
+    ("default", lambda d: d["environment"].pop("parity_source"), "environment lacks 'parity_source'"),
+    ("default", lambda d: _set(d["config"]["plan"][0], prompt_tokens=40), "plans 40 prompt tokens for"),
+    ("default", lambda d: [_set(e, prompt_tokens=10**6) for e in d["config"]["plan"]], "plans 1000000 prompt tokens"),
+    ("default", lambda d: [_set(e, prompt_tokens=38) for e in d["config"]["plan"] if e["scenario"] == "four-arm"],
+     "longer than the 38 tokens config.plan plans"),
+    # Which model it judged.
+    ("default", lambda d: d["config"].pop("model_identity"), "config.model_identity must be an object"),
+    ("default", lambda d: _set(d["config"]["model_identity"], name="tiny-qwen3-vl-moe"),
+     "model_identity.name is 'tiny-qwen3-vl-moe', but config.model is 'tiny-qwen3-vl'"),
+    ("default", lambda d: _set(d["config"]["model_identity"], kind="checkpoint", seed=None), "is an embedded preset"),
+    ("default", lambda d: _set(d["config"]["model_identity"], seed=3), "model_identity.seed is 3, but config.preset_seed"),
+    ("default", lambda d: _set(d["config"]["model_identity"], sha256="x" * 64), "sha256 must be 64 lowercase hex"),
+]
+
+
+@pytest.mark.parametrize("name, edit, message", V5_EDITS)
+def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, name, edit, message):
+    _, doc, _ = real_run(name)
+    edit(doc)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_the_chunk_size_run_the_forgeries_start_from_is_not_a_pass(real_run):
+    """The negative control of the chunk forgeries: as written, the run never reached the chunked path."""
+    _, doc, code = real_run("chunk-1000")
+    assert code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED"
+
+
+@pytest.mark.parametrize("literal, message", [
+    ("1" * 400, "is an integer of 400 digits"),
+    ("-" + "9" * 310, "is an integer of 310 digits"),
+    ("1" * 401 + ".5", "is inf: numbers in a results file must be finite"),
+    ("1e400", "is inf: numbers in a results file must be finite"),
+    ("123456789012345678901", "is an integer of 21 digits"),
+])
+@pytest.mark.parametrize("command", [("verdict",), ("verdict", "--json"), ("report", "--format", "json"),
+                                     ("merge", "--out", "OUT")])
+def test_numbers_past_any_bound_are_refused_naming_the_field(parity_cli, real_run, tmp_path, literal, message, command):
+    path, _, _ = real_run("legacy")
+    text = re.sub(r'"lm_calls": \d+', f'"lm_calls": {literal}', path.read_text(), count=1)
+    edited = tmp_path / "edited.json"
+    edited.write_text(text)
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in command]
+    result = parity_cli(*args[:1], str(edited), *args[1:])
+    assert result.exit_code == 2 and message in result.output and "evidence.lm_calls" in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name, edit, code, message", EDITS)
+def test_an_edited_file_never_rejudges_to_pass(parity_cli, real_run, tmp_path, name, edit, code, message):
+    _, doc, _ = real_run(name)
+    edit(doc)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == code and message in result.output, result.output
+    if code == 2:  # a usage error names the file
+        assert str(edited) in result.output and "Traceback" not in result.output
+
+
+def test_a_key_given_twice_is_refused_where_it_is(parity_cli, real_run, tmp_path):
+    path, doc, _ = real_run("legacy")
+    text = path.read_text()
+    # A passing bcg_normal before the real one: json keeps the last key, but a reader might keep the first.
+    edited = text.replace('"bcg_normal": {', '"bcg_normal": ' + json.dumps(_arms(doc)["eager_normal"]) + ', "bcg_normal": {', 1)
+    (tmp_path / "twice.json").write_text(edited)
+    result = parity_cli("verdict", str(tmp_path / "twice.json"))
+    assert result.exit_code == 2 and "cases[0].arms has the key 'bcg_normal' twice" in result.output, result.output
+    (tmp_path / "twice.json").write_text(text.replace('"schema"', '"schema": "parity.results/2", "schema"', 1))
+    result = parity_cli("verdict", str(tmp_path / "twice.json"))
+    assert result.exit_code == 2 and "document has the key 'schema' twice" in result.output, result.output
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: _set(d["config"], preset_seed=2**70), "config.preset_seed"),
+    (lambda d: _set(d["config"], captured_buckets=[100000]), "config.captured_buckets"),
+    (lambda d: _set(d["config"], max_new_tokens="x"), "config.max_new_tokens"),
+    (lambda d: _set(d["environment"], threads=0), "environment.threads"),
+])
+def test_localize_refuses_the_fields_it_would_rebuild_from(parity_cli, real_run, tmp_path, edit, message):
+    _, doc, _ = real_run("legacy")
+    edit(doc)
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("localize", str(edited))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_a_missing_request_is_not_run_and_the_others_keep_their_places(real_run, tmp_path):
+    from parity.results import SEQUENCE_REQUESTS
+
+    _, doc, _ = real_run("no-clear")
+    assert _case(doc, "stream")["localization"]["request"] == 3  # the text-only request leaks stale rows
+    del _case(doc, "stream")["requests"][1]
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(doc))
+    case = next(c for c in judge_run(load_results(path)).cases if c.scenario == "stream")
+    assert [r.label for r in case.requests] == [spec.label for spec in SEQUENCE_REQUESTS["stream"]]
+    assert case.requests[1].arms == () and case.localization.request == 3  # its place in the scenario
+    assert case.verdict.code == "INCOMPLETE" and case.verdict.reason == (
+        "request 2 of 5 (image, DeepStack zeroed): arm(s) not run: eager_zero_deepstack, bcg_zero_deepstack")
+
+
+def test_localize_refuses_buckets_past_a_checkpoints_context(parity_cli, tiny, tmp_path):
+    folder = tmp_path / "checkpoint"
+    tiny.adapter.model.save_pretrained(folder)
+    tiny.adapter.processor.save_pretrained(folder)
+    _, doc, _ = parity_cli.run("--model", str(folder), "--runner", "legacy", "--buckets", "48", "--max-new-tokens", "4")
+    # Consistent everywhere but past the checkpoint's 4096 positions, which only loading it tells.
+    doc["config"].update(buckets=[8192], captured_buckets=[8192])
+    for arm in doc["cases"][0]["arms"].values():
+        arm["evidence"].update(max_bucket=8192, buckets=[8192] if arm["mode"] == "bcg" else [])
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    assert parity_cli("verdict", str(edited)).exit_code == 1  # the loader cannot know the context
+    result = parity_cli("localize", str(edited))
+    assert result.exit_code == 2 and "config.captured_buckets has 8192, beyond the 4096-token context" in result.output
+
+
+def test_an_interrupted_run_reads_back_and_does_not_pass(parity_cli, monkeypatch):
+    from parity.backends.transformers_backend import TransformersSession
+
+    real, calls = TransformersSession.answer, {"n": 0}
+
+    def interrupted(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 30:  # in the eager pass, before the later fixtures' larger buckets ran
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersSession, "answer", interrupted)
+    result, doc, out = parity_cli.run("--scenario", "all", "--fixture", "all", "--max-new-tokens", "2")
+    assert result.exit_code == 130 and doc["interrupted"] is True
+    assert any(not r["arms"] for c in doc["cases"] if "requests" in c for r in c["requests"])
+    rejudged = run_to_json(judge_run(load_results(out / "results.json")))
+    assert rejudged == doc and rejudged["verdict"]["code"] == "INCOMPLETE"
+
+
+# --- every one-field edit (issue 21) -----------------------------------------------------------------
+
+def _places(node, path=()):
+    """Every object key and the first item of every list, with its value (one place per field)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key not in ("comparisons", "verdict"):  # recomputed, never read
+                yield path + (key,), value
+                yield from _places(value, path + (key,))
+    elif isinstance(node, list) and node:
+        yield path + (0,), node[0]
+        yield from _places(node[0], path + (0,))
+
+
+def _other_values(value):
+    if isinstance(value, bool):
+        return [not value]
+    if isinstance(value, int):
+        return [0, 1, value + 1, value * 2]
+    if isinstance(value, float):
+        return [0.0, value * 10, value / 10, 100.0]
+    if isinstance(value, str):
+        return ["", "parity.results/1", "auto", "user", "fixed", "bfloat16"]
+    if isinstance(value, list):
+        return [[], value[:-1]]
+    return [{}]
+
+
+def test_no_one_field_edit_of_a_failing_run_rejudges_to_pass(parity_cli, tmp_path):
+    """Every field of a failing run's file deleted, nulled or changed, one at a time, and one arm's
+    whole answer copied into another: never exit 0, never a traceback."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    _, doc, _ = parity_cli.run("--runner", "legacy", "--max-new-tokens", "3", name="legacy")
+    path, runner = tmp_path / "edited.json", CliRunner()
+
+    def verdict_of(edited) -> int:
+        path.write_text(json.dumps(edited))
+        result = runner.invoke(cli, ["verdict", str(path)])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        return result.exit_code
+
+    tried = 0
+    for place, value in list(_places(doc)):
+        for change in [None, "delete", *_other_values(value)]:
+            edited = json.loads(json.dumps(doc))
+            holder = edited
+            for key in place[:-1]:
+                holder = holder[key]
+            if change == "delete":
+                holder.pop(place[-1])
+            else:
+                holder[place[-1]] = change
+            assert verdict_of(edited) != 0, (place, change)
+            tried += 1
+    arms = doc["cases"][0]["arms"]
+    for target in arms:
+        for source in arms:
+            if source != target:
+                edited = json.loads(json.dumps(doc))
+                for key in ("token_ids", "text", "token_logprobs", "top_logprobs"):
+                    edited["cases"][0]["arms"][target][key] = arms[source][key]
+                assert verdict_of(edited) != 0, (target, source)
+                tried += 1
+    assert tried > 500 and verdict_of(doc) == 1  # the negative control: the file as written is the FAIL
