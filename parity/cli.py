@@ -22,7 +22,7 @@ from parity.cli_options import (
     LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
     tie_margin, warn_ignored,
 )
-from parity.engines import registry
+from parity import registry
 from parity.errors import NothingToProve, ParityError, UsageError
 from parity.run.interrupts import exit_code_of, signal_of
 from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES

@@ -11,7 +11,7 @@ import os
 import click
 from click.core import ParameterSource
 
-from parity.engines import registry
+from parity import registry
 from parity.trust.fields import MAX_MAGNITUDE
 
 def positive(ctx, param, value):

@@ -33,6 +33,11 @@ class NothingToProve(ParityError):
     verdict = "INCONCLUSIVE_NO_POWER"
 
 
+class LocalizationError(UsageError):
+    """A case that cannot be localized here: no probe on this backend, a prefill that did not replay,
+    a forward that failed."""
+
+
 class BackendUnavailableError(UsageError):
     """A backend whose requirements are missing here (SGLang not installed, no GPU, port in use)."""
 

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Sequence
 
 from parity.backends.protocol import Request
-from parity.engines import registry
+from parity import registry
 from parity.errors import UsageError
 from parity.design import RUNNER_VARIANTS, SEQUENCE_REQUESTS
-from parity.media.fixtures import LAYOUT_SIZES, Fixture, builtin_fixture, builtin_names, image_fixture
+from parity.media.catalog import builtin_fixture, builtin_names
+from parity.media.fixtures import LAYOUT_SIZES, Fixture, image_fixture
 from parity.media.videos import video_fixture
 from parity.run.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results

@@ -20,7 +20,8 @@ from parity.errors import UsageError
 from parity.run.interrupts import deferred_stops
 from parity.judge.identity import MODEL_FIELD, SOURCE_KEY, difference_path, first_difference, identity, model_of, shown
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
-from parity.results import RunResult, Verdict, dumps, write_atomically
+from parity.results import RunResult, Verdict, dumps
+from parity.textfiles import write_atomically
 from parity.trust.consistency import Contradiction
 from parity.trust.loader import MAX_FILE_BYTES, load_results
 from parity.trust.requirements import check_all
@@ -186,7 +187,9 @@ def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> R
     _write(folder / "results.json", dumps(run) + "\n")
     _write(folder / "report.md", render_markdown(run))
     if plots:
-        run = _with_plots(run, folder, warn)
+        from parity.reporting.plots import with_plots
+
+        run = with_plots(run, folder, warn)
         _write(folder / "results.json", dumps(run) + "\n")
         _write(folder / "report.md", render_markdown(run))
     return run
@@ -213,21 +216,6 @@ def _write(path: Path, text: str) -> None:
             write_atomically(path, text)
     except OSError as err:
         raise UsageError(f"--out: cannot write {path} ({err.strerror or err})") from None
-
-
-def _with_plots(run: RunResult, folder: Path, warn: Warn) -> RunResult:
-    from parity.reporting.plots import plot_case, plot_localization
-
-    cases = []
-    for case in run.cases:
-        try:
-            case = dataclasses.replace(case, plot=plot_case(case, folder, run).name)
-            if case.localization is not None:
-                case = dataclasses.replace(case, localization_plot=plot_localization(case, folder).name)
-        except (OSError, ValueError, RuntimeError) as err:  # a plot is a view; results.json is written
-            warn(f"no plot for {case.id} ({err.__class__.__name__}: {err})")
-        cases.append(case)
-    return dataclasses.replace(run, cases=tuple(cases))
 
 
 def experiment_folder(index: int, run: RunResult) -> str:

@@ -145,7 +145,7 @@ def _read_cache(path: Path) -> dict[str, str]:
 
 
 def _write_cache(path: Path, known: Mapping[str, str]) -> None:
-    from parity.results import write_atomically
+    from parity.textfiles import write_atomically
 
     try:
         write_atomically(path, json.dumps(dict(known), indent=0, sort_keys=True))

@@ -18,20 +18,21 @@ from rich.console import Console
 from rich.markup import escape
 
 from parity.backends.options import BackendOptions
-from parity.engines import registry
-from parity.engines.registry import create_backend
+from parity import registry
+from parity.registry import create_backend
 from parity.errors import NothingToProve, UsageError
 from parity.run.experiment import RunInterrupted, run_experiment
 from parity.run.planning import CaseSpec, RunSpec, planned_arm_runs
-from parity.media.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixture, builtin_fixtures, default_prompts, image_fixture
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import DEFAULT_FIXTURE, Fixture, Prompt, builtin_fixtures, default_prompts, image_fixture
 from parity.media.videos import builtin_video, builtin_videos, is_video_name, video_fixture
 from parity.run.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary, step_summary_wanted
 from parity.reporting.progress import progress_display
 from parity.reporting.report import render_markdown
 from parity.reporting.terminal import print_table
-from parity.results import RunResult, dumps, write_atomically
-from parity.textfiles import NotAFile, TooLarge, described, read_text_capped
+from parity.results import RunResult, dumps
+from parity.textfiles import NotAFile, TooLarge, described, read_text_capped, write_atomically
 
 # A prompts file is a few lines; a megabyte of prompts is thousands of cases, far past any run.
 MAX_PROMPTS_BYTES = 1024 * 1024
@@ -231,7 +232,7 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
 def check_media(spec: RunSpec, backend: str) -> None:
     """A video for a server without PyAV to write the file it is sent as: exit 2 with the reason,
     before any server starts."""
-    from parity.engines.registry import BACKENDS
+    from parity.registry import BACKENDS
     from parity.media.videos import has_av
 
     videos = [c.fixture.name for c in spec.cases if c.fixture is not None and c.fixture.is_video]
@@ -336,7 +337,10 @@ def _plotted(result: RunResult, output: OutputOptions, console: Console) -> RunR
     """The plots, then results.json and report.md again with them linked. A stop while plotting
     keeps the files already written (their report has no plot links)."""
     try:
-        plotted = _with_plots(result, output.run_dir, console)
+        from parity.reporting.plots import with_plots
+
+        plotted = with_plots(result, output.run_dir,
+                             lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
     except KeyboardInterrupt as stop:
         raise RunStopped(signal_of(stop), f"interrupted while plotting: results.json, report.md and JUnit are "
                                           f"written in {output.run_dir}; the plots are not linked") from None
@@ -351,19 +355,3 @@ def _plotted(result: RunResult, output: OutputOptions, console: Console) -> RunR
     except KeyboardInterrupt as stop:
         raise RunStopped(signal_of(stop), f"interrupted: the results are written in {output.run_dir}") from None
     return plotted
-
-
-def _with_plots(result: RunResult, run_dir: Path, console: Console) -> RunResult:
-    from parity.reporting.plots import plot_case, plot_localization
-
-    cases = []
-    for case in result.cases:
-        try:
-            case = dataclasses.replace(case, plot=plot_case(case, run_dir, result).name)
-            if case.localization is not None:
-                case = dataclasses.replace(case, localization_plot=plot_localization(case, run_dir).name)
-        except (OSError, ValueError, RuntimeError) as err:  # a plot is a view; results.json is already written
-            console.print(f"[yellow]warning:[/] no plot for {escape(case.id)} ({err.__class__.__name__}: "
-                          f"{escape(str(err))})")
-        cases.append(case)
-    return dataclasses.replace(result, cases=tuple(cases))

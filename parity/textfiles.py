@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 
@@ -90,3 +91,28 @@ def user_file(option: str, given: str | Path, limit: int) -> Path:
     except OSError as err:
         raise UsageError(f"{option} {given}: {described(err)}") from None
     return Path(given)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file.
+
+    The file gets the mode an ordinary `open` would (0666 less the umask), not mkstemp's 0600. A
+    lone surrogate (from a results file read back) is written as its JSON escape `\\udXXX`.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    # Reading the umask means setting it; parity writes its files from one thread.
+    current = os.umask(0o022)
+    os.umask(current)
+    return current

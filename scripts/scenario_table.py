@@ -19,7 +19,8 @@ from parity.backends.options import apply_thread_policy  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
 from parity.design import RUNNER_VARIANTS, SCENARIOS  # noqa: E402
 from parity.run.experiment import run_experiment  # noqa: E402
-from parity.media.fixtures import builtin_fixture, builtin_fixtures, default_prompts  # noqa: E402
+from parity.media.catalog import builtin_fixture  # noqa: E402
+from parity.media.fixtures import builtin_fixtures, default_prompts  # noqa: E402
 from parity.runner.graph_runner import RunnerVariant  # noqa: E402
 from parity.models import load_model  # noqa: E402
 from parity.run.planning import CaseSpec, RunSpec  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Mapping, Sequence
 from parity.arms import ARM_ORDER, BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.arms import arm as arm_of
 from parity.errors import UsageError
-from parity.media.fixtures import builtin_fixture
+from parity.media.catalog import builtin_fixture
 from parity.plan.entries import PlanEntry, plan_json, text_sha256
 from parity.evidence import DeepStackRecord, Evidence
 from parity.results import (

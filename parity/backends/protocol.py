@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from parity.design import Serving
 from parity.evidence import DeepStackRecord, Evidence
 from parity.media.fixtures import Fixture
 from parity.results import TopLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -122,4 +125,25 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release everything (models, servers); safe to call twice, also after a failure."""
+        ...
+
+
+# --- probing a prefill per layer (design §7), for the backends that can ---------------------------------
+
+@dataclass(frozen=True)
+class Probed:
+    """One prefill's hidden state at every probe point, real rows only."""
+
+    points: tuple[tuple[int, int | None], ...]  # (decoder layer, DeepStack block added there or None)
+    hidden: "torch.Tensor"  # [T, P, H]
+
+
+@runtime_checkable
+class CanLocalize(Protocol):
+    """A backend that can probe a prefill per layer (optional: the SGLang backend cannot)."""
+
+    def probe(self, mode: str, target: Request, deepstack: str,
+              prefix: Sequence[tuple[Request, str]] = ()) -> Probed:
+        """`target`'s prefill in `mode` with DeepStack `deepstack` at the LM entry; in `bcg`, by the
+        probe graph of the runner under test, after replaying `prefix` ((request, deepstack), ...)."""
         ...

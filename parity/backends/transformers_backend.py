@@ -21,15 +21,14 @@ import torch
 
 from parity.arms import DeepStack
 from parity.backends.options import BackendOptions, apply_thread_policy
-from parity.backends.protocol import Answer, Generates, Generation, Request
+from parity.backends.protocol import Answer, Generates, Generation, Probed, Request
 from parity.runner.buckets import BucketPolicy
-from parity.errors import ArmFailure, UsageError
+from parity.errors import ArmFailure, LocalizationError, UsageError
 from parity.backends.serving import LMExecutor, Prefill, PromptServer
 from parity.design import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, Serving
 from parity.evidence import Evidence
 from parity.runner.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
 from parity.runner.lm_body import KVCache
-from parity.run.localization import LocalizationError, Probed
 from parity.model_identity import CONFIG_KEY
 from parity.models import LoadedModel
 from parity.models.qwen3_vl import PreparedPrompt

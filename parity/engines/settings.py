@@ -52,6 +52,14 @@ class ServerSettings:
     stop_grace: float = launcher.STOP_GRACE_S
     ready_poll: float = launcher.POLL_S
     chunk_size: int = DEFAULT_CHUNK_TOKENS  # the chunked profile's prefill chunk, in tokens (design §10)
+    device: str = "cuda"  # "cpu": the engine's CPU worker with parity's stand-ins (docs/engines/*-cpu.md)
+    graph_backend: str = "cuda"  # "emulated": the engine's graphs replay through parity's emulation (CPU)
+    fix: str | None = None  # parity's DeepStack fix in the servers (the engine's fix module's VARIANTS)
+    threads: int | None = None  # CPU threads of each server process (CPU only)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.mem_fraction < 1.0:

@@ -11,7 +11,7 @@ from parity.runner.buckets import smallest_fitting
 from parity.design import (
     PROVES_CACHE_HIT, PROVES_CHUNKS, PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_WARM_GRAPH,
 )
-from parity.engines import registry
+from parity import registry
 from parity.evidence import Evidence
 from parity.judge.metrics import Tolerances
 from parity.results import ArmResult, RunResult

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from parity import __version__
-from parity.engines import registry
+from parity import registry
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
 from parity.model_identity import read_identity
 from parity.results import RunResult

@@ -15,7 +15,7 @@ from parity.design import (  # noqa: F401  (the comparisons, as verdict readers 
     BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, FOUR_ARM_CHECKS, FOUR_ARMS, POWER_CHECK, SEQUENCE_POWER_ARM,
     SEQUENCE_REQUESTS, Check, RequestSpec, power_request,
 )
-from parity.engines import registry
+from parity import registry
 from parity.judge.evidence_rules import Rules, bucket_fault, not_replayed_reason, path_not_reached, runs_of, tap_fired
 from parity.judge.metrics import NOISE_FLOOR, compare, first_divergence, tuple_text
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict

@@ -74,7 +74,7 @@ class Fixture:
         """Same size and frame count (so the same token count), different pixels, named `<name>-twin`."""
         name = f"{self.name}{TWIN_SUFFIX}"
         if self.builtin and self.name in TWINS:
-            return builtin_fixture(name)
+            return builtin_image(name)
         if self.is_video:
             return Fixture.video(name, (_twin_image(f) for f in self.frames), self.fps)
         return Fixture(name, _twin_image(self.image))
@@ -223,7 +223,7 @@ GENERATORS: dict[str, Callable[[], np.ndarray]] = {
     "mosaic": _mosaic,
 }
 
-# Each primary's twin, same size, other content; `builtin_fixture(f"{name}-twin")` renders it.
+# Each primary's twin, same size, other content; `builtin_image(f"{name}-twin")` renders it.
 TWINS: dict[str, Callable[[], np.ndarray]] = {
     "rgb-stripes": _stripes_twin,
     "checkerboard": _checkerboard_twin,
@@ -235,12 +235,9 @@ TWINS: dict[str, Callable[[], np.ndarray]] = {
 }
 
 
-def builtin_fixture(name: str) -> Fixture:
-    """A primary fixture by name, or a primary's twin as `<name>-twin`; `video-…` names a built-in video."""
-    from parity.media.videos import builtin_video, is_video_name
-
-    if is_video_name(name):
-        return builtin_video(name)
+def builtin_image(name: str) -> Fixture:
+    """A primary image fixture by name, or a primary's twin as `<name>-twin` (a video by name:
+    `catalog.builtin_fixture`)."""
     primary = name.removesuffix(TWIN_SUFFIX)
     generators = TWINS if primary != name else GENERATORS
     if primary not in generators:
@@ -252,15 +249,7 @@ def builtin_fixture(name: str) -> Fixture:
 
 def builtin_fixtures() -> list[Fixture]:
     """The primary fixtures (twins come from `Fixture.twin()`)."""
-    return [builtin_fixture(name) for name in GENERATORS]
-
-
-def builtin_names(twins: bool = False, videos: bool = False) -> list[str]:
-    """The built-in images' names (and their twins'; and the built-in videos' and theirs)."""
-    from parity.media.videos import GENERATORS as VIDEOS
-
-    names = [*GENERATORS, *(f"{name}{TWIN_SUFFIX}" for name in TWINS if twins)]
-    return names + [*VIDEOS, *(f"{name}{TWIN_SUFFIX}" for name in VIDEOS if twins)] if videos else names
+    return [builtin_image(name) for name in GENERATORS]
 
 
 def _twin_image(image: Image.Image) -> Image.Image:
@@ -309,8 +298,8 @@ def write_pngs(folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name in builtin_names(twins=True):
+    for name in [*GENERATORS, *(f"{primary}{TWIN_SUFFIX}" for primary in TWINS)]:
         path = folder / f"{name}.png"
-        builtin_fixture(name).image.save(path, format="PNG")
+        builtin_image(name).image.save(path, format="PNG")
         paths.append(path)
     return paths

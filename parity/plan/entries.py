@@ -18,14 +18,15 @@ the file. Torch-free.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from parity.arms import arm
 from parity.results import FOUR_ARM, SCENARIOS
-from parity.trust.fields import SHA256_HEX
 
 PLAN_KEY = "plan"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 as parity writes it
 
 
 def text_sha256(text: str) -> str:

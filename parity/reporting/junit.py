@@ -26,7 +26,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
-from parity.results import CaseResult, RunResult, Verdict, write_atomically
+from parity.results import CaseResult, RunResult, Verdict
+from parity.textfiles import write_atomically
 from parity.judge.metrics import tuple_text
 from parity.reporting.report import arm_evidence_text, arms_with_labels, check_label, rows
 from parity.judge.verdict import ERROR, PASS, judged

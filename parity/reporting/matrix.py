@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-from parity.engines import registry
+from parity import registry
 from parity.judge.identity import difference_path, first_difference, identity, shown
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
 from parity.reporting.report import _md_case as case_markdown

@@ -13,8 +13,10 @@ or leave figures open in pyplot's registry. matplotlib is imported only when a p
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
+from typing import Callable
 
 from parity.judge import metrics
 from parity.judge.metrics import first_divergence
@@ -173,3 +175,18 @@ def localization_figure(case: CaseResult):
                    fontsize="medium")
     add_legend(figure, axes)
     return figure
+
+
+def with_plots(run: RunResult, folder: Path, warn: Callable[[str], object]) -> RunResult:
+    """The run with each case's plots drawn into `folder` and named in it; a plot that cannot be drawn
+    is a warning (a plot is a view: results.json is already written)."""
+    cases = []
+    for case in run.cases:
+        try:
+            case = dataclasses.replace(case, plot=plot_case(case, folder, run).name)
+            if case.localization is not None:
+                case = dataclasses.replace(case, localization_plot=plot_localization(case, folder).name)
+        except (OSError, ValueError, RuntimeError) as err:
+            warn(f"no plot for {case.id} ({err.__class__.__name__}: {err})")
+        cases.append(case)
+    return dataclasses.replace(run, cases=tuple(cases))

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Iterator
 
-from parity.engines import registry
+from parity import registry
 from parity.evidence import Evidence, ServingEvidence
 from parity.run.localization import not_available, target_of
 from parity.judge.metrics import format_delta, tuple_text

@@ -8,8 +8,6 @@ non-finite logprob fails that arm instead.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -19,6 +17,7 @@ from parity.design import (  # noqa: F401  (the scenario names, read by every mo
     CASE_IMAGE, FOUR_ARM, REUSE, SCENARIOS, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, STREAM, TWIN_IMAGE, RequestSpec,
 )
 from parity.evidence import DeepStackRecord, Evidence
+from parity.textfiles import write_atomically
 
 SCHEMA = "parity.results/2"
 SCHEMA_V1 = "parity.results/1"
@@ -328,31 +327,6 @@ def dumps(run: RunResult) -> str:
     body = ",\n".join(json.dumps(case_to_json(case), ensure_ascii=False, allow_nan=False)
                       for case in run.cases if not case.absent)
     return f'{head[:-1]}, "cases": [\n{body}\n]}}'
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all: an interrupted write never leaves a half file.
-
-    The file gets the mode an ordinary `open` would (0666 less the umask), not mkstemp's 0600. A
-    lone surrogate (from a results file read back) is written as its JSON escape `\\udXXX`.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as out:
-            out.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    # Reading the umask means setting it; parity writes its files from one thread.
-    current = os.umask(0o022)
-    os.umask(current)
-    return current
 
 
 def write_results(run: RunResult, path: Path) -> None:

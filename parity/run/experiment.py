@@ -18,13 +18,13 @@ from typing import Callable, Sequence
 from parity import __version__
 from parity.run.arm_run import ArmRun, failed_arm
 from parity.arms import ARM_ORDER, MODES, Mode, arm, arm_for
-from parity.backends.protocol import Backend, Session
-from parity.engines import registry
+from parity.backends.protocol import Backend, CanLocalize, Session
+from parity import registry
 from parity.errors import ArmFailure
 from parity.media.fixtures import Fixture
 from parity.judge.identity import SOURCE_KEY, source_identity
 from parity.run.interrupts import deferred_stops, signal_of
-from parity.run.localization import CanLocalize, auto_threshold, localize_run
+from parity.run.localization import auto_threshold, localize_run
 from parity.judge.metrics import Tolerances, auto_tolerances
 from parity.plan.entries import PLAN_KEY, plan_json
 from parity.run.planning import (

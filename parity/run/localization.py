@@ -17,18 +17,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, Mode, arm_for
 from parity.arms import arm as arm_of
-from parity.errors import UsageError
+from parity.errors import LocalizationError, UsageError
 from parity.results import CaseResult, LayerError, Localization, RunResult
 from parity.judge.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_STALE_STATE
 
 if TYPE_CHECKING:  # reports import this module: no torch, no fixtures at import time
     import torch
 
-    from parity.backends.protocol import Request
+    from parity.backends.protocol import CanLocalize, Request
 
 # Per-point relative error of a correct (fixed) runner against eager, measured on every preset,
 # built-in fixture and prompt on the CPU (scripts/localization_noise.py, docs/localization.md): at
@@ -43,11 +43,6 @@ FOUR_ARM_TARGETS = {
     FAIL_GRAPH_DIVERGES: (BCG_NORMAL, EAGER_NORMAL),
     FAIL_CONTROL_DIVERGES: (BCG_ZERO, EAGER_ZERO),
 }
-
-
-class LocalizationError(UsageError):
-    """A case that cannot be localized here: no probe on this backend, a prefill that did not replay,
-    a forward that failed."""
 
 
 @dataclass(frozen=True)
@@ -67,25 +62,6 @@ class Target:
     request: int | None  # the sequence request localized; None in a four-arm case
     step: Step
     prefix: tuple[Step, ...]  # the case's bcg requests that ran before it, in order
-
-
-@dataclass(frozen=True)
-class Probed:
-    """One prefill's hidden state at every probe point, real rows only."""
-
-    points: tuple[tuple[int, int | None], ...]  # (decoder layer, DeepStack block added there or None)
-    hidden: "torch.Tensor"  # [T, P, H]
-
-
-@runtime_checkable
-class CanLocalize(Protocol):
-    """A backend that can probe a prefill per layer (optional: the SGLang backend cannot)."""
-
-    def probe(self, mode: str, target: Request, deepstack: str,
-              prefix: Sequence[tuple[Request, str]] = ()) -> Probed:
-        """`target`'s prefill in `mode` with DeepStack `deepstack` at the LM entry; in `bcg`, by the
-        probe graph of the runner under test, after replaying `prefix` ((request, deepstack), ...)."""
-        ...
 
 
 def auto_threshold(dtype: str) -> float:
@@ -183,6 +159,8 @@ def localize_run(run: RunResult, backend: object, requests: Mapping[str, Sequenc
         target = target_of(case) if only is None or case.id == only else None
         if target is not None:
             try:
+                from parity.backends.protocol import CanLocalize
+
                 if not isinstance(backend, CanLocalize):
                     raise LocalizationError(not_available(str(run.config.get("backend"))))
                 case = dataclasses.replace(case, localization=localize(backend, target, requests[case.id], threshold))

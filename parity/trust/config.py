@@ -8,7 +8,7 @@ here, so an edited value is a usage error naming it, never a traceback or a hang
 from __future__ import annotations
 
 from parity.runner.buckets import AUTO
-from parity.engines.registry import BACKENDS
+from parity.registry import BACKENDS
 from parity.judge.identity import SOURCE_KEY
 from parity.judge.metrics import NOISE_FLOOR
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from parity.arms import EAGER_NORMAL, EAGER_ZERO
 from parity.runner.buckets import AUTO, prefill_bucket_ladder, smallest_fitting
-from parity.engines import registry
+from parity import registry
 from parity.judge.metrics import Tolerances, compare
 from parity.plan.entries import read_plan
 from parity.results import (

@@ -11,6 +11,8 @@ import math
 import re
 from typing import Any
 
+from parity.plan.entries import SHA256_HEX  # noqa: F401 (the readers of sha256 fields take it from here)
+
 # Token ids, sizes, counts, buckets: a vocabulary, an image side, a context and the LM entries of a
 # run all stay far below ten million.
 MAX_COUNT = 10**7
@@ -78,7 +80,6 @@ def non_negative_int(value: Any, where: str, minimum: int = 0) -> int:
     return integer(value, where, minimum, MAX_COUNT)
 
 
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a sha256 as parity writes it
 
 # One object per distinct token id: a merged sweep holds millions of ids (answers and top-k) from a
 # vocabulary of thousands, and json makes a new int object for each (design §4b: sweeps must load).

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from parity.engines import registry
+from parity import registry
 from parity.judge.metrics import auto_tolerances
 from parity.results import SCHEMA, FixtureInfo, RunResult
 from parity.plan.entries import read_plan
@@ -82,7 +82,7 @@ def auto_tolerances_are_the_dtypes(run: RunResult) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _builtin_pixels() -> dict[str, tuple[str, tuple[int, int], int]]:
-    from parity.media.fixtures import builtin_fixture, builtin_names
+    from parity.media.catalog import builtin_fixture, builtin_names
 
     return {name: (f.sha256, f.size, len(f.frames))
             for name in builtin_names(twins=True, videos=True) for f in (builtin_fixture(name),)}

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
-from parity.engines import registry
+from parity import registry
 from parity.evidence import Evidence, ServingEvidence
 from parity.results import ArmResult, RunResult
 from parity.trust.consistency import Contradiction, _ran, _Request, _requests, _spec

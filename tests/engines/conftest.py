@@ -12,3 +12,11 @@ def tiny_parts():
 
     tokenizer = build_tokenizer()
     return build_processor(tokenizer), build_config(PRESETS["tiny-qwen3-vl"], tokenizer)
+
+
+@pytest.fixture(scope="module")
+def report(request):
+    """`parity audit` of the engine a module's `ENGINE` names, read once per module."""
+    from parity.audit.command import run_audit
+
+    return run_audit(request.module.ENGINE)

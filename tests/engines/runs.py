@@ -8,7 +8,8 @@ from pathlib import Path
 from parity.arms import select_arms
 from parity.engines.sglang import backend as sglang_backend
 from parity.run.experiment import run_experiment
-from parity.media.fixtures import Prompt, builtin_fixture
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import Prompt
 from parity.run.planning import CaseSpec, RunSpec
 from parity.results import FOUR_ARM, RunResult
 from tests.engines.servers import SGLANG_STANDIN as STANDIN

@@ -13,7 +13,7 @@ from parity.engines.prompts import ChatPrompts, MediaFiles
 from parity.engines.sglang import client
 from parity.errors import UsageError
 from parity.evidence import image_span
-from parity.media.fixtures import builtin_fixture
+from parity.media.catalog import builtin_fixture
 from parity.media.videos import builtin_video
 
 av = pytest.importorskip("av")

@@ -14,7 +14,6 @@ import sys
 
 import pytest
 
-from parity.audit.command import run_audit
 from parity.audit.report import COVERED, DROPPED, EAGER
 from tests.engines.servers import SGLANG_VERSION, installed
 
@@ -24,12 +23,8 @@ pytestmark = [
     pytest.mark.skipif(_FOUND != SGLANG_VERSION, reason=f"needs sglang=={SGLANG_VERSION} (found {_FOUND}); "
                        "scripts/setup_sglang_env.sh sets up an environment that has it"),
 ]
+ENGINE = "sglang"  # the `report` fixture audits it (tests/engines/conftest.py)
 DEFAULT, BREAKABLE, FULL = "breakable (default)", "breakable (explicit)", "full (explicit)"
-
-
-@pytest.fixture(scope="module")
-def report():
-    return run_audit("sglang")
 
 
 @pytest.mark.parametrize("module", ["qwen3_vl", "qwen3_vl_moe"])

@@ -223,7 +223,7 @@ def test_the_scoring_prompt_expands_like_the_generation() -> None:
     from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
     from parity.backends.protocol import Request
     from parity.engines.prompts import ChatPrompts
-    from parity.media.fixtures import builtin_fixture
+    from parity.media.catalog import builtin_fixture
     from parity.models.tiny import build_processor, build_tokenizer
 
     tiny = build_processor(build_tokenizer())

@@ -184,10 +184,11 @@ def _stream_with(variant: str, tmp_path: Path):
     """One stream case on real CPU servers whose bcg server runs the fix's test-only `variant`."""
     from parity.arms import select_arms
     from parity.backends.options import BackendOptions
-    from parity.engines.registry import create_backend
+    from parity.registry import create_backend
     from parity.run.experiment import run_experiment
     from parity.run.planning import CaseSpec, RunSpec
-    from parity.media.fixtures import builtin_fixture, default_prompts
+    from parity.media.catalog import builtin_fixture
+    from parity.media.fixtures import default_prompts
     from parity.results import STREAM
 
     fixture = builtin_fixture("rgb-stripes")

@@ -14,17 +14,12 @@ import sys
 
 import pytest
 
-from parity.audit.command import run_audit
 from parity.audit.report import COVERED, EAGER, LEAKS, NOT_AN_INPUT
 from tests.engines.servers import installed, real_vllm_marks
 
 _FOUND = installed("vllm")
 pytestmark = real_vllm_marks()
-
-
-@pytest.fixture(scope="module")
-def report():
-    return run_audit("vllm")
+ENGINE = "vllm"  # the `report` fixture audits it (tests/engines/conftest.py)
 
 
 @pytest.mark.parametrize("module", ["qwen3_vl", "qwen3_vl_moe"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from parity.engines.vllm import backend as vllm_backend
-from parity.media.fixtures import builtin_fixture
+from parity.media.catalog import builtin_fixture
 from parity.design import CORE_SCENARIOS as SCENARIOS  # what the stand-in servers serve
 from parity.results import FOUR_ARM, REUSE, STREAM, RunResult, write_results
 from parity.trust.loader import load_results

@@ -8,11 +8,10 @@ from PIL import Image
 from parity.arms import ARM_ORDER, load_arms, select_arms
 from parity.data import data_dir
 from parity.errors import UsageError
+from parity.media.catalog import builtin_fixture, builtin_names
 from parity.media.fixtures import (
     GENERATORS,
-    builtin_fixture,
     builtin_fixtures,
-    builtin_names,
     default_prompts,
     image_fixture,
     load_prompts,

@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from parity.errors import UsageError
-from parity.media.fixtures import builtin_fixture, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import default_prompts
 from parity.media.videos import GENERATORS, builtin_video, builtin_videos, video_fixture
 
 # The built-in videos' identities (integer pixel arithmetic: the same on every machine).

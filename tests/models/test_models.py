@@ -9,7 +9,8 @@ from parity.backends.transformers_backend import TransformersBackend
 from parity.errors import ModelUnavailableError
 from parity.run.experiment import run_experiment
 from parity.run.planning import CaseSpec, RunSpec
-from parity.media.fixtures import builtin_fixture, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import default_prompts
 from parity.models import load_model
 from parity.models.tiny import SPECIAL_TOKENS
 

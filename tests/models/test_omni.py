@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from parity.media.audio import RATE, audio_clip
-from parity.media.fixtures import builtin_fixture
+from parity.media.catalog import builtin_fixture
 
 PROMPT = "What do you hear?"
 

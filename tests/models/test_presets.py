@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from parity.errors import UsageError
-from parity.media.fixtures import builtin_fixture, builtin_fixtures, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import builtin_fixtures, default_prompts
 from parity.models import load_model
 from parity.presets import PRESETS
 

@@ -19,7 +19,8 @@ from parity.arms import select_arms
 from parity.backends.protocol import Request
 from parity.cli import cli
 from parity.run.planning import CaseSpec, RunSpec, plan_cases
-from parity.media.fixtures import builtin_fixture, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import default_prompts
 from parity.judge.identity import first_difference, identity
 from parity.judge.metrics import NOISE_FLOOR
 from parity.plan.entries import PlanEntry, text_sha256

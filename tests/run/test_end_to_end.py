@@ -169,7 +169,7 @@ def test_verdict_recomputes_from_arms_alone(parity_cli, tmp_path):
 
 
 def test_user_images_with_the_same_name_stay_two_cases(parity_cli, tmp_path):
-    from parity.media.fixtures import builtin_fixture
+    from parity.media.catalog import builtin_fixture
 
     for folder, name in (("a", "gradient-circle"), ("b", "checkerboard")):
         (tmp_path / folder).mkdir()

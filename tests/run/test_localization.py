@@ -16,12 +16,12 @@ from parity.backends.protocol import Request
 from parity.backends.transformers_backend import TransformersBackend
 from parity.run.experiment import run_experiment
 from parity.run.planning import CaseSpec, RunSpec
-from parity.media.fixtures import builtin_fixture, builtin_fixtures, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import builtin_fixtures, default_prompts
 from parity.runner.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.runner.lm_body import Qwen3VLTextBody
-from parity.run.localization import (
-    AUTO_THRESHOLD, LocalizationError, Step, Target, localize, localize_run, target_of,
-)
+from parity.errors import LocalizationError
+from parity.run.localization import AUTO_THRESHOLD, Step, Target, localize, localize_run, target_of
 from parity.models import load_model
 from parity.reporting.report import localization_sentence, render_markdown
 from parity.results import LayerError, Localization, run_to_json, write_results

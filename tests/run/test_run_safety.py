@@ -13,7 +13,7 @@ import pytest
 
 import parity.run_command
 from parity.backends.transformers_backend import TransformersSession
-from parity.results import write_atomically
+from parity.textfiles import write_atomically
 
 FAST = ("--max-new-tokens", "3")
 

@@ -17,7 +17,8 @@ from parity.design import (
 from parity.evidence import EncoderRun, Evidence, ServingEvidence
 from parity.judge.evidence_rules import path_not_reached
 from parity.run.experiment import run_experiment
-from parity.media.fixtures import builtin_fixture, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import default_prompts
 from parity.runner.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.runner.lm_body import fill_past_mask
 from parity.models import load_model

@@ -6,7 +6,8 @@ from parity.arms import select_arms
 from parity.backends.transformers_backend import TransformersBackend
 from parity.run.experiment import run_experiment
 from parity.run.planning import CaseSpec, RunSpec
-from parity.media.fixtures import builtin_fixture, default_prompts
+from parity.media.catalog import builtin_fixture
+from parity.media.fixtures import default_prompts
 from parity.runner.graph_runner import PrefillGraphRunner
 from parity.results import SCENARIOS
 from parity.design import CORE_SCENARIOS

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import click
 
 from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
-from parity.engines.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
+from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
 from parity.evidence import Evidence
 
 GRAPH_FLAG = "--cuda-graph-backend-prefill"  # what the bcg server's flags set, and the eager server's do not

@@ -149,18 +149,10 @@ class SglangSettings(ServerSettings):
     launch_command: tuple[str, ...] = (sys.executable, *LAUNCH_MODULE)
     sglang_args: tuple[str, ...] = ()
     gpu_memory: GpuMemory | None = None  # (free, total) of a server's GPUs; tests substitute it
-    device: str = "cuda"  # "cpu": SGLang's CPU engine with parity's kernel stand-in (docs/engines/sglang-cpu.md)
-    graph_backend: str = "cuda"  # "emulated": the prefill graph replays through parity's emulation (CPU)
-    fix: str | None = None  # parity's DeepStack slot fix in the servers (deepstack_slot.py VARIANTS)
-    threads: int | None = None  # CPU threads of each server process (CPU only)
 
     @property
     def facts(self) -> ServerFacts:
         return ServerFacts.parse(self.sglang_args)
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.device == "cpu"
 
 
 def buckets_given(args: Sequence[str]) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
-from parity.engines.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
+from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
 from parity.evidence import Evidence
 
 GRAPH_MODE_NAMES = ("full_and_piecewise", "full", "piecewise", "breakable")  # servers.GRAPH_MODES, in order

@@ -234,18 +234,10 @@ class VllmSettings(ServerSettings):
     vllm_args: tuple[str, ...] = ()
     graph_mode: str = DEFAULT_GRAPH_MODE
     buckets: tuple[int, ...] | None = None  # None: vLLM's ladder up to what the run needs
-    fix: str | None = None  # parity's DeepStack clear fix in the servers (deepstack_clear.py VARIANTS)
-    device: str = "cuda"  # "cpu": vLLM's CPU worker with parity's op stand-ins (docs/engines/vllm-cpu.md)
-    graph_backend: str = "cuda"  # "emulated": vLLM's graphs replay through parity's emulation (CPU)
-    threads: int | None = None  # CPU threads of each server process (CPU only)
 
     @property
     def facts(self) -> ServerFacts:
         return ServerFacts.parse(self.vllm_args)
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.device == "cpu"
 
     @property
     def graph(self) -> GraphMode:

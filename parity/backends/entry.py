@@ -1,0 +1,12 @@
+"""The in-process `transformers` backend as the registry knows it: its options and capabilities
+(design §5). Light: no torch (the verdict and the reports read it)."""
+
+from __future__ import annotations
+
+from parity.capabilities import BackendInfo
+
+TRANSFORMERS = BackendInfo(
+    name="transformers", factory="parity.backends.transformers_backend:from_options",
+    options=frozenset({"runner", "localize_threshold", "buckets", "graph_backend", "threads", "chunk_size"}),
+    localizes=True, in_process=True,
+)
