@@ -29,7 +29,7 @@ from typing import Any
 from parity.arms import ARM_ORDER, select_arms
 from parity.run.experiment import run_experiment
 from parity.run.planning import CaseSpec, RunSpec
-from parity.media.catalog import builtin_fixture  # noqa: E402
+from parity.media.catalog import builtin_fixture
 from parity.media.fixtures import Prompt
 from parity.engines.sglang.backend import SglangBackend, create_sglang_backend
 

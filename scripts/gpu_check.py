@@ -29,7 +29,7 @@ from parity.backends.transformers_backend import TransformersBackend
 from parity.design import FAMILY_SCENARIOS, PLANTED_BUGS
 from parity.run.experiment import run_experiment
 from parity.run.planning import CaseSpec, RunSpec
-from parity.media.catalog import builtin_fixture  # noqa: E402
+from parity.media.catalog import builtin_fixture
 from parity.media.fixtures import default_prompts
 from parity.runner.graph_runner import PrefillGraphRunner, RunnerVariant
 from parity.models import load_model

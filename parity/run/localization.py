@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, Mode, arm_for
 from parity.arms import arm as arm_of
-from parity.errors import LocalizationError, UsageError
+from parity.errors import LocalizationError
 from parity.results import CaseResult, LayerError, Localization, RunResult
 from parity.judge.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_STALE_STATE
 

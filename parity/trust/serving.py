@@ -17,7 +17,7 @@ from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
 from parity import registry
 from parity.evidence import Evidence, ServingEvidence
 from parity.results import ArmResult, RunResult
-from parity.trust.consistency import Contradiction, _ran, _Request, _requests, _spec
+from parity.trust.consistency import _ran, _Request, _requests, _spec
 
 
 def _runs(arm: ArmResult) -> Iterator[tuple[str, Evidence]]:
@@ -133,5 +133,3 @@ RULES: tuple[Callable[[RunResult], None], ...] = (
     serving_names_its_prompt, chunks_within_the_chunk_size, replays_are_the_replayed_chunks, modes_agree_on_serving,
     unreachable_paths_never_reached,
 )
-
-__all__ = ["RULES", "Contradiction"]

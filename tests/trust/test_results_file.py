@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 
 from parity.errors import ResultsFileError
-from parity.evidence import DeepStackRecord
 from parity.results import SCHEMA, run_to_json, write_results
 from parity.trust.loader import _V2_ONLY_CONFIG, load_results
 from parity.judge.verdict import judge_run
