@@ -50,14 +50,13 @@ from parity.judge.verdict import checks_for  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests"))
 import mutants  # noqa: E402
+import user_images  # noqa: E402
 
 PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")
 EXTRA_PROMPTS = (Prompt("extra-unusual", "What is unusual about this picture? Answer briefly."),
                  Prompt("extra-colors", "What colors do you see?"), Prompt("extra-where", "Where is the circle?"))
 # Sizes and aspect ratios the built-in fixtures do not have (width, height).
 GENERATED_SIZES = ((64, 64), (224, 56), (56, 224), (160, 120))
-# Flat shapes on a plain ground, as a user draws a test image (width, height, shape).
-DRAWN = ((64, 64, "ellipse"), (200, 120, "rectangle"), (96, 160, "triangle"))
 
 
 def generated_images() -> list[Fixture]:
@@ -72,19 +71,7 @@ def generated_images() -> list[Fixture]:
 
 
 def drawn_images() -> list[Fixture]:
-    from PIL import ImageDraw
-
-    out = []
-    for w, h, shape in DRAWN:
-        image = Image.new("RGB", (w, h), (240, 230, 200))
-        draw = ImageDraw.Draw(image)
-        box = (w // 8, h // 8, w - w // 8, h - h // 8)
-        if shape == "triangle":
-            draw.polygon([(w // 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=(30, 160, 60))
-        else:
-            getattr(draw, shape)(box, fill=(200, 30, 30) if shape == "ellipse" else (30, 90, 200))
-        out.append(Fixture(f"drawn-{shape}-{w}x{h}", image))
-    return out
+    return [Fixture(f"drawn-{shape}-{w}x{h}", user_images.drawn(w, h, shape)) for w, h, shape in user_images.DRAWN]
 
 
 def images() -> list[Fixture]:

@@ -19,6 +19,7 @@ from parity.media.fixtures import builtin_fixtures, default_prompts
 from parity.runner.graph_runner import RunnerVariant
 from parity.models import load_model
 from parity.results import SCENARIOS
+from tests.user_images import DRAWN, drawn
 
 SEEDS = (0, 3)
 DTYPES = ("float32", "bfloat16")
@@ -75,21 +76,6 @@ def test_bf16_correct_runner_passes_on_prompts_and_images_the_tuning_never_saw()
     assert set(verdicts.values()) == {"PASS"}, verdicts
 
 
-def _drawn(folder, w, h, shape):
-    from PIL import Image, ImageDraw
-
-    image = Image.new("RGB", (w, h), (240, 230, 200))
-    draw = ImageDraw.Draw(image)
-    box = (w // 8, h // 8, w - w // 8, h - h // 8)
-    if shape == "polygon":
-        draw.polygon([(w // 2, box[1]), (box[2], box[3]), (box[0], box[3])], fill=(30, 160, 60))
-    else:
-        getattr(draw, shape)(box, fill=(200, 30, 30))
-    path = folder / f"{shape}-{w}x{h}.png"
-    image.save(path)
-    return str(path)
-
-
 @pytest.mark.parametrize("runner, code", [("fixed", 0), ("legacy", 1)])
 @pytest.mark.parametrize("preset", ["tiny-qwen3-vl", "tiny-qwen3-vl-moe"])
 def test_a_bf16_sweep_of_user_images_and_prompts_passes_fixed_and_fails_legacy(parity_cli, tmp_path, preset,
@@ -97,8 +83,10 @@ def test_a_bf16_sweep_of_user_images_and_prompts_passes_fixed_and_fails_legacy(p
     """Issue 37, the command a new user ran: every built-in fixture, three drawn user images and three
     prompts in bf16. The correct runner's flips there (margins up to 0.28 on the MoE preset) are noise
     and PASS; the upstream drop FAILs every case."""
-    images = [_drawn(tmp_path, 64, 64, "ellipse"), _drawn(tmp_path, 200, 120, "rectangle"),
-              _drawn(tmp_path, 96, 160, "polygon")]
+    images = []
+    for w, h, shape in DRAWN:
+        images.append(str(tmp_path / f"{shape}-{w}x{h}.png"))
+        drawn(w, h, shape).save(images[-1])
     result, doc, _ = parity_cli.run(
         "--model", preset, "--dtype", "bfloat16", "--runner", runner, "--fixture", "all",
         *(a for image in images for a in ("--image", image)),
