@@ -149,7 +149,9 @@ def plan_prompts_are_the_evidence(run: RunResult) -> None:
     seen: dict[int, list[int]] = {}
     for request in _requests(run):
         tokens = planned.get(request.case.id)
-        for arm in _ran(request) if tokens is not None else ():
+        if tokens is None:
+            continue
+        for arm in _ran(request):
             evidence = arm.evidence
             own = None if evidence is None else (
                 evidence.prompt_tokens if exact else evidence.serving and evidence.serving.prompt_tokens)

@@ -54,23 +54,22 @@ def chunks_within_the_chunk_size(run: RunResult) -> None:
     exact = registry.of_run(run.config).in_process
     for request, arm, where, _, serving in _served(run):
         spec = _spec(request)
-        chunked = spec is not None and spec.serving.chunked
-        if chunked and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        if spec is None or not spec.serving.chunked:
+            if len(serving.chunks) > 1:
+                raise request.contradiction(arm, f"{where}.chunks has {len(serving.chunks)} prefills, but the request "
+                                                 "is not served in chunks")
+            continue
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
             raise request.contradiction(arm, f"config.chunk_size is {size!r}, but {where} is of a request served "
                                              "in chunks of it")
-        too_large = [c for c in serving.chunks if chunked and c.end - c.start > size]
-        if too_large:
-            c = too_large[0]
+        c = next((c for c in serving.chunks if c.end - c.start > size), None)
+        if c is not None:
             raise request.contradiction(arm, f"{where}.chunks has [{c.start}, {c.end}), {c.end - c.start} tokens, "
                                              f"larger than config.chunk_size {size}")
-        cut = [c for c in serving.chunks[:-1] if exact and chunked and c.end - c.start != size]
-        if cut:
-            c = cut[0]
+        c = next((c for c in serving.chunks[:-1] if c.end - c.start != size), None) if exact else None
+        if c is not None:
             raise request.contradiction(arm, f"{where}.chunks has [{c.start}, {c.end}), {c.end - c.start} tokens before "
                                              f"the last chunk: parity cuts chunks of config.chunk_size {size}")
-        if not chunked and len(serving.chunks) > 1:
-            raise request.contradiction(arm, f"{where}.chunks has {len(serving.chunks)} prefills, but the request is "
-                                             "not served in chunks")
 
 
 def replays_are_the_replayed_chunks(run: RunResult) -> None:

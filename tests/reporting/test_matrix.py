@@ -20,7 +20,7 @@ from parity.reporting.ci_summary import MAX_COMMENT_CHARS
 from parity.reporting.matrix import experiments, render_matrix
 from parity.reporting.report import render_markdown
 from parity.results import SCENARIOS
-from tests.helpers_runs import fixed_arms, legacy_arms, make_arm, make_case, make_run, stream_case
+from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, stream_case
 
 EXPERIMENTS = {
     "fixed": (("--model", "tiny-qwen3-vl"), {"four-arm": "PASS", "reuse": "PASS", "stream": "PASS"}),

@@ -103,7 +103,7 @@ def test_the_legend_stays_inside_the_image(case_of):
     from dataclasses import replace
 
     from parity.reporting.plots import case_figure, localization_figure
-    from tests.helpers_runs import ZERO_IDS, legacy_arms, stream_case
+    from tests.helpers_runs import legacy_arms, stream_case
 
     if case_of == "stream failing":  # five comparisons, one of them flagged: the longest legend
         case, run = _judged_case(stream_case(bcg_ids=[(7,) * 5] * 5))

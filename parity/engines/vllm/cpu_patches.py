@@ -202,7 +202,8 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
     from parity.runner.emulated_graph import EmulatedGraph
 
     original_set = target(module, "set_forward_context")
-    target(module, "override_forward_context"), target(module, "is_forward_context_available")
+    for name in ("override_forward_context", "is_forward_context_available"):
+        target(module, name)
 
     @contextlib.contextmanager
     def set_forward_context(*args: Any, **kwargs: Any):
