@@ -68,6 +68,25 @@ class NudgesEveryReplay(PrefillGraphRunner):
         super().refresh_inputs(input_embeds * (1 + self.NUDGE), positions, num_tokens, bucket)
 
 
+class RecapturesIntoItsDeadPool(PrefillGraphRunner):
+    """Recaptures every graph, when the DeepStack buffer grows, into the pool the destroyed graphs
+    shared: the CUDA allocator assert that crashed `--scenario all` on the first H200."""
+
+    def _drop_graphs(self):
+        pool = self._pool
+        super()._drop_graphs()
+        self._pool = pool
+
+
+class KeepsBorrowedOutputs(PrefillGraphRunner):
+    """Hands out views of the graphs' static outputs instead of copies: the next replay of another
+    graph sharing the pool may overwrite them (garbage on a GPU)."""
+
+    @staticmethod
+    def _copied_out(outputs, num_tokens):
+        return tuple(output[:num_tokens] for output in outputs)
+
+
 class ReplaysInTheLargestBucket(PrefillGraphRunner):
     """Pads every prompt up to the largest captured bucket instead of the smallest that fits."""
 

@@ -20,34 +20,32 @@ SGLang's breakable prefill graph (BreakableCUDAGraphCapture) builds one such gra
 between its eager breaks and looks `torch.cuda.CUDAGraph` up when it starts a segment, so
 setting the attribute in the server process is enough (parity/engines/sglang/cpu_patches.py).
 
-What it cannot show (GPU only): memory-pool aliasing (every captured tensor stays alive here),
-stream and event races, the real kernels' numerics, capture-time faults of CUDA itself.
+It also enforces what a GPU enforces on graphs (`parity.runner.device_rules`): pool lifetimes, no
+host sync and no default stream during capture, and outputs that are borrowed from the pool. What
+it cannot show (GPU only): the allocator's real placement, stream and event races, the real
+kernels' numerics, capture-time faults of CUDA itself.
 Nothing here imports SGLang; torch is imported by whoever builds a graph.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
+
+from parity.runner import device_rules
+from parity.runner.device_rules import Stream, graph_pool_handle  # noqa: F401 - the engines' patches install it
 
 # Ops that only allocate: a graph launches no kernel for them, and their contents are undefined.
 _ALLOCATIONS = frozenset({"aten::empty", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
                           "aten::empty_like"})
-_POOLS = itertools.count(1)
 
 
-class GraphReplayError(RuntimeError):
+class GraphReplayError(device_rules.GraphRuleError):
     """A replay that a real graph could not do (a shape changed since capture, not captured yet)."""
-
-
-def graph_pool_handle() -> tuple[int, int]:
-    """What `torch.cuda.graph_pool_handle()` gives: an opaque id; the emulation has no pools."""
-    return (0, next(_POOLS))
 
 
 @dataclass(frozen=True)
@@ -100,38 +98,55 @@ def _aliases_an_operand(outputs: tuple[torch.Tensor, ...], args: tuple, kwargs: 
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, ops: list[RecordedOp]) -> None:
+    def __init__(self, ops: list[RecordedOp], refuse_syncs: bool) -> None:
         super().__init__()
         self.ops = ops
+        self.refuse_syncs = refuse_syncs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.refuse_syncs:
+            device_rules.refuse_syncing_op(func, args)
         out = func(*args, **kwargs)
         self.ops.append(_record(func, args, kwargs, out))
         return out
 
 
 class EmulatedGraph:
-    """The surface of `torch.cuda.CUDAGraph` that graph runners use, on any device."""
+    """The surface of `torch.cuda.CUDAGraph` that graph runners use, on any device, with the rules a
+    GPU enforces (`device_rules`): it joins its pool at capture and leaves it when reset or destroyed."""
+
+    # Host syncs and the capture stream are checked: parity's own runner holds only device tensors
+    # and captures through `graph`, as on a GPU. `EngineEmulatedGraph` is the engines' graph.
+    enforces_host_rules = True
 
     def __init__(self, keep_graph: bool = False) -> None:
         self._ops: list[RecordedOp] = []
-        self._recorder: _Recorder | None = None
+        self._modes: list[Any] = []
         self._captured = False
-        self._pool: tuple[int, int] | None = None
+        self._pool: device_rules.PoolId | None = None
+        self._id = device_rules.new_graph_id()
+        self._leave_pool: Callable[[], Any] | None = None
 
     def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
-        if self._recorder is not None or self._captured:
+        if self._modes or self._captured:
             raise GraphReplayError("capture_begin on a graph that is capturing or already captured; reset() first")
+        if self.enforces_host_rules:
+            device_rules.check_capture_stream()
         self._pool = tuple(pool) if pool is not None else graph_pool_handle()
-        self._recorder = _Recorder(self._ops)
-        self._recorder.__enter__()
+        self._leave_pool = device_rules.join_pool(self, self._pool, self._id)
+        self._modes = [_Recorder(self._ops, self.enforces_host_rules)]
+        if self.enforces_host_rules:
+            self._modes.append(device_rules.HostReadGuard())
+        for mode in self._modes:
+            mode.__enter__()
 
     def capture_end(self) -> None:
-        if self._recorder is None:
+        if not self._modes:
             raise GraphReplayError("capture_end without capture_begin")
-        recorder, self._recorder = self._recorder, None
-        recorder.__exit__(None, None, None)
+        modes, self._modes = self._modes, []
+        for mode in reversed(modes):
+            mode.__exit__(None, None, None)
         self._captured = True
 
     def replay(self) -> None:
@@ -139,12 +154,16 @@ class EmulatedGraph:
             raise GraphReplayError("replay of a graph that was never captured")
         for op in self._ops:
             op.replay()
+        device_rules.POOLS.replayed(self._pool, self._id)
 
     def reset(self) -> None:
-        if self._recorder is not None:
+        if self._modes:
             self.capture_end()
         self._ops.clear()
         self._captured = False
+        if self._leave_pool is not None:
+            self._leave_pool()  # as a destroyed graph: its pool's use count drops
+            self._leave_pool = None
 
     def pool(self) -> tuple[int, int]:
         if self._pool is None:
@@ -162,31 +181,55 @@ class EmulatedGraph:
         return len(self._ops)
 
     def __repr__(self) -> str:
-        state = "captured" if self._captured else "capturing" if self._recorder else "empty"
-        return f"EmulatedGraph({state}, {len(self._ops)} ops)"
+        state = "captured" if self._captured else "capturing" if self._modes else "empty"
+        return f"{type(self).__name__}({state}, {len(self._ops)} ops)"
 
 
-def capture(fn: Callable[[], Any]) -> tuple[EmulatedGraph, Any]:
-    """Capture `fn()` into a new graph; returns the graph and what `fn` returned (its outputs)."""
-    graph = EmulatedGraph()
-    graph.capture_begin()
-    try:
+class EngineEmulatedGraph(EmulatedGraph):
+    """An engine's graph, emulated: the pool and output rules only. Inside a real engine's CPU
+    server every tensor, the engine's host-side ones included, is the CPU's, and every stream the
+    CPU's one stream, so a host read or the stream a capture ran on cannot be told apart (that
+    stays GPU-only there). The embedded engine's vision-encoder graphs are one too: an engine
+    computes their layout metadata on the host before capture, where Hugging Face's tower reads
+    its grid inside the captured call (parity/runner/encoder_graphs.py)."""
+
+    enforces_host_rules = False
+
+
+def capture(fn: Callable[[], Any], pool: Any = None, name: str = "a graph",
+            graph_class: type[EmulatedGraph] = EmulatedGraph) -> tuple[EmulatedGraph, Any]:
+    """Capture `fn()` into a new graph in `pool` (a new pool if None), on a side stream as
+    `torch.cuda.graph` does; returns the graph and what `fn` returned, its tensors borrowed
+    (`device_rules.PoolOutput`: valid only from this graph's replay until another of its pool replays)."""
+    cuda_graph = graph_class()
+    with graph(cuda_graph, pool=pool):
         out = fn()
-    finally:
-        graph.capture_end()
-    return graph, out
+    return cuda_graph, tree_map(
+        lambda t: device_rules.borrowed(t, cuda_graph.pool(), cuda_graph._id, name) if isinstance(t, torch.Tensor)
+        else t, out)
 
 
 class graph:  # noqa: N801 - named as `torch.cuda.graph`, which it stands for
     """`torch.cuda.graph(cuda_graph, pool, stream)`: capture whatever runs inside the `with` into an
-    `EmulatedGraph`. The stream is accepted and ignored (a CPU has one)."""
+    `EmulatedGraph`, on `stream` or, as torch does, on a side stream of its own."""
 
     def __init__(self, cuda_graph: EmulatedGraph, pool: Any = None, stream: Any = None,
                  capture_error_mode: str = "global") -> None:
         self.cuda_graph, self.pool = cuda_graph, pool
+        self.stream = stream if stream is not None else Stream("capture")
+        self._on_stream = None
 
     def __enter__(self) -> None:
-        self.cuda_graph.capture_begin(pool=self.pool)
+        self._on_stream = device_rules.on_stream(self.stream)
+        self._on_stream.__enter__()
+        try:
+            self.cuda_graph.capture_begin(pool=self.pool)
+        except BaseException:
+            self._on_stream.__exit__(None, None, None)
+            raise
 
     def __exit__(self, *exc: Any) -> None:
-        self.cuda_graph.capture_end()
+        try:
+            self.cuda_graph.capture_end()
+        finally:
+            self._on_stream.__exit__(None, None, None)

@@ -6,9 +6,10 @@ boundaries) is computed in Python from the grid at capture and frozen into the g
 must tell grids apart: an image with as many patches on a transposed grid, replayed in another
 grid's graph, is encoded with the wrong layout (SGLang PR #37043, keyed by token count).
 
-The graphs are emulated on every device (`parity.runner.emulated_graph`): Hugging Face's vision tower
-reads its grid on the host, which a CUDA capture refuses, and the bug lives in the key, not in
-the kernels.
+The graphs are emulated on every device (`parity.runner.emulated_graph`, as an engine's graph:
+`EngineEmulatedGraph`): Hugging Face's vision tower reads its grid on the host inside the call,
+which a CUDA capture refuses (an engine reads it before capture), and the bug lives in the key,
+not in the kernels.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class EncoderGraphs:
         if not replayed:
             slot = pixel_values.clone()
             # The grid is read at capture, as an engine computes its metadata once per graph.
-            graph, outputs = emulated_graph.capture(lambda: self._encoder(slot, grid_thw=grid_thw.clone(),
-                                                                          return_dict=True))
+            graph, outputs = emulated_graph.capture(
+                lambda: self._encoder(slot, grid_thw=grid_thw.clone(), return_dict=True),
+                name=f"the encoder graph for {key}", graph_class=emulated_graph.EngineEmulatedGraph)
             self._graphs[key] = (graph, slot, outputs)
         graph, slot, outputs = self._graphs[key]
         slot.copy_(pixel_values)

@@ -84,17 +84,18 @@ class _EmulatedGraph:
     """A CUDA graph on any device (`parity.runner.emulated_graph`): capture records the body's ops on the
     slots' tensors and freezes its Python decisions, as a real capture does; replay re-runs those
     ops and writes the captured outputs in place. Like a real graph, it cannot see a live tensor
-    that was not copied into a slot; it reproduces replay semantics, not replay speed."""
+    that was not copied into a slot, and it enforces what a GPU enforces (pools, host syncs, borrowed
+    outputs: `parity.runner.device_rules`); it reproduces replay semantics, not replay speed."""
 
-    def __init__(self, fn: Callable[[], Outputs]) -> None:
-        self._graph, self.outputs = emulated_graph.capture(fn)
+    def __init__(self, fn: Callable[[], Outputs], pool, name: str) -> None:
+        self._graph, self.outputs = emulated_graph.capture(fn, pool=pool, name=name)
 
     def replay(self) -> None:
         self._graph.replay()
 
 
 class _CudaGraph:
-    def __init__(self, fn: Callable[[], Outputs], pool) -> None:
+    def __init__(self, fn: Callable[[], Outputs], pool, name: str) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
@@ -132,6 +133,12 @@ class PrefillGraphRunner:
     outputs; `replay` returns copies of their real rows. `replay(..., probe=True)` replays a probe
     graph of the same body on the same slots, whose extra output is the hidden state after every
     layer (design §7), captured on first use.
+
+    Memory (design §6): the bucket graphs share one pool, which lives exactly as long as they do. A
+    recapture of every graph (the buffer grew) drops them all and takes a new pool: the old one is
+    dead, and a capture into it is what CUDA's allocator asserts on. A probe graph has a pool of its
+    own. Outputs are copied out of the pool right after their replay, before any other graph of the
+    pool can overwrite them.
     """
 
     def __init__(
@@ -174,7 +181,8 @@ class PrefillGraphRunner:
         self._graphs: dict[tuple[int, bool], _EmulatedGraph | _CudaGraph] = {}
         self._bound: dict[tuple[int, bool], torch.Tensor | None] = {}  # the DeepStack rows each graph reads
         self._probe_graphs: dict[tuple[int, bool], _EmulatedGraph | _CudaGraph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if graph_backend is GraphBackend.CUDA else None
+        self._pool = self._new_pool()  # the bucket graphs' pool: it lives as long as they do
+        self._closed = False
         if variant is not RunnerVariant.WARMUP_SPECIALIZED:  # that one captures on first use (its bug)
             self._capture_all()
 
@@ -186,6 +194,11 @@ class PrefillGraphRunner:
             for context in (False, True) if self.context_rows else (False,):
                 self._graphs[(size, context)] = self._capture(size, self._pool, probe=False, context=context)
 
+    def _new_pool(self):
+        if self.graph_backend is GraphBackend.CUDA:
+            return torch.cuda.graph_pool_handle()
+        return emulated_graph.graph_pool_handle()
+
     def _capture(self, size: int, pool, probe: bool, context: bool, deepstack: bool = True):
         key = (size, context)
         if probe and key in self._bound:
@@ -196,10 +209,10 @@ class PrefillGraphRunner:
         if not probe:
             self._bound[key] = bound
         fn = self._bound_body(size, probe, context, bound)
+        name = f"the {'probe' if probe else 'context' if context else 'prefill'} graph of bucket {size}"
         with torch.inference_mode():
-            if self.graph_backend is GraphBackend.CUDA:
-                return _CudaGraph(fn, pool)
-            return _EmulatedGraph(fn)
+            graph_class = _CudaGraph if self.graph_backend is GraphBackend.CUDA else _EmulatedGraph
+            return graph_class(fn, pool, name)
 
     def _bound_body(self, size: int, probe: bool, context: bool, deepstack: torch.Tensor | None
                     ) -> Callable[[], Outputs]:
@@ -241,6 +254,7 @@ class PrefillGraphRunner:
         outputs' real rows: (hidden [T, H], keys, values[, probe points]). With a `window`,
         `deepstack` is the whole prompt's and the runner takes this prefill's rows from it; with
         `past`, the bucket's context graph runs after those rows."""
+        self._check_open()
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         if bucket is None or num_tokens == 0:
@@ -255,8 +269,13 @@ class PrefillGraphRunner:
         graph = self._graph(bucket, probe, past is not None, rows is not None)
         with torch.inference_mode():  # as at capture: the graph's outputs are inference tensors
             graph.replay()
-        # Graph outputs are borrowed: the next replay overwrites them.
-        return tuple(output[:num_tokens].clone() for output in graph.outputs)
+        return self._copied_out(graph.outputs, num_tokens)
+
+    @staticmethod
+    def _copied_out(outputs: Outputs, num_tokens: int) -> Outputs:
+        """The real rows of a replay's outputs, copied out of the pool: graph outputs are borrowed,
+        and the next replay of this graph, or of any graph sharing its pool, may overwrite them."""
+        return tuple(output[:num_tokens].clone() for output in outputs)
 
     def window_rows(self, deepstack: torch.Tensor | None, window: Window | None) -> torch.Tensor | None:
         """The DeepStack rows this prefill's slot gets: the window's own, or, in the planted
@@ -274,6 +293,7 @@ class PrefillGraphRunner:
     ) -> Outputs:
         """A prefill in graph mode that no bucket fits: the body runs eagerly, its DeepStack read
         from the engine's buffer like a replay's, which grows when the rows do not fit."""
+        self._check_open()
         rows = window.of(deepstack) if window is not None else deepstack
         if self._deepstack is not None and rows is not None:
             self._ensure_rows(rows.shape[0])
@@ -294,11 +314,17 @@ class PrefillGraphRunner:
         self.growths.append((old.buffer.shape[0], rows))
         if self.variant is RunnerVariant.GROWTH_REBIND:
             return  # the bug: every captured graph still reads the old buffer
-        self._probe_graphs.clear()
         keys = sorted(self._graphs, reverse=True)
-        self._graphs.clear()
+        self._drop_graphs()
         for size, context in keys:  # the fix: the graphs read the buffer that is written
             self._graphs[(size, context)] = self._capture(size, self._pool, probe=False, context=context)
+
+    def _drop_graphs(self) -> None:
+        """Destroy every graph; their pool dies with them, so later captures get a new one."""
+        self._probe_graphs.clear()
+        self._graphs.clear()
+        self._bound.clear()
+        self._pool = self._new_pool()
 
     def _graph(self, bucket: int, probe: bool, context: bool, has_deepstack: bool) -> _EmulatedGraph | _CudaGraph:
         graphs = self._probe_graphs if probe else self._graphs
@@ -340,9 +366,14 @@ class PrefillGraphRunner:
     def max_bucket(self) -> int | None:
         return self.buckets[-1] if self.buckets else None
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the prefill graph runner was closed: its graphs and slots are gone")
+
     def close(self) -> None:
-        self._graphs.clear()
-        self._probe_graphs.clear()
-        self._bound.clear()
+        """Destroy every graph and slot: nothing of this runner's pools is left for the next one."""
+        self._drop_graphs()
+        self._pool = None
         self._deepstack = None
         self._past = None
+        self._closed = True

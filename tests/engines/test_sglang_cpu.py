@@ -94,7 +94,7 @@ def test_the_standin_folder_turns_a_server_process_into_a_cpu_one(tmp_path: Path
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
     out = json.loads(lines[-2])
-    assert out == {"ops_cpu": True, "ops_probed": False, "graph": "EmulatedGraph", "pool": True, "standin": True,
+    assert out == {"ops_cpu": True, "ops_probed": False, "graph": "EngineEmulatedGraph", "pool": True, "standin": True,
                    "real_file": True, "version": "0.4.10", "called": out["called"]}
     assert "sgl_kernel.elementwise.silu_and_mul" in out["called"] and lines[-1] == "1"  # the shadowed hook ran too
     assert [c.op for c in standin_calls.read_calls(calls)] == ["sgl_kernel.elementwise.silu_and_mul"]

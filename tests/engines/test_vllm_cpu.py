@@ -181,7 +181,7 @@ def test_the_hook_opens_the_gates_only_when_parity_asks(tmp_path: Path) -> None:
     eager = hook_probe(tmp_path, {cpu_patches.ENV_CPU: "1"})
     assert eager == {"ops": True, "graph": "CUDAGraph", "context": "torch.cuda.graphs", "triton": True}
     graphs = hook_probe(tmp_path, {cpu_patches.ENV_CPU: "1", cpu_patches.ENV_GRAPH: cpu_patches.GRAPH_EMULATED})
-    assert graphs == {"ops": True, "graph": "EmulatedGraph", "context": "parity.runner.emulated_graph", "triton": True}
+    assert graphs == {"ops": True, "graph": "EngineEmulatedGraph", "context": "parity.runner.emulated_graph", "triton": True}
 
 
 def fake_platform_module() -> types.ModuleType:

@@ -4,7 +4,8 @@ A real graph's defining properties, each with a negative control: a replay compu
 computes on the captured tensors' current contents; a live tensor that was not copied into a
 captured one is invisible; Python decisions and scalars are frozen at capture; a shape change at
 replay is an error, never a silent fallback to eager. Plus the state rules of torch.cuda.CUDAGraph
-and the eager breaks of a segmented (breakable) capture.
+and the eager breaks of a segmented (breakable) capture. What a GPU enforces on top (pools, host
+syncs, streams, borrowed outputs) is tests/runner/test_device_rules.py.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parity.runner.emulated_graph import EmulatedGraph, GraphReplayError, capture, graph_pool_handle
+from parity.runner.emulated_graph import EngineEmulatedGraph, GraphReplayError, capture, graph, graph_pool_handle
 
 # Replay runs the same ops on the same shapes in the same process as the eager reference; only the
 # buffers' addresses differ, which some BLAS kernels let move the last bit. A stated floor, not 0.
@@ -72,16 +73,20 @@ def test_python_decisions_are_frozen_at_capture(body: Body) -> None:
     # whatever is handed in later.
     slot = torch.zeros(8, 16)
     with torch.inference_mode():
-        graph, out = capture(lambda: body(slot, None))
+        captured, out = capture(lambda: body(slot, None))
         live, side = torch.randn(8, 16), torch.randn(8, 16)
         slot.copy_(live)
-        graph.replay()
+        captured.replay()
         torch.testing.assert_close(out, body(live, None), rtol=0, atol=NOISE)
         assert (out - body(live, side)).abs().max() > 1e-3
+    # A scalar read back to Python: an engine's graph on a CPU server (host reads cannot be told
+    # from device reads there) keeps the value it read at capture.
     scale = torch.tensor(2.0)
-    graph, out = capture(lambda: torch.ones(3) * scale.item())  # a scalar read back to Python
+    engine_graph = EngineEmulatedGraph()
+    with graph(engine_graph):
+        out = torch.ones(3) * scale.item()
     scale.fill_(5.0)
-    graph.replay()
+    engine_graph.replay()
     assert out.tolist() == [2.0, 2.0, 2.0]
 
 
@@ -111,36 +116,40 @@ def test_an_op_that_may_alias_but_copied_is_re_run_under_inference_mode(make_cop
 
 
 def test_a_shape_change_at_replay_is_an_error_not_a_fallback() -> None:
+    # A data-dependent shape, captured where host syncs pass (an engine's graph on a CPU server).
     mask = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    graph, rows = capture(lambda: torch.nonzero(mask))
-    mask.fill_(1.0)  # a data-dependent shape: 4 rows now, 2 at capture
+    engine_graph = EngineEmulatedGraph()
+    with graph(engine_graph):
+        rows = torch.nonzero(mask)
+    mask.fill_(1.0)  # 4 rows now, 2 at capture
     with pytest.raises(GraphReplayError, match="cannot change shape"):
-        graph.replay()
+        engine_graph.replay()
     assert rows.shape == (2, 1)  # the captured output was not replaced
     x = torch.ones(4)
-    graph, _ = capture(lambda: x * 2)
+    captured, _ = capture(lambda: x * 2)
     x.resize_(6)  # a captured tensor resized after capture
     with pytest.raises(GraphReplayError):
-        graph.replay()
+        captured.replay()
 
 
 def test_graph_states_follow_torch_cuda_cudagraph() -> None:
-    graph = EmulatedGraph()
+    # The calls SGLang's breakable capture makes on the class it is given (capture_begin directly).
+    cuda_graph = EngineEmulatedGraph()
     with pytest.raises(GraphReplayError, match="never captured"):
-        graph.replay()
+        cuda_graph.replay()
     with pytest.raises(GraphReplayError):
-        graph.capture_end()
+        cuda_graph.capture_end()
     pool = graph_pool_handle()
-    graph.capture_begin(pool=pool, capture_error_mode="global")
+    cuda_graph.capture_begin(pool=pool, capture_error_mode="global")
     x = torch.ones(2) + 1
-    graph.capture_end()
-    assert graph.pool() == pool and graph.pool() != graph_pool_handle()
+    cuda_graph.capture_end()
+    assert cuda_graph.pool() == pool and cuda_graph.pool() != graph_pool_handle()
     with pytest.raises(GraphReplayError, match="already captured"):
-        graph.capture_begin()
-    graph.reset()
-    assert graph.op_count == 0
+        cuda_graph.capture_begin()
+    cuda_graph.reset()
+    assert cuda_graph.op_count == 0
     with pytest.raises(GraphReplayError):
-        graph.replay()
+        cuda_graph.replay()
     assert x.tolist() == [2.0, 2.0]
 
 
@@ -154,12 +163,13 @@ def test_segments_with_an_eager_break_between_them_replay_in_order() -> None:
         calls.append(1)
         return t * 10
 
-    first, second = EmulatedGraph(), EmulatedGraph()
-    first.capture_begin()
+    pool = graph_pool_handle()  # one pool for every segment, as SGLang's global graph pool
+    first, second = EngineEmulatedGraph(), EngineEmulatedGraph()
+    first.capture_begin(pool)
     y = x + 1
     first.capture_end()
     bridge.copy_(eager_break(y))
-    second.capture_begin()
+    second.capture_begin(pool)
     z = bridge + 0.5
     second.capture_end()
     x.copy_(torch.tensor([1.0, 2.0, 3.0]))

@@ -2,27 +2,15 @@
 
 import pytest
 
-from parity.arms import select_arms
 from parity.backends.transformers_backend import TransformersBackend
-from parity.run.experiment import run_experiment
-from parity.run.planning import CaseSpec, RunSpec
-from parity.media.catalog import builtin_fixture
-from parity.media.fixtures import default_prompts
 from parity.runner.graph_runner import PrefillGraphRunner
 from parity.results import SCENARIOS
 from parity.design import CORE_SCENARIOS
+from tests.library_runs import library_run as _run
 from tests.mutants import (
     EagerPathReplays, NeverReplays, NudgesEveryReplay, RefreshesAfterReplay, ReplaysInTheLargestBucket,
     ReplaysOnlyTheFirstPrefill, SkipsCopyWhenShapeRepeats,
 )
-
-
-def _run(loaded, runner_class=PrefillGraphRunner, backend_class=TransformersBackend, scenarios=("four-arm",),
-         fixtures=("rgb-stripes",), max_new_tokens=8, repeat=1):
-    cases = tuple(CaseSpec(fx, default_prompts(fx)[0]) for fx in map(builtin_fixture, fixtures))
-    spec = RunSpec(model=loaded.name, arms=select_arms("all"), cases=cases,
-                   scenarios=scenarios, max_new_tokens=max_new_tokens, repeat=repeat)
-    return run_experiment(spec, backend_class(loaded, max_new_tokens=max_new_tokens, runner_class=runner_class))
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])

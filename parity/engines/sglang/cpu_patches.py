@@ -14,8 +14,8 @@ on the CPU:
 1. keep the prefill graph: `handle_attention_backend_compatibility` declares the prefill graph
    off for `torch_native`; that one declaration is dropped, so the prefill backend the command
    line asked for stays (decode stays off, as SGLang declares);
-2. `torch.cuda.CUDAGraph` is parity's emulation (parity/runner/emulated_graph.py), which
-   SGLang's breakable capture looks up for every segment;
+2. `torch.cuda.CUDAGraph` is parity's emulation (parity/runner/emulated_graph.py, its engine
+   form: the pool rule only), which SGLang's breakable capture looks up for every segment;
 3. `torch.cpu.graph_pool_handle` exists (SGLang asks the device module for a pool handle);
 4. `get_current_device_stream_fast` returns the CPU stream (a bare `torch.get_device_module()` is
    CUDA on this wheel, with no driver).
@@ -79,9 +79,9 @@ def decode_with_decord(module: types.ModuleType) -> None:
 
 
 def install_emulated_graphs(torch_module: Any) -> None:
-    from parity.runner.emulated_graph import EmulatedGraph, graph_pool_handle
+    from parity.runner.emulated_graph import EngineEmulatedGraph, graph_pool_handle
 
-    torch_module.cuda.CUDAGraph = EmulatedGraph  # change 2
+    torch_module.cuda.CUDAGraph = EngineEmulatedGraph  # change 2
     torch_module.cpu.graph_pool_handle = graph_pool_handle  # change 3
     after_import(ATTENTION_HOOK, keep_prefill_graph)
     after_import(DEVICE_UTILS, cpu_stream)

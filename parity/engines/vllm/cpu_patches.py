@@ -199,7 +199,7 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
     persistent buffers, their Python numbers frozen at capture as in a real graph."""
     import torch
 
-    from parity.runner.emulated_graph import EmulatedGraph
+    from parity.runner.emulated_graph import EngineEmulatedGraph
 
     original_set = target(module, "set_forward_context")
     for name in ("override_forward_context", "is_forward_context_available"):
@@ -213,7 +213,7 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
                 graph.context = module.get_forward_context()
             yield context
 
-    class ForwardContextGraph(EmulatedGraph):
+    class ForwardContextGraph(EngineEmulatedGraph):
         context = None
 
         def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
@@ -236,9 +236,9 @@ def graphs_keep_forward_context(module: types.ModuleType) -> None:
 
 
 def install_emulated_graphs(torch_module: Any) -> None:
-    from parity.runner.emulated_graph import EmulatedGraph, graph, graph_pool_handle
+    from parity.runner.emulated_graph import EngineEmulatedGraph, graph, graph_pool_handle
 
-    torch_module.cuda.CUDAGraph = EmulatedGraph
+    torch_module.cuda.CUDAGraph = EngineEmulatedGraph
     if os.environ.get(ENV_COMPILE) == COMPILE_EAGER:
         after_import(FORWARD_CONTEXT, graphs_keep_forward_context)
     torch_module.cuda.graph = graph
