@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -276,14 +277,16 @@ def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, c
 
 
 def _run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
+    started = time.perf_counter()
     engine = create_backend(backend, spec.max_new_tokens, output.run_dir)
+    load_seconds = time.perf_counter() - started
     try:
         check_buckets(backend.buckets, engine.max_positions)
     except BaseException:
         engine.close()
         raise
     with progress_display(console) as progress:
-        return run_experiment(spec, engine, progress,
+        return run_experiment(spec, engine, progress, load_seconds=load_seconds,
                               warn=lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
 
 

@@ -1,20 +1,16 @@
 #!/usr/bin/env bash
-# All GPU checks in one call, from the working tree, nothing to install:
-#   PYTHONPATH=. bash scripts/gpu_check.sh        (results under $OUT, or gpu-check-out/)
-# Then a CLI smoke run on the GPU with the default options (expects PASS, exit 0).
-# parity's own runner only: the GPU machine cannot install engines. The SGLang and vLLM checks are
-# commands in docs/sglang-runbook.md and docs/vllm-runbook.md, for a machine that has them.
+# All GPU checks in one call, from the working tree, nothing to install (the GPU machine's own Python:
+# torch, transformers, pytest and pytest-xdist; no network, no PyAV):
+#   PYTHONPATH=. bash scripts/gpu_check.sh [--device cpu] [--budget SECONDS] [--only STEP,...]   (PYTHON=... picks the interpreter)
+# Results under $OUT (or gpu-check-out/): summary.md, summary.json, log.txt, runs.tar.gz, written
+# again after every step (scripts/gpu_check.py). The steps, in order of value, each under its own
+# time limit inside the budget (8 minutes): the default command on the GPU and on the host's CPU;
+# --scenario all --fixture all per DeepStack preset and dtype; the verdict matrix; pytest -m gpu;
+# the whole suite; the noise of a correct replay; replay vs eager per bucket; the slot's memory.
+# `--device cpu` is its dry run on a machine without a GPU. The SGLang and vLLM checks are commands
+# in docs/sglang-runbook.md and docs/vllm-runbook.md, for a machine that has the engines.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu-check-out}"
-mkdir -p "$OUT"
 export PYTHONPATH="${PYTHONPATH:-.}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee "$OUT/log.txt"
-python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/log.txt"
-python scripts/gpu_check.py --out "$OUT" "$@" 2>&1 | tee -a "$OUT/log.txt"
-# The noise of a correct replay on the GPU: what --logprob-tol and --localize-threshold auto must cover.
-python scripts/measure_noise.py --device cuda --seeds 0 1 2 2>&1 | tee "$OUT/noise.txt" | tee -a "$OUT/log.txt"
-python scripts/localization_noise.py --device cuda --dtypes float32 bfloat16 2>&1 | tee "$OUT/layer-noise.txt" | tee -a "$OUT/log.txt"
-python -m parity run --device cuda --scenario all --fixture all --out "$OUT/runs/cli-all" --no-plot 2>&1 | tee -a "$OUT/log.txt"
-echo "cli exit code: ${PIPESTATUS[0]}" | tee -a "$OUT/log.txt"
-tar -czf "$OUT/runs.tar.gz" -C "$OUT" runs && rm -rf "$OUT/runs"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"

@@ -1,4 +1,9 @@
-"""Shared fixtures: every embedded model is built once per test run (session scope)."""
+"""Shared fixtures: every embedded model is built once per test run (session scope).
+
+The suite means the CPU: models load there and runs say `--device cpu`, so a GPU host runs the
+same tests (the emulated graph, the CPU noise floors). A test of `--device auto` asserts what auto
+resolves to on the machine at hand; the tests that need CUDA are marked `gpu` (tests/gpu/).
+"""
 
 from __future__ import annotations
 
@@ -51,22 +56,22 @@ def every_run_rejudges_the_same():
 
 @pytest.fixture(scope="session")
 def tiny() -> LoadedModel:
-    return load_model("tiny-qwen3-vl")
+    return load_model("tiny-qwen3-vl", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def tiny_moe() -> LoadedModel:
-    return load_model("tiny-qwen3-vl-moe")
+    return load_model("tiny-qwen3-vl-moe", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def tiny_omni() -> LoadedModel:
-    return load_model("tiny-qwen3-omni")
+    return load_model("tiny-qwen3-omni", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def tiny_nodeepstack() -> LoadedModel:
-    return load_model("tiny-qwen3-vl-nodeepstack")
+    return load_model("tiny-qwen3-vl-nodeepstack", device="cpu")
 
 
 class Cli:
@@ -79,9 +84,11 @@ class Cli:
     def __call__(self, *args: str, env: dict | None = None):
         return self.runner.invoke(cli, list(args), env=env, catch_exceptions=False, prog_name="parity")
 
-    def run(self, *args: str, name: str = "run"):
+    def run(self, *args: str, name: str = "run", device: str | None = "cpu"):
+        """`parity run ARGS` on `device` (None: the option left out, `auto`)."""
         out = self.tmp_path / name
-        result = self("run", "--out", str(out), "--no-plot", *args)
+        on = ("--device", device) if device is not None and "--device" not in args else ()
+        result = self("run", "--out", str(out), "--no-plot", *on, *args)
         doc = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else None
         return result, doc, out
 
@@ -115,7 +122,7 @@ class RealRuns:
         """(results file, its document, the run's exit code); the document is a fresh copy to edit."""
         if name not in self.made:
             out = self.root / name
-            result = CliRunner().invoke(cli, ["run", "--out", str(out), "--no-plot", "--max-new-tokens",
+            result = CliRunner().invoke(cli, ["run", "--out", str(out), "--no-plot", "--device", "cpu", "--max-new-tokens",
                                               REAL_RUN_TOKENS, *REAL_RUNS[name]], catch_exceptions=False)
             self.made[name] = (out / "results.json", result.exit_code)
         path, code = self.made[name]

@@ -38,7 +38,7 @@ def shards(tmp_path_factory, tiny) -> dict[str, Path]:
     }
     paths = {}
     for name, extra in variants.items():
-        result = invoke("run", "--out", str(root / name), *ARGS, *extra)
+        result = invoke("run", "--device", "cpu", "--out", str(root / name), *ARGS, *extra)
         assert result.exit_code in (0, 3), result.output
         paths[name] = root / name / "results.json"
     return paths
@@ -75,7 +75,7 @@ def test_a_seed_relabelled_away_is_caught_by_the_fingerprint(tmp_path, tiny):
     paths = {}
     for name, extra in (("1", ("--shard", "1/3")), ("2", ("--shard", "2/3")), ("3", ("--shard", "3/3")),
                         ("2-seed", ("--shard", "2/3", "--seed", "7"))):
-        assert invoke("run", "--out", str(tmp_path / name), *common, *extra).exit_code in (0, 3)
+        assert invoke("run", "--device", "cpu", "--out", str(tmp_path / name), *common, *extra).exit_code in (0, 3)
         paths[name] = tmp_path / name / "results.json"
     seed, identity = (load(paths["1"])["config"][k] for k in ("preset_seed", "model_identity"))
     seed_only = edited(paths["2-seed"], tmp_path, lambda d: d["config"].update(preset_seed=seed))
@@ -151,7 +151,7 @@ def test_verdict_of_a_shard_says_which(shards):
 @pytest.fixture(scope="module")
 def legacy_run(tmp_path_factory, tiny) -> Path:
     out = tmp_path_factory.mktemp("legacy") / "run"
-    assert invoke("run", "--out", str(out), "--runner", "legacy", "--max-new-tokens", "4", "--no-plot").exit_code == 1
+    assert invoke("run", "--device", "cpu", "--out", str(out), "--runner", "legacy", "--max-new-tokens", "4", "--no-plot").exit_code == 1
     return out / "results.json"
 
 
@@ -181,7 +181,7 @@ def test_a_builtin_fixture_name_over_other_pixels_is_refused(legacy_run, tmp_pat
 
 def test_deleted_repeats_are_refused(tmp_path, tiny):
     out = tmp_path / "rep"
-    assert invoke("run", "--out", str(out), "--repeat", "2", "--max-new-tokens", "3", "--no-plot").exit_code == 0
+    assert invoke("run", "--device", "cpu", "--out", str(out), "--repeat", "2", "--max-new-tokens", "3", "--no-plot").exit_code == 0
 
     def no_repeats(doc):
         for arm in doc["cases"][0]["arms"].values():
@@ -283,7 +283,7 @@ def test_an_arm_whose_own_results_break_a_rule_fails_in_the_run_and_in_its_file(
 
     monkeypatch.setattr(TransformersSession, "score", other_path)
     out = tmp_path / "run"
-    result = invoke("run", "--out", str(out), "--max-new-tokens", "3", "--no-plot")
+    result = invoke("run", "--device", "cpu", "--out", str(out), "--max-new-tokens", "3", "--no-plot")
     assert result.exit_code == 4 and "parity's check of its own results" in result.output
     assert "teacher forcing of identical tokens gives the same scores" in result.output
     written = load(out / "results.json")["verdict"]
@@ -312,10 +312,10 @@ def test_shards_of_two_checkpoints_under_one_path_do_not_merge(tmp_path):
     common = ("--model", str(folder), "--fixture", "all", "--max-new-tokens", "3", "--no-plot", "--buckets", "48")
     save(0)
     for k in (1, 2, 3):
-        assert invoke("run", "--out", str(tmp_path / f"a{k}"), *common, "--shard", f"{k}/3").exit_code in (0, 1, 3)
+        assert invoke("run", "--device", "cpu", "--out", str(tmp_path / f"a{k}"), *common, "--shard", f"{k}/3").exit_code in (0, 1, 3)
     save(1)
     for k in (2, 3):
-        assert invoke("run", "--out", str(tmp_path / f"b{k}"), *common, "--shard", f"{k}/3").exit_code in (0, 1, 3)
+        assert invoke("run", "--device", "cpu", "--out", str(tmp_path / f"b{k}"), *common, "--shard", f"{k}/3").exit_code in (0, 1, 3)
     one = invoke("merge", *(str(tmp_path / f"a{k}" / "results.json") for k in (1, 2, 3)), "--out", str(tmp_path / "ok"))
     assert one.exit_code in (0, 1, 3) and "Error" not in one.output, one.output
     mixed = invoke("merge", str(tmp_path / "a1" / "results.json"), *(str(tmp_path / f"b{k}" / "results.json")

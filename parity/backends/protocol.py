@@ -123,6 +123,11 @@ class Backend(Protocol):
         """Backend keys for the results' `config`; must include `dtype` and `deepstack_layers`."""
         ...
 
+    def timings(self) -> Mapping[str, float | None]:
+        """The phases of a run only the backend sees, in seconds (`results.Timings`): `capture_s`
+        for graphs captured in-process, `server_start_s` for servers started until ready."""
+        ...
+
     def close(self) -> None:
         """Release everything (models, servers); safe to call twice, also after a failure."""
         ...

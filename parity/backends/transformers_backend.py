@@ -301,6 +301,9 @@ class TransformersBackend:
             "prefix_cache_page": PAGE_TOKENS,
         }
 
+    def timings(self) -> Mapping[str, float | None]:
+        return {"capture_s": None if self._runner is None else self._runner.capture_seconds}
+
     def close(self) -> None:
         if self._runner is not None:
             self._runner.close()

@@ -359,6 +359,9 @@ class EngineBackend(abc.ABC):
     def planned_flags(self, mode: str) -> list[str]:
         """The mode's server flags as they would be launched now (for a mode not launched yet)."""
 
+    def timings(self) -> Mapping[str, float | None]:
+        return {"server_start_s": self.pool.start_seconds}
+
     def close(self) -> None:
         self.pool.close()
 

@@ -48,6 +48,7 @@ class ServerPool:
         self._servers: dict[str, Server] = {}
         self._failures: dict[str, ArmFailure] = {}
         self._launches: dict[str, int] = {}
+        self.start_seconds = 0.0  # every launch until its servers were ready and probed
 
     @property
     def launch_count(self) -> int:
@@ -55,6 +56,13 @@ class ServerPool:
 
     def launch(self, keys: Sequence[str]) -> None:
         """Start these servers together and wait until each is ready and probed (or failed)."""
+        began = time.monotonic()
+        try:
+            self._launch(keys)
+        finally:
+            self.start_seconds += time.monotonic() - began
+
+    def _launch(self, keys: Sequence[str]) -> None:
         started = []
         for key in keys:
             count = self._launches[key] = self._launches.get(key, 0) + 1

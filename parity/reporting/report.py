@@ -290,7 +290,20 @@ def _md_environment(run: RunResult) -> str:
     env = " · ".join(f"{md_text(str(k))} {md_code(str(v))}" for k, v in run.environment.items())
     # The plan and the shard map list every case: results.json holds them, the report says how many.
     config = " · ".join(f"{md_text(str(k))} {md_code(_config_value(k, v))}" for k, v in run.config.items())
-    return f"<details><summary>Environment and config</summary>\n\n{env}\n\n{config}\n</details>\n"
+    timings = "" if run.timings is None else f"{timings_sentence(run)}\n\n"
+    return f"{timings}<details><summary>Environment and config</summary>\n\n{env}\n\n{config}\n</details>\n"
+
+
+_TIMING_LABELS = (("load_s", "model load"), ("server_start_s", "server start"), ("capture_s", "graph capture"),
+                  ("eager_s", "eager session"), ("bcg_s", "graph session"), ("localize_s", "localization"),
+                  ("total_s", "total"))
+
+
+def timings_sentence(run: RunResult) -> str:
+    """Where the run's wall time went (`results.Timings`); each arm's own time is in its table."""
+    parts = [f"{label} {getattr(run.timings, key):.2f} s" for key, label in _TIMING_LABELS
+             if getattr(run.timings, key) is not None]
+    return "Time: " + " · ".join(parts) + " (the graph session includes its capture)"
 
 
 def _config_value(key: str, value: object) -> str:

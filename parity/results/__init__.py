@@ -190,6 +190,27 @@ class CaseResult:
 
 
 @dataclass(frozen=True)
+class Timings:
+    """Where a run's wall time went, in seconds; None where the backend has no such phase (an
+    in-process run starts no server, a server captures its graphs inside itself). Each arm's own
+    time is the arm's `seconds` and `forced_seconds`."""
+
+    load_s: float | None = None  # the model loaded (in-process), or the backend set up
+    capture_s: float | None = None  # every prefill graph captured, recaptures included (in-process)
+    server_start_s: float | None = None  # servers started until ready and probed (server backends)
+    eager_s: float | None = None  # the eager session: its arms, in plan order
+    bcg_s: float | None = None  # the graph session: its arms, and its capture when it comes first
+    localize_s: float | None = None  # the per-layer probes of divergent cases
+    total_s: float | None = None  # from the backend's creation to the judged run
+
+    def to_json(self) -> dict:
+        return {k: None if v is None else round(v, 4) for k, v in self.__dict__.items()}
+
+
+TIMING_KEYS = tuple(Timings.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
 class RunResult:
     created: str
     environment: Mapping[str, Any]
@@ -198,6 +219,7 @@ class RunResult:
     verdict: Verdict | None = None
     schema: str = field(default=SCHEMA)
     interrupted: bool = False  # Ctrl-C: what finished is kept, the rest is INCOMPLETE
+    timings: Timings | None = None  # None: a merge, or a file written before parity recorded them
 
     @property
     def logprob_tol(self) -> float:
@@ -311,6 +333,8 @@ def _head_json(run: RunResult) -> dict:
     }
     if run.interrupted:
         out["interrupted"] = True
+    if run.timings is not None:
+        out["timings"] = run.timings.to_json()
     return out
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import signal
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Callable, Sequence
 
@@ -31,7 +32,7 @@ from parity.run.planning import (
     PlannedCase, RunSpec, arms_for, check_lengths, generations, in_shard, plan_cases, plan_entry, serving_order,
     shard_assignment,
 )
-from parity.results import FOUR_ARM, ArmResult, CaseResult, FixtureInfo, RequestResult, RunResult
+from parity.results import FOUR_ARM, ArmResult, CaseResult, FixtureInfo, RequestResult, RunResult, Timings
 from parity.run.self_check import self_checked
 from parity.plan.sharding import shard_config
 from parity.judge.verdict import FOUR_ARM_CHECKS, POWER_CHECK, SEQUENCE_POWER_ARM, judge_run
@@ -76,14 +77,29 @@ class _Collected:
         return self.arms.get((case_id, request, name))
 
 
+@dataclass
+class _Clock:
+    """The wall time of a run's phases, as they end (`Timings`)."""
+
+    load_s: float | None = None
+    started: float = field(default_factory=time.perf_counter)
+    modes: dict[str, float] = field(default_factory=dict)
+
+    def timings(self, backend: Backend, localize_s: float | None = None) -> Timings:
+        return Timings(load_s=self.load_s, eager_s=self.modes.get("eager"), bcg_s=self.modes.get("bcg"),
+                       localize_s=localize_s, total_s=(self.load_s or 0.0) + time.perf_counter() - self.started,
+                       **backend.timings())
+
+
 def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None = None,
-                   warn: Callable[[str], object] | None = None) -> RunResult:
+                   warn: Callable[[str], object] | None = None, load_seconds: float | None = None) -> RunResult:
     """Run, judge, and localize every case whose bcg arm disagrees with eager (design §7), on the
     still-loaded backend; `warn` hears about cases that could not be localized. Ctrl-C or SIGTERM
     after the plan is made raises `RunInterrupted` with every arm that finished. The backend is
-    closed in every case, a second signal notwithstanding."""
+    closed in every case, a second signal notwithstanding. `load_seconds`: how long the backend took
+    to build (the model's load), recorded with the run's other timings."""
     try:
-        run = _run_and_judge(spec, backend, progress, warn)
+        run = _run_and_judge(spec, backend, progress, warn, _Clock(load_seconds))
     except BaseException:
         with deferred_stops(reraise=False):  # already stopping: a second Ctrl-C must not leave a server up
             backend.close()
@@ -96,8 +112,8 @@ def run_experiment(spec: RunSpec, backend: Backend, progress: ProgressFn | None 
 
 
 def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
-                   warn: Callable[[str], object] | None) -> RunResult:
-    planned, plan, collected, stop = _run_plan(spec, backend, progress)
+                   warn: Callable[[str], object] | None, clock: _Clock) -> RunResult:
+    planned, plan, collected, stop = _run_plan(spec, backend, progress, clock)
     config = dict(backend.config())
     if plan is not None:
         config[PLAN_KEY] = plan_json(plan)
@@ -107,19 +123,21 @@ def _run_and_judge(spec: RunSpec, backend: Backend, progress: ProgressFn | None,
     localizes = registry.info(backend.name).localizes and isinstance(backend, CanLocalize)
     if localizes:
         config["localize_threshold"] = spec.localize_threshold or auto_threshold(str(config.get("dtype")))
-    run = _run_result(spec, backend, planned, collected, config, stop is not None)
+    run = _run_result(spec, backend, planned, collected, config, stop is not None, clock.timings(backend))
     if stop is not None:
         raise RunInterrupted(run, signal_of(stop))
     if not localizes:
         return run  # nothing to probe: the report says so on every case that would need it
+    started = time.perf_counter()
     try:
-        return localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
-                            config["localize_threshold"], warn=warn)
+        localized = localize_run(run, backend, {c.id: tuple(r.request for r in c.requests) for c in planned},
+                                 config["localize_threshold"], warn=warn)
     except KeyboardInterrupt as stop:  # the judged run stands; only its localizations are missing
         raise RunInterrupted(run, signal_of(stop)) from None
+    return replace(localized, timings=clock.timings(backend, time.perf_counter() - started))
 
 
-def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
+def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None, clock: _Clock):
     """(every planned case, the plan's entries (None when stopped before the prompts were measured),
     the arms that finished, the stop (Ctrl-C or SIGTERM) that ended it early or None); with a shard,
     only the shard's cases are run."""
@@ -143,7 +161,9 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None):
                                      if req.replays],
                         sorted({req.request.serving for case in planned for req in case.requests}, key=repr))
         for mode in spec.modes:
+            started = time.perf_counter()
             _run_mode(spec, backend, selected, mode, collected, announce)
+            clock.modes[mode] = time.perf_counter() - started
     except KeyboardInterrupt as stop:
         return planned, plan, collected, stop
     return planned, plan, collected, None
@@ -232,7 +252,7 @@ def _case_result(case: PlannedCase, collected: _Collected) -> CaseResult:
     return CaseResult(case.id, info, case.spec.prompt.text, requests=requests, scenario=case.scenario)
 
 
-def _run_result(spec, backend, planned, collected, config, interrupted) -> RunResult:
+def _run_result(spec, backend, planned, collected, config, interrupted, timings: Timings) -> RunResult:
     dtype = str(config.get("dtype", "float32"))
     # A user's --logprob-tol is one flat bound on every step; auto follows the dtype's measured noise.
     auto = auto_tolerances(dtype)
@@ -251,6 +271,7 @@ def _run_result(spec, backend, planned, collected, config, interrupted) -> RunRe
         },
         cases=tuple(_case_result(case, collected) for case in planned),
         interrupted=interrupted,
+        timings=timings,
     )
     return judge_run(self_checked(run))
 

@@ -10,6 +10,7 @@ reproduce the two ways of getting it wrong, so parity can prove it tells them ap
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -183,6 +184,7 @@ class PrefillGraphRunner:
         self._probe_graphs: dict[tuple[int, bool], _EmulatedGraph | _CudaGraph] = {}
         self._pool = self._new_pool()  # the bucket graphs' pool: it lives as long as they do
         self._closed = False
+        self.capture_seconds = 0.0  # every capture's wall time, warm-up included, recaptures too
         if variant is not RunnerVariant.WARMUP_SPECIALIZED:  # that one captures on first use (its bug)
             self._capture_all()
 
@@ -210,9 +212,12 @@ class PrefillGraphRunner:
             self._bound[key] = bound
         fn = self._bound_body(size, probe, context, bound)
         name = f"the {'probe' if probe else 'context' if context else 'prefill'} graph of bucket {size}"
+        started = time.perf_counter()
         with torch.inference_mode():
             graph_class = _CudaGraph if self.graph_backend is GraphBackend.CUDA else _EmulatedGraph
-            return graph_class(fn, pool, name)
+            graph = graph_class(fn, pool, name)
+        self.capture_seconds += time.perf_counter() - started
+        return graph
 
     def _bound_body(self, size: int, probe: bool, context: bool, deepstack: torch.Tensor | None
                     ) -> Callable[[], Outputs]:

@@ -21,7 +21,7 @@ from parity.errors import ResultsFileError
 from parity.plan.entries import PlanEntry, read_plan
 from parity.results import (
     FOUR_ARM, REUSE, SCENARIOS, SCHEMA, SCHEMA_V1, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, ArmResult, CaseResult,
-    LayerError, Localization, RequestResult, RunResult,
+    TIMING_KEYS, LayerError, Localization, RequestResult, RunResult, Timings,
 )
 from parity.trust.arms import read_arms, read_fixture
 from parity.trust.config import MIN_LOGPROB_TOL, config_from_json  # noqa: F401 (the CLI's floor too)
@@ -35,6 +35,25 @@ from parity.textfiles import NotAFile, TooLarge, described, read_text_capped
 # A run's file is tens of KB per case; a merged sweep of 5,000 cases at 64 new tokens is a few hundred
 # MB (scripts/bench_merge_scale.py). Anything larger is not a results file, and reading it is a hang.
 MAX_FILE_BYTES = 1024 * 1024 * 1024
+
+
+def read_timings(raw: Any) -> Timings | None:
+    """Where the run's time went: informative only (no rule reads it), but a closed set of
+    non-negative numbers like every other field."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise Invalid("timings must be an object")
+    unknown = sorted(set(raw) - set(TIMING_KEYS))
+    if unknown:
+        raise Invalid(f"timings.{unknown[0]} is not a timing parity records ({', '.join(TIMING_KEYS)})")
+    values = {}
+    for key in TIMING_KEYS:
+        value = raw.get(key)
+        if value is not None and number(value, f"timings.{key}") < 0:
+            raise Invalid(f"timings.{key} must be >= 0, got {value}")
+        values[key] = None if value is None else float(value)
+    return Timings(**values)
 
 
 def _localization(raw: Any, where: str, n_requests: int) -> Localization | None:
@@ -174,6 +193,7 @@ def run_from_json(doc: Any, source: str, consume: bool = False) -> RunResult:
             cases=cases,
             schema=schema,
             interrupted=bool(get(doc, "interrupted", bool, "document", optional=True)),
+            timings=read_timings(doc.get("timings")),
         )
         check_all(run)  # on the requests as the file holds them, so places name file indices
         if not v2:

@@ -99,7 +99,7 @@ def test_bad_video_files_are_usage_errors(parity_cli, tmp_path, content, message
     path = tmp_path / "clip.mp4"
     if content is not None:
         path.write_bytes(content)
-    result = parity_cli("run", "--video", str(path), "--out", str(tmp_path / "out"))
+    result = parity_cli("run", "--device", "cpu", "--video", str(path), "--out", str(tmp_path / "out"))
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
 
 

@@ -48,7 +48,7 @@ def test_omni_passes_fixed_and_fails_legacy_on_images_and_video(parity_cli):
 
 def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path):
     out = tmp_path / "out"
-    result = parity_cli("run", "--model", "tiny-qwen3-omni", "--audio", "audio-tone", "--out", str(out))
+    result = parity_cli("run", "--device", "cpu", "--model", "tiny-qwen3-omni", "--audio", "audio-tone", "--out", str(out))
     assert result.exit_code == 3, result.output
     assert result.output.startswith("INCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone")
     assert "audio adds no DeepStack" in result.output and "nothing ran" in result.output
@@ -61,7 +61,7 @@ def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path
     (("--model", "tiny-qwen3-omni", "--audio", "nope.wav"), "no such file, and not a built-in clip"),
 ])
 def test_audio_usage_errors(parity_cli, tmp_path, args, message):
-    result = parity_cli("run", *args, "--out", str(tmp_path / "out"))
+    result = parity_cli("run", "--device", "cpu", *args, "--out", str(tmp_path / "out"))
     assert result.exit_code == 2 and message in result.output, result.output
 
 
@@ -94,7 +94,7 @@ def test_moe_checkpoints_are_saved_in_the_released_expert_layout(tmp_path):
 
     folder = saved_preset("tiny-qwen3-vl-moe", root=tmp_path)
     saved = {k: v for path in folder.glob("*.safetensors") for k, v in load_file(path).items()}
-    model = dict(load_model("tiny-qwen3-vl-moe").adapter.model.named_parameters())
+    model = dict(load_model("tiny-qwen3-vl-moe", device="cpu").adapter.model.named_parameters())
     fused = [k for k in saved if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
     assert fused
     for key in fused:

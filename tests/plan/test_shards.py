@@ -42,7 +42,7 @@ def runs(tmp_path_factory, tiny) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("shards")
     paths = {}
     for name, extra in [("whole", ())] + [(f"s{k}", ("--shard", f"{k}/{SHARDS}")) for k in range(1, SHARDS + 1)]:
-        result = invoke("run", "--out", str(root / name), *RUN_ARGS, *extra)
+        result = invoke("run", "--device", "cpu", "--out", str(root / name), *RUN_ARGS, *extra)
         assert result.exit_code == 0, result.output
         paths[name] = root / name / "results.json"
     return paths
@@ -235,7 +235,7 @@ def test_shard_option_is_checked(tmp_path, spec):
 
 
 def test_more_shards_than_cases_is_a_usage_error(tmp_path):
-    result = invoke("run", "--shard", "2/2", "--out", str(tmp_path / "r"))  # one four-arm case
+    result = invoke("run", "--device", "cpu", "--shard", "2/2", "--out", str(tmp_path / "r"))  # one four-arm case
     assert result.exit_code == 2 and "plans only 1 case(s)" in result.output and not (tmp_path / "r").exists()
 
 
@@ -293,13 +293,13 @@ def test_every_shard_rejudges_and_merges_back_to_the_unsharded_verdict(tmp_path,
     """Genuine shards of `--fixture all`: each file is one `parity verdict` accepts, with the shard's own
     verdict, and the merge of all N is the unsharded run, case by case."""
     common = ("--fixture", "all", "--scenario", scenario, "--max-new-tokens", "2", "--no-plot")
-    assert invoke("run", "--out", str(tmp_path / "whole"), *common).exit_code == 0
+    assert invoke("run", "--device", "cpu", "--out", str(tmp_path / "whole"), *common).exit_code == 0
     whole = load(tmp_path / "whole" / "results.json")
     for count in counts:
         files = []
         for k in range(1, count + 1):
             out = tmp_path / f"{count}-{k}"
-            ran = invoke("run", "--out", str(out), *common, "--shard", f"{k}/{count}")
+            ran = invoke("run", "--device", "cpu", "--out", str(out), *common, "--shard", f"{k}/{count}")
             files.append(str(out / "results.json"))
             again = invoke("verdict", files[-1])
             assert again.exit_code == ran.exit_code == 0, again.output

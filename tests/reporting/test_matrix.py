@@ -45,7 +45,7 @@ def files(tmp_path_factory, tiny, tiny_nodeepstack) -> dict[str, str]:
     root = tmp_path_factory.mktemp("matrix")
     out = {}
     for name, (args, _) in EXPERIMENTS.items():
-        result = invoke("run", *args, "--scenario", "all", "--max-new-tokens", "4", "--no-plot",
+        result = invoke("run", "--device", "cpu", *args, "--scenario", "all", "--max-new-tokens", "4", "--no-plot",
                         "--out", str(root / name))
         assert result.exit_code in (0, 1, 3), result.output
         out[name] = str(root / name / "results.json")

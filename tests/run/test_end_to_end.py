@@ -7,6 +7,7 @@ turn a buggy runner into a PASS: the negative controls are what make a PASS mean
 import json
 
 import pytest
+import torch
 from PIL import Image
 
 from parity.results import SEQUENCE_SCENARIOS
@@ -63,14 +64,19 @@ def test_a_primer_that_never_replays_never_passes(parity_cli):
 
 
 def test_results_file_and_report_contents(parity_cli):
-    result, doc, out = parity_cli.run()
+    result, doc, out = parity_cli.run(device=None)  # --device auto: CUDA where there is one
     case = doc["cases"][0]
     assert doc["schema"] == "parity.results/2" and doc["config"]["max_new_tokens"] == 20
     assert doc["config"]["logprob_tol"] == 3e-5 and doc["config"]["logprob_tol_source"] == "auto"
     assert doc["config"]["logprob_mean_tol"] is None  # fp32: the max alone, tight
     assert doc["config"]["tie_margin"] == 0.1 and doc["config"]["deepstack_layers"] == 3
     assert doc["config"]["captured_buckets"] == [4, 8, 12, 16, 20, 24, 28, 32, 48] and doc["config"]["buckets"] == "auto"
-    assert doc["environment"]["device"] == "cpu" and doc["environment"]["threads"] == 1
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    assert doc["environment"]["device"] == auto and doc["environment"]["threads"] == 1
+    assert doc["config"]["graph_backend"] == ("cuda" if auto == "cuda" else "emulated")
+    timings = doc["timings"]  # where the time went: every phase this backend has, and the whole
+    assert timings["server_start_s"] is None and 0 < timings["capture_s"] <= timings["bcg_s"]
+    assert 0 < timings["load_s"] + timings["eager_s"] + timings["bcg_s"] <= timings["total_s"]
     assert case["id"] == "rgb-stripes/describe" and case["fixture"]["size"] == [128, 96]
     assert list(case["arms"]) == ["eager_normal", "eager_zero_deepstack", "bcg_normal", "bcg_zero_deepstack"]
     for name, arm in case["arms"].items():
@@ -87,7 +93,7 @@ def test_results_file_and_report_contents(parity_cli):
     assert all(c["tf_delta"] is not None for c in case["comparisons"])
     report = (out / "report.md").read_text()
     for needle in ("graph replay sees DeepStack", case["fixture"]["sha256"], "<details>", "Environment and config",
-                   "prefill replayed: yes", "eager (no replay expected)"):
+                   "prefill replayed: yes", "eager (no replay expected)", "Time: model load", "graph capture"):
         assert needle in report
     assert [c["a"] for c in case["comparisons"]] == ["bcg_normal", "bcg_normal", "bcg_zero_deepstack", "eager_zero_deepstack"]
     assert "prefill replayed: yes · 1/" in result.output  # the terminal shows the evidence too
@@ -236,7 +242,7 @@ def test_plot_is_written_and_linked(parity_cli, tmp_path):
     from parity.reporting.plots import PLOT_SIZE_PX
 
     out, summary = tmp_path / "plotted", tmp_path / "summary.md"
-    result = parity_cli("run", "--out", str(out), "--max-new-tokens", "4", env={"GITHUB_STEP_SUMMARY": str(summary)})
+    result = parity_cli("run", "--device", "cpu", "--out", str(out), "--max-new-tokens", "4", env={"GITHUB_STEP_SUMMARY": str(summary)})
     assert result.exit_code == 0
     doc = json.loads((out / "results.json").read_text())
     plot = out / doc["cases"][0]["plot"]
@@ -257,7 +263,7 @@ def test_compare_legacy_before_fixed_after(parity_cli):
 
 def test_step_summary_is_appended(parity_cli, tmp_path):
     summary = tmp_path / "summary.md"
-    result = parity_cli("run", "--out", str(tmp_path / "r"), "--no-plot", env={"GITHUB_STEP_SUMMARY": str(summary)})
+    result = parity_cli("run", "--device", "cpu", "--out", str(tmp_path / "r"), "--no-plot", env={"GITHUB_STEP_SUMMARY": str(summary)})
     assert result.exit_code == 0 and summary.read_text().startswith("## parity:")
 
 
@@ -318,7 +324,7 @@ def test_thread_policy_one_for_presets_unless_the_user_says(parity_cli, tmp_path
     # A thread count set in the environment is the user's: parity leaves it (a fresh process reads it).
     out = tmp_path / "omp"
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
-    subprocess.run([sys.executable, "-m", "parity", "run", "--arms", "eager_normal", "--no-plot", "--out", str(out)],
+    subprocess.run([sys.executable, "-m", "parity", "run", "--device", "cpu", "--arms", "eager_normal", "--no-plot", "--out", str(out)],
                    env=env, capture_output=True, check=False, timeout=300)
     assert json.loads((out / "results.json").read_text())["environment"]["threads"] == 2
     _, doc, _ = parity_cli.run("--arms", "eager_normal", name="default")

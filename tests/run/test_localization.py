@@ -149,7 +149,7 @@ def test_control_divergence_is_localized_on_the_zeroed_arms(tiny):
 @pytest.mark.parametrize("preset", ["tiny-qwen3-vl", "tiny-qwen3-vl-moe", "tiny-qwen3-vl-nodeepstack"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fixed_runner_shows_no_point_over_the_threshold(preset, dtype):
-    loaded = load_model(preset, dtype=dtype)
+    loaded = load_model(preset, device="cpu", dtype=dtype)
     backend = TransformersBackend(loaded, max_new_tokens=1)
     requests = [Request(f, default_prompts(f)[0].text) for f in builtin_fixtures()]
     backend.prepare(("bcg",), [backend.prompt_length(r) for r in requests])
@@ -254,7 +254,7 @@ def test_a_bad_localization_is_a_usage_error(tmp_path, parity_cli, mutate, messa
 
 def test_run_writes_the_localization_plot_and_report(parity_cli, tmp_path):
     out = tmp_path / "plotted"
-    result = parity_cli("run", "--out", str(out), "--runner", "legacy")
+    result = parity_cli("run", "--device", "cpu", "--out", str(out), "--runner", "legacy")
     assert result.exit_code == 1
     case = json.loads((out / "results.json").read_text())["cases"][0]
     assert case["localization_plot"] == "rgb-stripes__describe-layers.png"

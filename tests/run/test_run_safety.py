@@ -91,7 +91,7 @@ def test_ctrl_c_while_plotting_keeps_results_report_and_junit(parity_cli, tmp_pa
 
     monkeypatch.setattr(parity.reporting.plots, "plot_case", ctrl_c)
     out, junit = tmp_path / "plotted", tmp_path / "junit.xml"
-    result = parity_cli("run", "--out", str(out), "--junit", str(junit), *FAST)
+    result = parity_cli("run", "--device", "cpu", "--out", str(out), "--junit", str(junit), *FAST)
     assert result.exit_code == 130 and "interrupted while plotting" in result.output, result.output
     doc = json.loads((out / "results.json").read_text())
     assert not doc.get("interrupted") and doc["verdict"]["code"] == "PASS" and doc["cases"][0].get("plot") is None
@@ -152,7 +152,7 @@ def test_an_out_folder_removed_mid_run_is_written_again(parity_cli, tmp_path, mo
     out = tmp_path / "gone"
     out.mkdir()
     _stop_on_call(monkeypatch, 2, lambda: shutil.rmtree(out))
-    result = parity_cli("run", "--out", str(out), "--no-plot", *FAST)
+    result = parity_cli("run", "--device", "cpu", "--out", str(out), "--no-plot", *FAST)
     assert result.exit_code == 0, result.output
     assert json.loads((out / "results.json").read_text())["verdict"]["code"] == "PASS" and (out / "report.md").exists()
 
@@ -272,7 +272,7 @@ def test_a_stop_at_every_phase_keeps_what_finished_with_the_first_signals_code(p
                                                                             phase, signum, again):
     _phase(monkeypatch, phase, _signal(signum, again))
     out = tmp_path / "run"
-    result = parity_cli("run", "--out", str(out), "--junit", str(tmp_path / "j.xml"), *FAST)
+    result = parity_cli("run", "--device", "cpu", "--out", str(out), "--junit", str(tmp_path / "j.xml"), *FAST)
     assert result.exit_code == 128 + signum, result.output
     assert "Traceback" not in result.output and "interrupted" in result.output
     assert not list(tmp_path.rglob(".*.tmp"))
@@ -309,7 +309,7 @@ def test_a_real_process_stopped_twice_10_ms_apart_keeps_the_run_and_the_first_co
     import time
 
     out = tmp_path / "run"
-    process = subprocess.Popen([sys.executable, "-m", "parity", "run", "--scenario", "all", "--fixture", "all",
+    process = subprocess.Popen([sys.executable, "-m", "parity", "run", "--device", "cpu", "--scenario", "all", "--fixture", "all",
                                 "--max-new-tokens", "3", "--no-plot", "--out", str(out)],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "PYTHONPATH": os.getcwd()})

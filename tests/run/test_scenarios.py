@@ -29,7 +29,7 @@ TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tiny_bf16():
-    return load_model("tiny-qwen3-vl", dtype="bfloat16")
+    return load_model("tiny-qwen3-vl", device="cpu", dtype="bfloat16")
 
 
 def _run(loaded, scenarios, runner="fixed", fixture="rgb-stripes", **backend):

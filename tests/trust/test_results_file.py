@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from parity.errors import ResultsFileError
-from parity.results import SCHEMA, run_to_json, write_results
+from parity.results import SCHEMA, Timings, run_to_json, write_results
 from parity.trust.loader import _V2_ONLY_CONFIG, load_results
 from parity.judge.verdict import judge_run
 from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, scored, stream_case
@@ -25,7 +25,7 @@ def test_round_trip_keeps_every_field(tmp_path: Path):
     arms = list(scored(make_case(fixed_arms())).arms)
     arms[2] = replace(arms[2], deepstack_record=_record(True), top_logprobs=(((1, -0.1), (2, -2.0)),) * 5,
                       forced_seconds=0.5)
-    run = make_run([make_case(arms), scored(stream_case())])
+    run = replace(make_run([make_case(arms), scored(stream_case())]), timings=Timings(load_s=1.5, capture_s=0.25))
     write_results(run, tmp_path / "r.json")
     loaded = judge_run(load_results(tmp_path / "r.json"))
     assert run_to_json(loaded) == run_to_json(run)
@@ -68,6 +68,10 @@ def _arm(d, name="bcg_normal"):
     (lambda d: d["cases"][0].update(scenario="other"), "scenario 'other'"),
     (lambda d: d["cases"][1].update(requests=[]), "non-empty list of requests"),
     (lambda d: d.update(cases=[]), "cases is empty"),
+    (lambda d: d.update(timings={"load_s": 1.0, "coffee_s": 2.0}), "timings.coffee_s is not a timing"),
+    (lambda d: d.update(timings={"load_s": -1.0}), "timings.load_s must be >= 0"),
+    (lambda d: d.update(timings={"total_s": "fast"}), "timings.total_s must be a number"),
+    (lambda d: d.update(timings=[1.0]), "timings must be an object"),
 ])
 def test_malformed_documents_name_the_problem(tmp_path: Path, mutate, message):
     doc = _doc()

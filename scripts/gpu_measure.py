@@ -1,0 +1,201 @@
+"""The measurements `scripts/gpu_check.py` runs, one subcommand each, every row appended to a JSON
+lines file as it is made (a step cut by its time limit keeps the rows it finished):
+
+    python scripts/gpu_measure.py matrix --preset P --dtype D --device cuda --out rows.jsonl [--runs DIR]
+        each runner variant x scenario on one preset and dtype, against the verdict a correct
+        harness gives (docs/scenarios.md); failing cases localized on the device;
+    python scripts/gpu_measure.py timings --device cuda --out rows.jsonl
+        replay vs eager prefill per bucket, side by side in one process (bf16);
+    python scripts/gpu_measure.py memory --device cuda --out rows.jsonl
+        the DeepStack slot's bytes against max_tokens x hidden x n x dtype size, and the peak memory
+        of the captured graphs.
+
+`--device cpu` runs the same code on the emulated graph (a dry run: no timing worth reading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from parity.arms import select_arms  # noqa: E402
+from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
+from parity.design import FAMILY_SCENARIOS, PLANTED_BUGS  # noqa: E402
+from parity.judge.metrics import tuple_text  # noqa: E402
+from parity.media.catalog import builtin_fixture  # noqa: E402
+from parity.media.fixtures import default_prompts  # noqa: E402
+from parity.models import load_model  # noqa: E402
+from parity.reporting.report import localization_sentence, render_markdown  # noqa: E402
+from parity.results import write_results  # noqa: E402
+from parity.run.experiment import run_experiment  # noqa: E402
+from parity.run.planning import CaseSpec, RunSpec  # noqa: E402
+from parity.runner.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant  # noqa: E402
+
+CORE = ("four-arm", "reuse", "stream")
+# The bug family: the fixed runner on each family scenario, each planted variant on its own.
+FAMILY_RUNS = tuple(("fixed", s) for s in FAMILY_SCENARIOS) + tuple((v, s) for v, (s, _) in PLANTED_BUGS.items())
+# What each planted variant gives on its own scenario, alone in a run (docs/scenarios.md's table).
+PLANTED_VERDICTS = {"chunk-misaligned": "FAIL_GRAPH_DIVERGES", "prefix-offset": "FAIL_GRAPH_DIVERGES",
+                    "growth-rebind": "FAIL_STALE_STATE", "warmup-specialized": "FAIL_DEEPSTACK_DROPPED",
+                    "layout-keyed": "FAIL_GRAPH_DIVERGES"}
+TIMED_PRESETS = ("tiny-qwen3-vl", "mid-qwen3-vl")
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+def expected_verdict(preset: str, runner: str, scenario: str) -> str:
+    """What tests/run/test_end_to_end.py and docs/scenarios.md say each variant gives, on any device."""
+    if "nodeepstack" in preset:  # nothing to drop or leak, and no power: no scenario proves anything
+        return "INCONCLUSIVE_NO_POWER"
+    if runner == "fixed":
+        return "PASS"
+    if runner in PLANTED_VERDICTS:
+        return PLANTED_VERDICTS[runner]
+    if runner == "legacy":  # no slot: the first image request of any scenario already drops DeepStack
+        return "FAIL_DEEPSTACK_DROPPED"
+    # no-clear: the slot is refreshed on presence; only a sequence's absence lets stale rows through.
+    return "PASS" if scenario == "four-arm" else "FAIL_STALE_STATE"
+
+
+def _graph_backend(device: str) -> str:
+    return "cuda" if device == "cuda" else "emulated"
+
+
+def _append(out: Path, row: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def matrix(args) -> None:
+    loaded = load_model(args.preset, device=args.device, dtype=args.dtype)
+    fixture = builtin_fixture("rgb-stripes")
+    case = CaseSpec(fixture, default_prompts(fixture)[0])
+    runs = [(r, s) for r in ("fixed", "legacy", "no-clear") for s in CORE] + list(FAMILY_RUNS)
+    for runner, scenario in runs:
+        want = expected_verdict(args.preset, runner, scenario)
+        name = f"{args.preset}-{args.dtype}-{runner}-{scenario}"
+        start = time.perf_counter()
+        try:
+            spec = RunSpec(model=args.preset, arms=select_arms("all"), cases=(case,), scenarios=(scenario,))
+            backend = TransformersBackend(loaded, max_new_tokens=20, runner_variant=RunnerVariant(runner),
+                                          graph_backend=_graph_backend(args.device))
+            run = run_experiment(spec, backend)
+            got, reason = run.verdict.code, run.verdict.reason
+            first = run.cases[0].comparisons[0] if run.cases[0].comparisons else None
+            graph_vs_eager = tuple_text(first, run.logprob_tol) if first else "—"
+            if run.cases[0].localization is not None:
+                graph_vs_eager += f"; {localization_sentence(run.cases[0])}"
+            if args.runs is not None:
+                folder = Path(args.runs) / name
+                folder.mkdir(parents=True, exist_ok=True)
+                write_results(run, folder / "results.json")
+                (folder / "report.md").write_text(render_markdown(run))
+        except Exception as err:  # a check that crashes is a finding, not the end of the matrix
+            got, reason, graph_vs_eager = "CRASH", f"{err.__class__.__name__}: {err}", "—"
+            traceback.print_exc()
+        _append(args.out, {"preset": args.preset, "dtype": args.dtype, "runner": runner, "scenario": scenario,
+                           "expected": want, "got": got, "ok": got == want, "reason": reason,
+                           "graph_vs_eager": graph_vs_eager, "seconds": round(time.perf_counter() - start, 2)})
+        print(f"{name:55} {got:28} {'ok' if got == want else 'UNEXPECTED (want ' + want + ')'}", flush=True)
+
+
+def _median_seconds(fn, device: torch.device, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _runner(adapter, device: str, buckets=BUCKETS) -> PrefillGraphRunner:
+    return PrefillGraphRunner(adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
+                              buckets=buckets, graph_backend=GraphBackend(_graph_backend(device)))
+
+
+def _random_inputs(adapter, tokens: int, generator: torch.Generator):
+    embeds = torch.randn(tokens, adapter.hidden_size, generator=generator, device=adapter.device, dtype=adapter.dtype)
+    positions = torch.arange(tokens, device=adapter.device).expand(3, -1).contiguous()
+    deepstack = torch.randn(tokens, adapter.hidden_size * adapter.deepstack_count, generator=generator,
+                            device=adapter.device, dtype=adapter.dtype)
+    return embeds, positions, deepstack
+
+
+def timings(args) -> None:
+    for preset in TIMED_PRESETS:
+        adapter = load_model(preset, device=args.device, dtype="bfloat16").adapter
+        start = time.perf_counter()
+        runner = _runner(adapter, args.device)
+        capture_s = time.perf_counter() - start
+        generator = torch.Generator(device=adapter.device).manual_seed(0)
+        for bucket in BUCKETS:
+            inputs = _random_inputs(adapter, bucket, generator)
+            with torch.inference_mode():
+                eager_out = adapter.body(*inputs)[0]
+                replay_out = runner.replay(*inputs)[0]
+                for _ in range(3):  # warm-up both paths
+                    adapter.body(*inputs)
+                    runner.replay(*inputs)
+                eager_s = _median_seconds(lambda: adapter.body(*inputs), adapter.device, args.iters)
+                replay_s = _median_seconds(lambda: runner.replay(*inputs), adapter.device, args.iters)
+            _append(args.out, {"preset": preset, "bucket": bucket, "eager_ms": eager_s * 1e3, "replay_ms": replay_s * 1e3,
+                               "speedup": eager_s / replay_s, "capture_s": capture_s,
+                               "max_abs_diff": float((eager_out.float() - replay_out.float()).abs().max())})
+            print(f"{preset:16} bucket {bucket:4}: eager {eager_s * 1e3:8.3f} ms  replay {replay_s * 1e3:8.3f} ms  "
+                  f"x{eager_s / replay_s:5.2f}", flush=True)
+        runner.close()
+
+
+def memory(args) -> None:
+    cuda = args.device == "cuda"
+    for preset in ("tiny-qwen3-vl", "tiny-qwen3-vl-nodeepstack"):
+        for dtype in ("float32", "bfloat16"):
+            adapter = load_model(preset, device=args.device, dtype=dtype).adapter
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            runner = _runner(adapter, args.device)
+            graphs = (torch.cuda.max_memory_allocated() - before) if cuda else None
+            formula = max(BUCKETS) * adapter.hidden_size * adapter.deepstack_count * adapter.dtype.itemsize
+            _append(args.out, {"preset": preset, "dtype": dtype, "slot_bytes": runner.deepstack_slot_bytes,
+                               "formula_bytes": formula, "ok": runner.deepstack_slot_bytes == formula,
+                               "capture_peak_bytes": graphs})
+            print(f"{preset:26} {dtype:9} DeepStack slot {runner.deepstack_slot_bytes:9} B (formula {formula})"
+                  f"{'' if graphs is None else f', capture peak {graphs} B'}", flush=True)
+            runner.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    for name in ("matrix", "timings", "memory"):
+        cmd = sub.add_parser(name)
+        cmd.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+        cmd.add_argument("--out", type=Path, required=True, help="JSON lines, one row per measurement")
+        if name == "matrix":
+            cmd.add_argument("--preset", required=True)
+            cmd.add_argument("--dtype", required=True)
+            cmd.add_argument("--runs", help="write each run's results.json and report.md under this folder")
+        if name == "timings":
+            cmd.add_argument("--iters", type=int, default=30)
+    args = parser.parse_args()
+    {"matrix": matrix, "timings": timings, "memory": memory}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()
