@@ -8,7 +8,8 @@ only read results stay light.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from typing import Any, Collection, Mapping, Sequence
 
 
@@ -70,6 +71,114 @@ class LeakWitness:
 
     def to_json(self) -> dict:
         return {"rows": self.rows, "steps": self.steps, "source_sha256": self.source_sha256}
+
+
+# What a graph replay is checked on against the eager pass over its own padded shape (design §6):
+# the last real row's logits (the next token), every real row's final hidden state, keys and values
+# (per decoder layer: what decode reads, and where a departure first shows), and a vision-encoder
+# graph's outputs.
+CHECKED_TENSORS = ("logits", "hidden", "keys", "values", "encoder")
+# Where a departure first shows: the embeddings (layer 0's input), the output of decoder layer k with
+# DeepStack block k added after it or not (`L3`, `L0+DS0`: what fed the layer whose keys or values
+# departed first), the final hidden state, the next-token logits, a vision-encoder graph's output.
+DEPARTURE_POINT = re.compile(r"embeddings|L\d{1,4}(\+DS\d{1,4})?|final|logits|encoder")
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One checked tensor over a request's graph replays: the largest |Δ| between a replay and the
+    eager pass on its own padded shape, and the bound, the largest spread that repeats of that eager
+    pass showed (0 where its kernels are deterministic)."""
+
+    tensor: str
+    delta: float
+    bound: float
+
+    def to_json(self) -> list:
+        return [self.delta, self.bound]
+
+
+@dataclass(frozen=True)
+class Departure:
+    """Where a request's replay first left the eager pass on its own shape: beyond the bound, the
+    graph path changed the computation."""
+
+    replay: int  # which of the request's checked graph replays (0-based, in the order they ran)
+    tensor: str  # one of CHECKED_TENSORS
+    point: str  # DEPARTURE_POINT: the first place it shows
+    position: int  # the first row beyond the bound: a prompt row (an encoder's: a patch row)
+    delta: float
+    bound: float
+
+    def describe(self, replays: int) -> str:
+        where = {"embeddings": "in the input embeddings", "final": "in the final hidden state",
+                 "logits": "in the next-token logits", "encoder": "in the vision encoder's output"}.get(
+            self.point, f"after {self.point} (the input of the next decoder layer)")
+        which = f"replay {self.replay + 1} of {replays}" if replays > 1 else "the replay"
+        return (f"{which} departs from eager on its own padded shape at row {self.position}, first {where} "
+                f"({self.tensor} Δ {self.delta:.3g} > bound {self.bound:.3g})")
+
+    def to_json(self) -> dict:
+        return {"replay": self.replay, "tensor": self.tensor, "point": self.point, "position": self.position,
+                "delta": self.delta, "bound": self.bound}
+
+
+@dataclass(frozen=True)
+class ReplayCheck:
+    """A request's graph path judged against eager on the very shape it replayed (design §6): every
+    replayed prefill (and vision-encoder graph) computed again eagerly on the exact padded inputs,
+    compared tensor by tensor. Recorded in-process only; a server runs its own shapes."""
+
+    replays: int  # graph replays checked
+    tensors: tuple[TensorCheck, ...]  # in CHECKED_TENSORS order, those the replays had
+    padding_noise: float | None  # max |Δ logits| of eager on the exact rows vs on the padded shape
+    departure: Departure | None = None  # the first replay that left eager beyond the bound
+
+    def tensor(self, name: str) -> TensorCheck | None:
+        return next((t for t in self.tensors if t.tensor == name), None)
+
+    @classmethod
+    def combined(cls, checks: Sequence["ReplayCheck"]) -> "ReplayCheck | None":
+        """Several checks as one (a request's replays in the order they ran, or an arm's runs): the
+        largest delta and bound per tensor, the largest padding noise, and the first departure,
+        numbered among all the replays."""
+        if not checks:
+            return None
+        found = [t for c in checks for t in c.tensors]
+        tensors = tuple(TensorCheck(n, max(t.delta for t in found if t.tensor == n),
+                                    max(t.bound for t in found if t.tensor == n))
+                        for n in CHECKED_TENSORS if any(t.tensor == n for t in found))
+        noise = [c.padding_noise for c in checks if c.padding_noise is not None]
+        departure, offset = None, 0
+        for check in checks:
+            if departure is None and check.departure is not None:
+                departure = replace(check.departure, replay=check.departure.replay + offset)
+            offset += check.replays
+        return cls(offset, tensors, max(noise) if noise else None, departure)
+
+    def inconsistency(self) -> str | None:
+        names = [t.tensor for t in self.tensors]
+        if self.replays < 1 or not names or names != [n for n in CHECKED_TENSORS if n in names]:
+            return f"a replay check needs replays >= 1 and its tensors once each, in the order {CHECKED_TENSORS}"
+        if any(t.delta < 0 or t.bound < 0 for t in self.tensors) or (self.padding_noise or 0) < 0:
+            return "a replay check's deltas, bounds and padding noise are >= 0"
+        departed = [t.tensor for t in self.tensors if t.delta > t.bound]
+        d = self.departure
+        if d is None:
+            return (None if not departed else
+                    f"its {departed[0]} replay delta exceeds its bound, but no departure is recorded")
+        found = self.tensor(d.tensor)
+        if found is None or not 0 <= d.replay < self.replays or d.position < 0 or not DEPARTURE_POINT.fullmatch(d.point):
+            return "its departure names no checked tensor, replay, row or point of it"
+        if not (found.bound >= d.bound and found.delta >= d.delta > d.bound):
+            return (f"its departure ({d.tensor} Δ {d.delta:g} > {d.bound:g}) is not within the {d.tensor} "
+                    f"deltas and bounds it records ({found.delta:g}, {found.bound:g})")
+        return None
+
+    def to_json(self) -> dict:
+        return {"replays": self.replays, "tensors": {t.tensor: t.to_json() for t in self.tensors},
+                "padding_noise": self.padding_noise,
+                "departure": None if self.departure is None else self.departure.to_json()}
 
 
 @dataclass(frozen=True)
@@ -210,6 +319,7 @@ class Evidence:
     leak: LeakWitness | None = None  # stale DeepStack rows read (engines that can tell); None: none seen
     ranks: tuple[RankEvidence, ...] = ()  # each rank's share, when more than one ran the arm
     serving: ServingEvidence | None = None  # a family scenario's serving path (design §10); None: none
+    replay_check: ReplayCheck | None = None  # the replays against eager on their own shape (in-process)
 
     def merged(self, other: "Evidence") -> "Evidence":
         """One arm's evidence over several runs of it (`--repeat`): every prefill must have replayed."""
@@ -229,6 +339,7 @@ class Evidence:
             max_bucket=self.max_bucket if self.max_bucket is not None else other.max_bucket,
             leak=other.leak if self.leak is None else self.leak.merged(other.leak),
             serving=self.serving if self.serving is not None else other.serving,  # each run's stays with it
+            replay_check=ReplayCheck.combined([c for c in (self.replay_check, other.replay_check) if c is not None]),
         )
 
     def inconsistency(self) -> str | None:
@@ -250,6 +361,13 @@ class Evidence:
             return "bucket sizes must be > 0"
         if self.leak is not None and (self.leak.rows <= 0 or self.leak.steps <= 0 or self.leak.steps > self.lm_calls):
             return "a leak witness needs rows > 0 and 1..lm_calls steps"
+        if self.replay_check is not None:
+            problem = self.replay_check.inconsistency()
+            if problem:
+                return problem
+            if self.replay_check.replays < self.replayed_calls:
+                return (f"replay_check covers {self.replay_check.replays} graph replay(s) of the "
+                        f"{self.replayed_calls} LM entries replayed")
         if self.serving is not None:
             problem = self.serving.inconsistency()
             if problem:
@@ -277,4 +395,5 @@ class Evidence:
             "tap_calls": self.tap_calls, "prompt_tokens": self.prompt_tokens, "max_bucket": self.max_bucket,
         } | ({} if self.leak is None else {"leak": self.leak.to_json()}) | (
             {"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}) | (
-            {} if self.serving is None else {"serving": self.serving.to_json()})
+            {} if self.serving is None else {"serving": self.serving.to_json()}) | (
+            {} if self.replay_check is None else {"replay_check": self.replay_check.to_json()})

@@ -34,6 +34,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEEPSTACK_PRESETS = ("tiny-qwen3-vl", "tiny-qwen3-vl-moe")
 MATRIX_PRESETS = (*DEEPSTACK_PRESETS, "tiny-qwen3-vl-nodeepstack")
 MATRIX_DTYPES = ("float32", "bfloat16")
+# The replay check judges reduced precision as fp32 (design §6): every planted bug in fp16 too.
+MATRIX_RUNS = tuple((p, d) for p in MATRIX_PRESETS for d in MATRIX_DTYPES) + tuple(
+    (p, "float16") for p in DEEPSTACK_PRESETS)
 
 
 @dataclass(frozen=True)
@@ -91,10 +94,15 @@ def steps(device: str, work: Path) -> list[Step]:
         Step("scenario-all", 150, "`--scenario all --fixture all` in one process per DeepStack preset and dtype (PASS)",
              tuple(run(f"{p} {d}", f"scenario-all/{p}-{d}", "--model", p, "--dtype", d, "--scenario", "all",
                        "--fixture", "all") for p in DEEPSTACK_PRESETS for d in MATRIX_DTYPES), dry_limit_s=60),
-        Step("matrix", 150, "each runner variant x scenario x preset x dtype against its expected verdict",
+        Step("matrix", 150, "each runner variant x scenario x preset x dtype (fp32, bf16, fp16) against its expected "
+                            "verdict, the same in every dtype",
              tuple(measure(f"{p} {d}", "matrix", f"matrix/{p}-{d}.jsonl", "--preset", p, "--dtype", d,
-                           "--runs", str(work / "matrix" / "runs")) for p in MATRIX_PRESETS for d in MATRIX_DTYPES),
+                           "--runs", str(work / "matrix" / "runs")) for p, d in MATRIX_RUNS),
              dry_limit_s=60),
+        Step("replay-check", 90, "every planted bug's departure from eager on its own shape, and a correct "
+                                 "replay's bound and padding noise on this device (departure_table.py)",
+             (Command("departure_table.py", (py, "scripts/departure_table.py", "--device", device,
+                                             "--out", str(work / "replay-check/table.md"))),)),
         Step("pytest-gpu", 120, "the tests marked gpu (real torch.cuda.CUDAGraph)",
              (Command("pytest -m gpu", (py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs")),)),
         Step("suite", 180, f"the whole suite on this host (pytest -n {xdist})",
@@ -162,8 +170,10 @@ def _tables(work: Path, results: list[StepResult]) -> dict:
             defaults[name] = {"verdict": doc["verdict"]["code"], "timings": doc.get("timings"), "wall_s": walls.get(label),
                               "device": doc["environment"].get("device"), "gpu": doc["environment"].get("gpu")}
     matrix = [row for path in sorted((work / "matrix").glob("*.jsonl")) for row in _rows(path)]
+    departures = work / "replay-check/table.md"
     return {"defaults": defaults, "matrix": matrix, "timings": _rows(work / "timings/rows.jsonl"),
-            "memory": _rows(work / "memory/rows.jsonl")}
+            "memory": _rows(work / "memory/rows.jsonl"),
+            "departures": departures.read_text() if departures.exists() else ""}
 
 
 def _pytest_line(tail: str) -> str:
@@ -192,6 +202,9 @@ def _markdown(header: str, results: list[StepResult], tables: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['preset']} | {r['dtype']} | {r['runner']} | {r['scenario']} | {r['expected']} | {r['got']} | "
                   f"{'✅' if r['ok'] else '❌'} | {r['graph_vs_eager']} | {r['seconds']} |" for r in tables["matrix"]]
+    if tables["departures"]:
+        lines += ["\n## The replay check: each planted bug's departure, a correct replay's bound\n",
+                  tables["departures"]]
     if tables["timings"]:
         lines += ["\n## Replay vs eager prefill (bf16)\n", "| preset | bucket | eager ms | replay ms | speed-up | max abs diff |",
                   "|---|---|---|---|---|---|"]

@@ -17,7 +17,8 @@ from parity.arms import arm as arm_of
 from parity.errors import UsageError
 from parity.media.catalog import builtin_fixture
 from parity.plan.entries import PlanEntry, plan_json, text_sha256
-from parity.evidence import DeepStackRecord, Evidence
+from parity import registry
+from parity.evidence import DeepStackRecord, Evidence, ReplayCheck, TensorCheck
 from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
@@ -38,13 +39,32 @@ def _text_of(ids: Sequence[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
+def clean_replay_check(replays: int = 1) -> ReplayCheck:
+    """What a correct in-process replay records: every tensor equal to eager on its own shape."""
+    return ReplayCheck(replays, tuple(TensorCheck(name, 0.0, 0.0) for name in ("logits", "hidden", "keys", "values")),
+                       padding_noise=1e-6)
+
+
 def make_evidence(mode: str, replayed: bool | None = _DEFAULT, tap_calls: int = 1, lm_calls: int = 20,
                   max_bucket: int = 8192) -> Evidence:
-    """What a correct backend records for one arm: bcg prefills replayed, eager ones not."""
+    """What a correct in-process backend records for one arm: bcg prefills replayed (and checked
+    against eager on their own shape), eager ones not (`make_run` drops the checks of a server's)."""
     replayed = (mode == "bcg") if replayed is _DEFAULT else replayed
     return Evidence(lm_calls=lm_calls, replayed_calls=int(bool(replayed)), prefill_replayed=replayed,
                     buckets=(BUCKET,) if replayed else (), tap_calls=tap_calls, prompt_tokens=PROMPT_TOKENS,
-                    max_bucket=max_bucket)
+                    max_bucket=max_bucket, replay_check=clean_replay_check() if replayed and mode == "bcg" else None)
+
+
+def served_by(case: CaseResult, backend: str) -> CaseResult:
+    """The case as `backend` records it: a server's arms carry no replay check (design §6)."""
+    if registry.info(backend).in_process:
+        return case
+
+    def unchecked(arm: ArmResult) -> ArmResult:
+        return arm if arm.evidence is None else replace(arm, evidence=replace(arm.evidence, replay_check=None))
+
+    return replace(case, arms=tuple(map(unchecked, case.arms)),
+                   requests=tuple(replace(r, arms=tuple(map(unchecked, r.arms))) for r in case.requests))
 
 
 def make_record(action: str) -> DeepStackRecord:
@@ -138,7 +158,7 @@ def make_run(
     deepstack_layers: int = 3,
 ) -> RunResult:
     """A run judged by `judge_run`, exactly as `parity run` would store it."""
-    cases = tuple(scored(c, keep=True) for c in cases)
+    cases = tuple(served_by(scored(c, keep=True), backend) for c in cases)
     config = {"model": model, "backend": backend, "dtype": "float32", "max_new_tokens": 20,
               "logprob_tol": logprob_tol, "logprob_tol_source": "user", "tie_margin": tie_margin, "tie_margin_source": "user",
               "deepstack_layers": deepstack_layers, **plan_config(cases)}

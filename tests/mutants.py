@@ -87,6 +87,14 @@ class KeepsBorrowedOutputs(PrefillGraphRunner):
         return tuple(output[:num_tokens] for output in outputs)
 
 
+class NudgesEveryReplayInBf16(NudgesEveryReplay):
+    """The same kind of bug, as large as bf16 can show: 1/64 of every input (one bf16 step is 1/128).
+    The answers move less than bf16's tolerance, so only the replay check against eager on its own
+    shape can see it (design §6)."""
+
+    NUDGE = 2 ** -6
+
+
 class ReplaysInTheLargestBucket(PrefillGraphRunner):
     """Pads every prompt up to the largest captured bucket instead of the smallest that fits."""
 

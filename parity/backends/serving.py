@@ -11,16 +11,17 @@ session is the reference for a graph session's every chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from parity.backends.protocol import Request
 from parity.runner.encoder_graphs import EncoderGraphs
-from parity.evidence import ChunkRun, EncoderRun, ServingEvidence, image_span
+from parity.evidence import ChunkRun, EncoderRun, ReplayCheck, ServingEvidence, image_span
 from parity.runner.graph_runner import PrefillGraphRunner, Window
 from parity.runner.lm_body import Past
+from parity.runner.replay_check import ReplayChecker
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
 from parity.design import PAGE_TOKENS
 from parity.runner.tap import apply_tap
@@ -77,14 +78,20 @@ class Prefill:
     keys: torch.Tensor  # [T, layers, kv_heads, head_dim]
     values: torch.Tensor
     bucket: int | None  # the bucket it replayed in; None: eager
+    check: ReplayCheck | None = None  # a replay against eager on its own shape (design §6)
 
 
 class LMExecutor:
-    """The one place that decides eager vs replay for a prefill."""
+    """The one place that decides eager vs replay for a prefill; in graph mode, each replay is
+    checked against eager on its own padded shape (design §6)."""
 
     def __init__(self, adapter: Qwen3VLAdapter, runner: PrefillGraphRunner | None) -> None:
         self.adapter = adapter
         self.runner = runner
+        body = adapter.body
+        self.checker = None if runner is None else ReplayChecker(
+            adapter.lm_head, lambda layer: f"L{layer}" + ("" if body.deepstack_block_after(layer) is None
+                                                           else f"+DS{body.deepstack_block_after(layer)}"))
 
     def will_replay(self, num_tokens: int, past: Past | None = None) -> bool:
         return (self.runner is not None and self.runner.can_replay(num_tokens)
@@ -98,17 +105,21 @@ class LMExecutor:
         if window is not None:
             embeds, positions = embeds[window.start:window.end], positions[:, window.start:window.end]
         num_tokens = embeds.shape[0]
-        bucket = None
+        rows = deepstack if window is None else window.of(deepstack)  # what a correct engine hands its LM
+        bucket = check = None
         if self.will_replay(num_tokens, past):
             outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past)
             bucket = self.runner.bucket_for(num_tokens)
+            if not probe:
+                check = self.checker.prefill((bucket, past is not None), self.adapter.body, outputs,
+                                             self.runner.padded_inputs(embeds, positions, rows, past),
+                                             (embeds, positions, rows, past), 0 if window is None else window.start)
         elif self.runner is not None:  # graph mode, no graph fits: eager, through the engine's buffer
             outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past)
         else:
-            rows = deepstack if window is None else window.of(deepstack)
             outputs = self.adapter.body(embeds, positions, rows, probe=probe, past=past)
         points = outputs[3] if probe else None
-        return Prefill(outputs[0], outputs[1], outputs[2], bucket), points
+        return Prefill(outputs[0], outputs[1], outputs[2], bucket, check), points
 
 
 @dataclass(frozen=True)
@@ -121,6 +132,11 @@ class Served:
     buckets: tuple[int | None, ...]
     serving: ServingEvidence | None
     points: torch.Tensor | None = None  # with probe: [computed rows, P, H], the rows not from the cache
+    checks: tuple[ReplayCheck, ...] = ()  # its graph replays against eager on their own shape, in order
+
+    @property
+    def replay_check(self) -> ReplayCheck | None:
+        return ReplayCheck.combined(self.checks)
 
 
 class PromptServer:
@@ -142,22 +158,25 @@ class PromptServer:
         if self._encoder_graphs is not None:
             self._encoder_graphs.close()
 
-    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None]:
-        """The request's LM inputs; in graph mode, through the encoder graphs when it asks for them."""
+    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None, tuple[ReplayCheck, ...]]:
+        """The request's LM inputs; in graph mode, through the encoder graphs when it asks for them
+        (with their replay's check)."""
         if not (request.serving.encoder_graph and self._executor.runner is not None and request.fixture):
-            return self._prepared_once(request), None
+            return self._prepared_once(request), None, ()
         if self._encoder_graphs is None:
-            self._encoder_graphs = EncoderGraphs(self._executor.adapter.visual, self._encoder_by_grid)
+            self._encoder_graphs = EncoderGraphs(self._executor.adapter.visual, self._encoder_by_grid,
+                                                 self._executor.checker)
         prompt = self._executor.adapter.prepare(request.fixture, request.prompt, self._encoder_graphs)
-        return prompt, self._encoder_graphs.runs[-1]
+        return prompt, self._encoder_graphs.runs[-1], (self._encoder_graphs.checks[-1],)
 
     def prefill(self, request: Request, tap_mode: str, probe: bool = False):
         """(prompt, the tap's record, the request's whole prefill as served): what a request does
         before its first decode step, and all a probe needs."""
-        prompt, encoder = self._prepared(request)
+        prompt, encoder, checks = self._prepared(request)
         # The tap at the LM entry, outside anything a graph captured.
         deepstack, record = apply_tap(tap_mode, prompt.deepstack)
-        return prompt, record, self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
+        served = self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
+        return prompt, record, replace(served, checks=checks + served.checks)
 
     def _serve(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, tap_mode: str,
                encoder: EncoderRun | None, probe: bool = False) -> Served:
@@ -174,7 +193,7 @@ class PromptServer:
             evidence = ServingEvidence(image_span=self._image_span(prompt), prompt_tokens=int(prompt.input_ids.shape[0]),
                                        buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
                                        graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
-        return Served(prefill, 1, (prefill.bucket,), evidence, points)
+        return Served(prefill, 1, (prefill.bucket,), evidence, points, tuple(c for c in (prefill.check,) if c))
 
     def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
                         tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
@@ -189,7 +208,7 @@ class PromptServer:
                 self._prefix_cache.empty(tap_mode)
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
-        chunks, hidden, ready, points = [], None, None, []
+        chunks, hidden, ready, points, checks = [], None, None, [], []
         image_ids = (prompt.input_ids == prompt.visual_token if prompt.visual_token is not None
                      else torch.zeros_like(prompt.input_ids, dtype=torch.bool))
         for window in windows:
@@ -198,6 +217,7 @@ class PromptServer:
                 ready = runner.warmed_without_deepstack(window.end - window.start, past is not None)
             part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past)
             points.append(part_points)
+            checks += [part.check] if part.check is not None else []
             keys = part.keys if keys is None else torch.cat([keys, part.keys])
             values = part.values if values is None else torch.cat([values, part.values])
             hidden = part
@@ -208,7 +228,7 @@ class PromptServer:
         evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0, prompt_tokens=int(total),
                                    image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
         return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
-                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None)
+                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None, tuple(checks))
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
         return image_span(prompt.input_ids.tolist(), {prompt.visual_token})

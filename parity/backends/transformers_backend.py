@@ -82,6 +82,7 @@ class TransformersSession(Generates):
             prompt_tokens=int(prompt.input_ids.shape[0]),
             max_bucket=self._backend.max_bucket,
             serving=served.serving,
+            replay_check=served.replay_check,
         )
         generation = Generation(
             token_ids=tuple(ids),

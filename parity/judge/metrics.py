@@ -142,6 +142,16 @@ def flip_deltas(a: ArmResult, b: ArmResult, divergence: int) -> tuple[float, ...
     return tuple(abs(x - y) for x, y in scores)
 
 
+def replay_departure(arm: ArmResult) -> str | None:
+    """Where a graph arm's replay (any run of it) left eager on its own padded shape (design §6), or None."""
+    runs = [("", arm.evidence)] + [(f" (repeat {i + 2})", r.evidence) for i, r in enumerate(arm.repeats)]
+    for label, evidence in runs:
+        check = None if evidence is None else evidence.replay_check
+        if check is not None and check.departure is not None:
+            return f"{check.departure.describe(check.replays)}{label}"
+    return None
+
+
 def compare(a: ArmResult, b: ArmResult, tolerances: Tolerances, request: int | None = None) -> Comparison:
     divergence = first_divergence(a.token_ids, b.token_ids)
     deltas = position_deltas(a.token_logprobs, b.token_logprobs, divergence)
@@ -153,6 +163,10 @@ def compare(a: ArmResult, b: ArmResult, tolerances: Tolerances, request: int | N
     flips = flip_deltas(a, b, divergence) if tie else None
     excused = (tie and forced is not None and flips is not None and max(flips) <= tolerances.logprob_tol
                and tolerances.within(deltas[:-1]) and tolerances.within(forced))
+    # Against its eager reference (the same DeepStack action), a graph arm must also have computed what
+    # eager computes on the very shape it replayed: noise can excuse the answers, not the computation.
+    same_action = (a.mode, b.mode) == ("bcg", "eager") and a.deepstack == b.deepstack
+    departure = replay_departure(a) if same_action else None
     return Comparison(
         a=a.name,
         b=b.name,
@@ -162,11 +176,12 @@ def compare(a: ArmResult, b: ArmResult, tolerances: Tolerances, request: int | N
         logprob_delta=max(deltas, default=0.0),
         tie=tie,
         tf_delta=None if forced is None else max(forced, default=0.0),
-        match=(token_match and tolerances.within(deltas)) or excused,
+        match=((token_match and tolerances.within(deltas)) or excused) and departure is None,
         request=request,
         logprob_mean=sum(deltas) / len(deltas) if deltas else 0.0,
         tie_unscored=tie and forced is None,
         flip_delta=None if flips is None else max(flips),
+        replay_departure=departure,
     )
 
 
@@ -194,4 +209,6 @@ def tuple_text(c: Comparison, tol: float, extras: bool = True) -> str:
         notes.append(f"tf Δ {format_delta(c.tf_delta, tol)}")
     if c.tie_unscored:
         notes.append("tie not scored")
+    if c.replay_departure is not None:
+        notes.append("replay ≠ eager on its shape")
     return text + (f" [{', '.join(notes)}]" if notes else "")

@@ -246,7 +246,8 @@ def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
 
 
 def _describe(c: Comparison, tol: float) -> str:
-    return f"{c.a} vs {c.b} {tuple_text(c, tol)}"
+    departure = "" if c.replay_departure is None else f" ({c.replay_departure})"
+    return f"{c.a} vs {c.b} {tuple_text(c, tol)}{departure}"
 
 
 def _four_arm_verdict(by_key: Mapping, tol: float) -> Verdict:

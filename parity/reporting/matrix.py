@@ -165,7 +165,9 @@ def _cases(cases: Sequence[CaseResult], run: RunResult, texts: bool, bodies_of_p
 
 
 def render_matrix(runs: Sequence[RunResult]) -> str:
-    """The matrix report of judged runs, at most MAX_COMMENT_CHARS characters."""
+    """The matrix report of judged runs, at most MAX_COMMENT_CHARS characters with the line end it is
+    printed with."""
+    limit = MAX_COMMENT_CHARS - 1
     rows = experiments(runs)
     scenarios = _scenarios(rows)
     verdict = matrix_verdict(rows)
@@ -180,9 +182,9 @@ def render_matrix(runs: Sequence[RunResult]) -> str:
                                           (False, False, "_Arm texts and the details of passing cases were left out "
                                                          "to fit a PR comment; see each experiment's report.md._")):
         text = "\n".join(head + [_section(r, scenarios, texts, bodies_of_passes) for r in rows] + [note])
-        if len(text) <= MAX_COMMENT_CHARS:
+        if len(text) <= limit:
             return text
-    return clip_text(text, MAX_COMMENT_CHARS)
+    return clip_text(text, limit)
 
 
 # --- terminal and JSON -------------------------------------------------------------------------------

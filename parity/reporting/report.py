@@ -7,7 +7,7 @@ import re
 from typing import Iterator
 
 from parity import registry
-from parity.evidence import Evidence, ServingEvidence
+from parity.evidence import Evidence, ReplayCheck, ServingEvidence
 from parity.run.localization import not_available, target_of
 from parity.judge.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
@@ -68,8 +68,19 @@ def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
     ranks = "".join(f" · {r.rank}: replayed {shown[r.prefill_replayed]}, tap calls {r.tap_calls}"
                     for r in evidence.ranks)
     serving = "" if evidence.serving is None else serving_text(evidence.serving)
+    checked = "" if evidence.replay_check is None else replay_check_text(evidence.replay_check)
     return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}{serving}")
+            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}{serving}"
+            f"{checked}")
+
+
+def replay_check_text(check: ReplayCheck) -> str:
+    """The graph path against eager on its own padded shape (design §6), and the padding's noise."""
+    noise = "" if check.padding_noise is None else f", padding noise {check.padding_noise:.2g}"
+    if check.departure is not None:
+        return f" · REPLAY ≠ EAGER ON ITS OWN SHAPE: {check.departure.describe(check.replays)}{noise}"
+    worst = max(check.tensors, key=lambda t: t.delta)
+    return f" · replay = eager on its own shape (Δ {worst.delta:.2g} ≤ {worst.bound:.2g}{noise})"
 
 
 def serving_text(serving: ServingEvidence) -> str:
@@ -105,6 +116,11 @@ def run_notes(run: RunResult) -> list[str]:
     shard = describe_shard(run)
     if shard:
         notes.append(shard)
+    backend = registry.BACKENDS.get(str(run.config.get("backend")))
+    if backend is not None and not backend.in_process:
+        notes.append(f"the {backend.name} servers replay their own shapes, so no eager pass over the exact padded "
+                     "inputs can check their replays (design §6): this run is judged on its answers alone, within "
+                     "the dtype's tolerances")
     sources = run.environment.get(SOURCE_KEY)
     if isinstance(sources, list):
         notes.append(f"merged with --allow-mixed-code: the shards were written by {len(sources)} different parity "

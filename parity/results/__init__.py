@@ -85,6 +85,8 @@ class Comparison:
     # A near-tie without teacher-forced scores: it cannot be excused, nor counted as a difference.
     tie_unscored: bool = False
     flip_delta: float | None = None  # a near-tie's largest |Δ| of its two tokens at the flip step
+    # The graph arm's replay left eager on its own padded shape (design §6): where, in words.
+    replay_departure: str | None = None
 
     @property
     def difference_shown(self) -> bool:
@@ -274,6 +276,8 @@ def comparison_to_json(c: Comparison) -> dict:
            "logprob_mean": c.logprob_mean, "tie": c.tie, "tf_delta": c.tf_delta, "match": c.match}
     if c.tie:
         out.update(flip_delta=c.flip_delta, tie_unscored=c.tie_unscored)
+    if c.replay_departure is not None:
+        out["replay_departure"] = c.replay_departure
     if c.request is not None:
         out["request"] = c.request
     return out

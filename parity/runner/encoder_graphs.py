@@ -20,18 +20,22 @@ import torch
 from torch.utils._pytree import tree_map
 
 from parity.runner import emulated_graph
-from parity.evidence import EncoderRun
+from parity.evidence import EncoderRun, ReplayCheck
+from parity.runner.replay_check import ReplayChecker
 
 
 class EncoderGraphs:
     """`encoder(pixel_values, grid_thw)` through captured graphs, one per key: the grid
-    (`by_grid`, what a correct engine keys on) or the patch count alone (the planted bug)."""
+    (`by_grid`, what a correct engine keys on) or the patch count alone (the planted bug). Each
+    replay is checked against the encoder run eagerly on the same pixels and grid (design §6)."""
 
-    def __init__(self, encoder: Callable[..., Any], by_grid: bool = True) -> None:
+    def __init__(self, encoder: Callable[..., Any], by_grid: bool = True, checker: ReplayChecker | None = None) -> None:
         self._encoder = encoder
         self._by_grid = by_grid
+        self._checker = checker
         self._graphs: dict[str, tuple[emulated_graph.EmulatedGraph, torch.Tensor, Any]] = {}
         self.runs: list[EncoderRun] = []
+        self.checks: list[ReplayCheck] = []
 
     def __call__(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, return_dict: bool = True) -> Any:
         grid = tuple(int(x) for x in grid_thw[0])
@@ -50,7 +54,11 @@ class EncoderGraphs:
         graph.replay()
         self.runs.append(EncoderRun(grid, patches, key, replayed))
         # Graph outputs are borrowed: the next replay overwrites them.
-        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
+        copied = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
+        if self._checker is not None:
+            self.checks.append(self._checker.encoder(
+                ("encoder", key), lambda: self._encoder(pixel_values, grid_thw=grid_thw, return_dict=True), copied))
+        return copied
 
     def close(self) -> None:
         self._graphs.clear()

@@ -282,6 +282,29 @@ class PrefillGraphRunner:
         and the next replay of this graph, or of any graph sharing its pool, may overwrite them."""
         return tuple(output[:num_tokens].clone() for output in outputs)
 
+    def padded_inputs(self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
+                      past: Past | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None]:
+        """The inputs a correct replay of this prefill sees, as eager tensors of its bucket's shape
+        (design §6, the padded-eager reference): the live rows, `deepstack` being this prefill's
+        own rows; the padding as the slots hold it now; a context graph's past slots. Call it right
+        after the replay, while the slots hold what it read."""
+        num_tokens = input_embeds.shape[0]
+        bucket = self.bucket_for(num_tokens)
+        embeds = self._embeds.bucket(bucket).clone()
+        embeds[:num_tokens] = input_embeds
+        padded_positions = self._positions.bucket(bucket).clone()
+        padded_positions[:, :num_tokens] = positions
+        rows = None
+        if self._deepstack is not None:
+            rows = self._deepstack.bucket(bucket).clone()
+            rows[:num_tokens] = 0 if deepstack is None else deepstack
+        elif deepstack is not None:  # no slot (legacy): what a correct graph would have added
+            rows = torch.zeros(bucket, deepstack.shape[1], dtype=deepstack.dtype, device=deepstack.device)
+            rows[:num_tokens] = deepstack
+        context = None if past is None else Past(
+            self._past.keys.clone(), self._past.values.clone(), self._past.mask[:bucket, :self.context_rows + bucket].clone())
+        return embeds, padded_positions, rows, context
+
     def window_rows(self, deepstack: torch.Tensor | None, window: Window | None) -> torch.Tensor | None:
         """The DeepStack rows this prefill's slot gets: the window's own, or, in the planted
         variants, rows from the wrong place of the prompt."""

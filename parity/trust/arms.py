@@ -10,7 +10,8 @@ from typing import Any
 from parity.arms import ARM_ORDER
 from parity.arms import arm as arm_of
 from parity.evidence import (
-    ChunkRun, DeepStackRecord, EncoderRun, Evidence, LeakWitness, RankEvidence, ServingEvidence,
+    CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, LeakWitness, RankEvidence,
+    ReplayCheck, ServingEvidence, TensorCheck,
 )
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
 from parity.trust.fields import (
@@ -75,6 +76,7 @@ def _evidence(raw: Any, where: str) -> Evidence:
         ranks=tuple(_rank(r, f"{where}.ranks[{i}]")
                     for i, r in enumerate(get(raw, "ranks", list, where, optional=True) or [])),
         serving=_serving(raw.get("serving"), f"{where}.serving"),
+        replay_check=_replay_check(raw.get("replay_check"), f"{where}.replay_check"),
     )
     problem = evidence.inconsistency()
     if problem:
@@ -123,6 +125,38 @@ def _serving(raw: Any, where: str) -> ServingEvidence | None:
         graph_ready=get(raw, "graph_ready", bool, where, optional=True), encoder=encoder,
         prompt_tokens=count("prompt_tokens"),
     )
+
+
+def _replay_check(raw: Any, where: str) -> ReplayCheck | None:
+    # Written by the in-process backend for every graph arm that replayed (trust/requirements.py).
+    if raw is None:
+        return None
+    tensors_raw = get(raw, "tensors", dict, where)
+    unknown = sorted(set(tensors_raw) - set(CHECKED_TENSORS))
+    if unknown:
+        raise Invalid(f"{where}.tensors.{unknown[0]} is not a checked tensor ({', '.join(CHECKED_TENSORS)})")
+    tensors = []
+    for name in CHECKED_TENSORS:
+        if name not in tensors_raw:
+            continue
+        pair = tensors_raw[name]
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise Invalid(f"{where}.tensors.{name} must be [delta, bound]")
+        tensors.append(TensorCheck(name, number(pair[0], f"{where}.tensors.{name}[0]"),
+                                   number(pair[1], f"{where}.tensors.{name}[1]")))
+    noise = get(raw, "padding_noise", (int, float), where, optional=True)
+    departure_raw = get(raw, "departure", dict, where, optional=True)
+    departure = None
+    if departure_raw is not None:
+        dwhere = f"{where}.departure"
+        departure = Departure(
+            non_negative_int(get(departure_raw, "replay", int, dwhere), f"{dwhere}.replay"),
+            get(departure_raw, "tensor", str, dwhere), get(departure_raw, "point", str, dwhere),
+            non_negative_int(get(departure_raw, "position", int, dwhere), f"{dwhere}.position"),
+            number(get(departure_raw, "delta", (int, float), dwhere), f"{dwhere}.delta"),
+            number(get(departure_raw, "bound", (int, float), dwhere), f"{dwhere}.bound"))
+    return ReplayCheck(non_negative_int(get(raw, "replays", int, where), f"{where}.replays", 1), tuple(tensors),
+                       None if noise is None else number(noise, f"{where}.padding_noise"), departure)
 
 
 def _leak(raw: Any, where: str) -> LeakWitness | None:

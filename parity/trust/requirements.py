@@ -169,9 +169,36 @@ def plan_prompts_are_the_evidence(run: RunResult) -> None:
                                 f"recorded {max(prompts)}")
 
 
+def replays_checked_in_process(run: RunResult) -> None:
+    """An in-process run checks every graph replay against eager on its own padded shape (design
+    §6): each run of an arm that replayed (its prefill, or a vision-encoder graph) records the check
+    (an eager arm that replayed, a runner bug, too), one that did not records none, and a server's arm records none (a server replays its
+    own shapes, which no eager pass of parity's reproduces)."""
+    if run.schema != SCHEMA:
+        return
+    in_process = registry.of_run(run.config).in_process
+    for request in _requests(run):
+        for arm in _ran(request):
+            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
+                                                   for i, r in enumerate(arm.repeats)]
+            for where, evidence in runs:
+                if evidence is None:
+                    continue
+                encoder = evidence.serving is not None and evidence.serving.encoder is not None
+                checked, replayed = evidence.replay_check is not None, evidence.replayed_calls > 0 or encoder
+                if checked and not (in_process and replayed):
+                    raise request.contradiction(
+                        arm, f"{request.at(arm)}.{where}.replay_check is recorded, but only an in-process arm that "
+                             "replayed checks its replays against eager")
+                if not checked and in_process and replayed:
+                    raise request.contradiction(
+                        arm, f"{request.at(arm)}.{where} replayed a graph but records no replay_check: an in-process run "
+                             "checks every replay against eager on its own shape")
+
+
 REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
     repeats_as_configured, ranks_as_configured, auto_tolerances_are_the_dtypes, builtin_fixtures_are_theirs,
-    records_in_the_runs_dtype, arms_are_the_configured, plan_prompts_are_the_evidence,
+    records_in_the_runs_dtype, arms_are_the_configured, plan_prompts_are_the_evidence, replays_checked_in_process,
 )
 
 

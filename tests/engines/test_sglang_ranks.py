@@ -9,7 +9,9 @@ records: agreeing, one rank silent, one rank disagreeing.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -109,10 +111,12 @@ def test_one_rank_reads_as_before():
 def test_rank_evidence_survives_the_file_and_a_lie_is_refused(tmp_path):
     # One prefill and 4 decode steps per rank: the 5 tokens each arm answers (the loader checks it).
     both = arm_evidence([request(*prefill_and_decode(0, 4, replay=True), *prefill_and_decode(1, 4, replay=True))], 64)
-    arms = (make_arm(EAGER_NORMAL, NORMAL_IDS), make_arm(EAGER_ZERO, ZERO_IDS),
+    eager = arm_evidence([request(*prefill_and_decode(0, 4, replay=False), *prefill_and_decode(1, 4, replay=False))], 64)
+    arms = (make_arm(EAGER_NORMAL, NORMAL_IDS, evidence=eager), make_arm(EAGER_ZERO, ZERO_IDS, evidence=eager),
             make_arm(BCG_NORMAL, NORMAL_IDS, evidence=both), make_arm(BCG_ZERO, ZERO_IDS, evidence=both))
     path = tmp_path / "results.json"
-    write_results(make_run([make_case(arms)]), path)
+    run = make_run([make_case(arms)], backend="sglang")
+    write_results(replace(run, config=MappingProxyType({**run.config, "tp_size": 2})), path)
     loaded = load_results(path)
     assert loaded.cases[0].arm(BCG_NORMAL).evidence == both and judge_run(loaded).verdict.code == "PASS"
 

@@ -374,7 +374,7 @@ def test_the_documented_command_exits_2_with_one_line_where_vllm_or_a_gpu_is_mis
     (("--backend", "vllm"), "embedded preset"),
 ])
 def test_vllm_options_are_checked_before_anything_starts(parity_cli, args, message) -> None:
-    result, _, _ = parity_cli.run(*args)
+    result, _, _ = parity_cli.run(*args, device=None)  # an embedded preset is served on the CPU only
     assert result.exit_code == 2 and message in result.output, result.output
 
 

@@ -328,10 +328,11 @@ def test_localize_usage_errors(parity_cli, tmp_path):
         path.write_text(json.dumps(changed))
         return str(path)
 
+    served = tmp_path / "served.json"  # a server's run: its graph is the server's, not one parity captures
+    write_results(make_run([make_case(legacy_arms())], backend="sglang"), served)
     for args, message in (
         ([str(results), "--case", "nope/describe"], "unknown case 'nope/describe'; cases in the file: rgb-stripes"),
-        ([edited(lambda d: d["config"].update(backend="sglang", tp_size=1))],
-         "rerun the failing case on the transformers backend"),
+        ([str(served)], "rerun the failing case on the transformers backend"),
         ([edited(lambda d: d["cases"][0]["fixture"].update(sha256="0" * 64))], "another image under the same case id"),
         ([edited(lambda d: (d["cases"][0]["fixture"].update(name="cat", sha256="0" * 64),
                             d["config"]["plan"][0].update(image="0" * 64)))], "user image 'cat'"),

@@ -104,7 +104,9 @@ def test_capture_on_the_default_stream_is_refused():
         on_side.capture_end()
     with graph(EmulatedGraph()):  # a side stream of its own
         torch.ones(2) + 1
-    EngineEmulatedGraph().capture_begin()  # inside a CPU server every stream is the CPU's one
+    inside_a_server = EngineEmulatedGraph()  # inside a CPU server every stream is the CPU's one
+    inside_a_server.capture_begin()
+    inside_a_server.capture_end()
 
 
 # --- borrowed outputs ------------------------------------------------------------------------------------

@@ -172,8 +172,8 @@ def _forge_chunks(doc, arms=("bcg_normal",), replays=False, cover=None):
         arm["evidence"]["serving"]["chunks"] = chunks
         if bcg:
             arm["evidence"]["buckets"] = [8]
-            if replays:
-                arm["evidence"]["replayed_calls"] = len(chunks)
+            if replays:  # and the replays' check against eager, to match
+                arm["evidence"]["replayed_calls"] = arm["evidence"]["replay_check"]["replays"] = len(chunks)
 
 
 def _each_arm(doc):
@@ -235,7 +235,47 @@ V5_EDITS = [
 ]
 
 
-@pytest.mark.parametrize("name, edit, message", V5_EDITS)
+def _check(doc, arm="bcg_normal", scenario="four-arm", request=0):
+    return _arm_of(doc, scenario, request, arm)["evidence"]["replay_check"]
+
+
+def _departure(doc):
+    return _check(doc)["departure"]
+
+
+# The replay check against eager on its own shape (design §6): required where parity replays in-process,
+# held to itself. "legacy" is a run whose four-arm graph arm departs (the drop, at L0+DS0).
+REPLAY_CHECK_EDITS = [
+    ("default", lambda d: _arm_of(d, "four-arm", 0, "bcg_normal")["evidence"].pop("replay_check"),
+     "replayed a graph but records no replay_check"),
+    ("default", lambda d: _set(_arm_of(d, "four-arm", 0, "eager_normal")["evidence"], replay_check=_check(d)),
+     "only an in-process arm that replayed checks its replays"),
+    ("default", lambda d: _set(_check(d, "bcg_normal", "chunked"), replays=1), "replay_check covers 1 graph replay(s)"),
+    ("default", lambda d: _check(d)["tensors"].update(keys=[0.5, 0.0]), "its keys replay delta exceeds its bound"),
+    ("default", lambda d: _check(d)["tensors"].update(gradients=[0.0, 0.0]), "tensors.gradients is not a checked tensor"),
+    ("default", lambda d: _check(d)["tensors"].update(keys=[-1.0, 0.0]), "deltas, bounds and padding noise are >= 0"),
+    ("legacy", lambda d: _set(_check(d), departure=None), "replay delta exceeds its bound, but no departure"),
+    ("legacy", lambda d: _set(_departure(d), delta=99.0), "is not within the keys deltas and bounds it records"),
+    ("legacy", lambda d: _set(_departure(d), point="L99+DS99+L1"), "names no checked tensor, replay, row or point"),
+    ("legacy", lambda d: _set(_departure(d), replay=3), "names no checked tensor, replay, row or point"),
+]
+
+
+def test_a_forged_clean_check_still_leaves_the_dropped_answers(real_run, parity_cli, tmp_path):
+    """Erasing a departure (tensors and all) cannot make the legacy drop pass: its answers still show it."""
+    _, doc, _ = real_run("legacy")
+    for arm in _each_arm(doc):
+        check = arm["evidence"].get("replay_check")
+        if check is not None:
+            check["departure"] = None
+            check["tensors"] = {name: [0.0, 0.0] for name in check["tensors"]}
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == 1 and "FAIL_DEEPSTACK_DROPPED" in result.output
+
+
+@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS)
 def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, name, edit, message):
     _, doc, _ = real_run(name)
     edit(doc)
