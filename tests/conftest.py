@@ -109,6 +109,7 @@ REAL_RUNS = {
     "no-clear": ("--scenario", "all", "--runner", "no-clear"),
     "video": ("--scenario", "all", "--video", "all"),
     "chunk-1000": ("--scenario", "chunked", "--chunk-size", "1000"),  # INCONCLUSIVE_NOT_REPLAYED: one chunk
+    "chunk-20": ("--scenario", "chunked", "--chunk-size", "20"),  # INCONCLUSIVE_NOT_REPLAYED: the image in one chunk
 }
 REAL_RUN_TOKENS = "8"
 

@@ -18,6 +18,7 @@ from parity.judge.metrics import auto_tolerances
 from parity.results import SCHEMA, FixtureInfo, RunResult
 from parity.plan.entries import read_plan
 from parity.trust.consistency import RULES, Contradiction, _ran, _requests
+from parity.trust.path_proofs import RULES as PATH_RULES
 from parity.trust.serving import RULES as SERVING_RULES
 
 
@@ -204,5 +205,5 @@ REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
 
 def check_all(run: RunResult) -> None:
     """Raise `Contradiction` for the first consistency rule or requirement the run breaks."""
-    for rule in (*RULES, *SERVING_RULES, *REQUIREMENTS):
+    for rule in (*RULES, *SERVING_RULES, *PATH_RULES, *REQUIREMENTS):
         rule(run)

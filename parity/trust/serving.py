@@ -88,7 +88,8 @@ def replays_are_the_replayed_chunks(run: RunResult) -> None:
 
 def modes_agree_on_serving(run: RunResult) -> None:
     """The eager and the graph arm of one request, with the same DeepStack action, were served alike:
-    the same prompt, cut into the same chunks after the same cache hit. Only how each ran differs."""
+    the same prompt, cut into the same chunks (with the same image rows each) after the same cache
+    hit. Only how each ran differs."""
     for request in _requests(run):
         arms = list(_ran(request))
         for arm in arms:
@@ -107,7 +108,7 @@ def modes_agree_on_serving(run: RunResult) -> None:
 
 def _layout(serving: ServingEvidence) -> dict:
     return {"prompt_tokens": serving.prompt_tokens, "cached_tokens": serving.cached_tokens,
-            "chunks": [[c.start, c.end] for c in serving.chunks],
+            "chunks": [[c.start, c.end, c.image_rows] for c in serving.chunks],
             "image_span": None if serving.image_span is None else list(serving.image_span)}
 
 

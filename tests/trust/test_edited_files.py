@@ -26,7 +26,7 @@ def test_what_parity_writes_reads_back_as_written(real_run, name):
     assert rejudged["verdict"] == doc["verdict"] and EXIT_CODES[doc["verdict"]["code"]] == code
     # Every case, request, arm, comparison and verdict, exactly as written.
     assert rejudged == doc
-    assert {c["scenario"] for c in doc["cases"]} == ({"chunked"} if name == "chunk-1000" else set(SCENARIOS))
+    assert {c["scenario"] for c in doc["cases"]} == ({"chunked"} if name.startswith("chunk-") else set(SCENARIOS))
 
 
 # --- edits ----------------------------------------------------------------------------------------
@@ -261,6 +261,70 @@ REPLAY_CHECK_EDITS = [
 ]
 
 
+def _in_both_modes(doc, scenario, request, edit, arms=("bcg_normal", "eager_normal")):
+    for name in arms:
+        edit(_arm_of(doc, scenario, request, name)["evidence"]["serving"])
+
+
+# Trust v6: every field a path proof reads, held to another record of the same fact (path_proofs.py).
+# "chunk-20" is the issue's INCONCLUSIVE_NOT_REPLAYED chunked run: its image rows all in the first chunk.
+PATH_EDITS = [
+    # The issue's forgery, two integers: the image rows split over both chunks, in one arm or in both modes.
+    ("chunk-20", lambda d: _set(_serving(d, "chunked", 0, "bcg_normal"), chunks=[[0, 20, 20, 6], [20, 39, 20, 6]]),
+     "chunks is [[0, 20, 6], [20, 39, 6]], but eager_normal's is [[0, 20, 12], [20, 39, 0]]"),
+    ("chunk-20", lambda d: _in_both_modes(d, "chunked", 0, lambda s: _set(s, chunks=[[0, 20, c[2], 6], [20, 39, c[2], 6]])
+                                          if (c := s["chunks"][0]) else None),
+     "has 6 image rows, but [0, 20) holds 12 row(s) of the image span [6, 18]"),
+    # ... with the span moved to match: the DeepStack record, and the twin of the same size, disagree.
+    ("chunk-20", lambda d: _in_both_modes(d, "chunked", 0, lambda s: _set(s, image_span=[14, 26], chunks=[
+        [0, 20, s["chunks"][0][2], 6], [20, 39, s["chunks"][1][2], 6]])),
+     "of an image of the same size, is"),
+    ("default", lambda d: _in_both_modes(d, "growth", 0, lambda s: _set(s, image_span=[6, 30]),
+                                         arms=("bcg_normal", "eager_normal", "eager_zero_deepstack")),
+     "image_span [6, 30] holds 24 rows, but the arm's DeepStack record saw 12"),
+    # The anchor of "chunks tile the prompt": the arm's own prompt, and the plan.
+    ("chunk-1000", lambda d: _in_both_modes(d, "chunked", 0, lambda s: _set(s, prompt_tokens=20, chunks=[[0, 20, c[2], 12]])
+                                            if (c := s["chunks"][0]) else None),
+     "prompt_tokens is 20, but the arm's evidence records a 39-token prompt"),
+    # A warm graph: only where a graph replayed, as the runner captures them.
+    ("default", lambda d: _set(_serving(d, "warmup", 1, "bcg_normal"), graph_ready=False),
+     "every graph is captured at start-up, and its first prefill replayed"),
+    ("default", lambda d: _set(_serving(d, "warmup", 1, "eager_normal"), graph_ready=True), "replayed no graph"),
+    # A grown buffer: from the largest captured bucket, to a prompt a graph arm served eagerly.
+    ("default", lambda d: _set(_serving(d, "growth", 2, "bcg_normal"), buffer_growth=[64, 80]),
+     "grows to a prompt a graph arm served eagerly ([87])"),
+    ("default", lambda d: _set(_serving(d, "growth", 2, "bcg_normal"), buffer_growth=[32, 87]),
+     "starts at the largest captured bucket (64)"),
+    ("default", lambda d: _set(_serving(d, "growth", 2, "eager_normal"), buffer_growth=[64, 87]), "on an eager arm"),
+    ("default", lambda d: _set(_serving(d, "growth", 2, "bcg_normal"), buffer_growth=[64, 500]),
+     "more than the longest planned prompt (87 tokens)"),
+    # An encoder graph: its grid, its image, its key, and whether it was a replay.
+    ("default", lambda d: _serving(d, "layout", 1, "bcg_normal")["encoder"].update(patches=64),
+     "64 patches, but grid 1x16x8 holds 128"),
+    ("default", lambda d: _serving(d, "layout", 1, "bcg_normal")["encoder"].update(grid=[1, 8, 16], key="grid 1x8x16"),
+     "is not shaped as the"),
+    ("default", lambda d: _serving(d, "layout", 1, "bcg_normal")["encoder"].update(key="128 patches"),
+     "its key is '128 patches', but runner 'fixed' keys it 'grid 1x16x8'"),
+    ("default", lambda d: _serving(d, "layout", 2, "bcg_normal")["encoder"].update(replayed=False),
+     "was captured by an earlier request of the case, yet it is not a replay"),
+    ("default", lambda d: _set(_serving(d, "layout", 0, "eager_normal"), encoder=_serving(d, "layout", 0, "bcg_normal")[
+        "encoder"]), "an encoder graph ran for an eager arm"),
+    # A cache hit: whole pages, from an earlier request's rows, for a request served from the cache.
+    ("default", lambda d: _in_both_modes(d, "prefix", 1, lambda s: _set(s, cached_tokens=40, chunks=[
+        [40, 48, s["chunks"][0][2], 0]])), "no earlier request of the case with its image and mode prefilled that many"),
+    ("default", lambda d: _in_both_modes(d, "prefix", 1, lambda s: _set(s, cached_tokens=28, chunks=[
+        [28, 48, s["chunks"][0][2], 0]])), "not a whole number of config.prefix_cache_page 8-token pages"),
+    ("default", lambda d: _in_both_modes(d, "prefix", 0, lambda s: _set(s, cached_tokens=8, chunks=[
+        [8, 39, s["chunks"][0][2], 10]]), arms=("bcg_normal", "eager_normal", "eager_zero_deepstack")),
+     "the request is not served from a filled prefix cache"),
+]
+
+
+def test_the_chunked_run_the_path_forgeries_start_from_is_not_a_pass(real_run):
+    _, doc, code = real_run("chunk-20")
+    assert code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED"
+
+
 def test_a_forged_clean_check_still_leaves_the_dropped_answers(real_run, parity_cli, tmp_path):
     """Erasing a departure (tensors and all) cannot make the legacy drop pass: its answers still show it."""
     _, doc, _ = real_run("legacy")
@@ -275,7 +339,7 @@ def test_a_forged_clean_check_still_leaves_the_dropped_answers(real_run, parity_
     assert result.exit_code == 1 and "FAIL_DEEPSTACK_DROPPED" in result.output
 
 
-@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS)
+@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS + PATH_EDITS)
 def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, name, edit, message):
     _, doc, _ = real_run(name)
     edit(doc)
