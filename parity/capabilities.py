@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 SERVER_OPTIONS = frozenset({"concurrent", "gpus", "ready_timeout", "mem_fraction"})
 
 
+def server_config_fields(name: str) -> frozenset[str]:
+    """The config keys every engine server backend writes (`engines.engine.EngineBackend.config`)."""
+    return frozenset({f"{name}_{key}" for key in ("servers", "concurrent", "start_order", "gpus", "launches",
+                                                  "tap_processes")} | {"chunk_size", "top_logprobs_num"})
+
+
 def _tokens(evidence: Evidence | None) -> str:
     return "?" if evidence is None or evidence.prompt_tokens is None else str(evidence.prompt_tokens)
 
@@ -70,6 +76,12 @@ class BackendInfo:
     # A family scenario's path (design.PROVES_*) the engine has no way to reach, and why: the verdict
     # adds it to the INCONCLUSIVE reason of a request that did not reach the path.
     unreachable: Mapping[str, str] = field(default_factory=dict)
+    # The config keys every run of it writes (trust v6): a file that lacks one, or carries another
+    # backend's, was relabelled, which would select another backend's (more lenient) rules.
+    config_fields: frozenset[str] = frozenset()
+    # Its runs record the engine's version as environment[package] (its servers', or the installed
+    # one's): a server run whose servers answered names the release it judged.
+    names_its_version: bool = False
 
     @property
     def uses(self) -> frozenset[str]:

@@ -3,7 +3,8 @@
 The model is loaded again from the file's config (model, preset seed, dtype, runner variant, graph
 backend, captured buckets) on the run's device, and each request is rebuilt: built-in fixtures and
 twins by name, checked against the stored sha256; user images by sha256 from `--image`; prompts
-from the file. Everything a user can get wrong is checked before the model loads.
+from the file. Everything a user can get wrong is checked before the model loads (the loader holds
+every field the rebuild reads: a transformers run's own fields, in closed vocabularies).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Sequence
 from parity.backends.protocol import Request
 from parity import registry
 from parity.errors import UsageError
-from parity.design import RUNNER_VARIANTS, SEQUENCE_REQUESTS
+from parity.design import SEQUENCE_REQUESTS
 from parity.media.catalog import builtin_fixture, builtin_names
 from parity.media.fixtures import LAYOUT_SIZES, Fixture, image_fixture
 from parity.media.videos import video_fixture
@@ -25,10 +26,6 @@ from parity.run.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
 from parity.trust.loader import load_results
 from parity.judge.verdict import judge_run
-
-# What the command needs from the run's config to build the same model and runner again.
-_CONFIG_KEYS = ("model", "dtype", "runner", "graph_backend", "captured_buckets")
-
 
 @dataclass(frozen=True)
 class LocalizeOptions:
@@ -55,7 +52,6 @@ def localize_results(options: LocalizeOptions) -> Localized:
         raise UsageError(f"{options.results}: a {config.get('backend')} run cannot be localized, since its graph is "
                          "the runtime's own and parity cannot probe it per layer; rerun the failing case on the "
                          "transformers backend with the same checkpoint")
-    _check_config(config, options.results)
     cases = _selected(run, options.case)
     if not cases:
         return Localized(run, ())
@@ -69,28 +65,6 @@ def localize_results(options: LocalizeOptions) -> Localized:
         backend.close()
     ids = tuple(case.id for case in cases)
     return _written(run, ids, options.results) if options.write else Localized(run, ids)
-
-
-def _check_config(config, path: Path) -> None:
-    missing = [key for key in _CONFIG_KEYS if config.get(key) is None]
-    if missing:
-        raise UsageError(f"{path}: config lacks {', '.join(missing)}, which parity localize needs to rebuild the run "
-                         "(written by an older parity?)")
-    buckets = config["captured_buckets"]
-    problems = {
-        "runner": config["runner"] not in RUNNER_VARIANTS,
-        # A file from before the chunked scenario has none, and no chunked case.
-        "chunk_size": config.get("chunk_size") is not None and not (
-            isinstance(config["chunk_size"], int) and not isinstance(config["chunk_size"], bool)
-            and config["chunk_size"] > 0),
-        "graph_backend": config["graph_backend"] not in ("cuda", "emulated"),
-        "dtype": config["dtype"] not in ("float32", "bfloat16", "float16"),
-        "captured_buckets": not isinstance(buckets, list)
-        or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in buckets),
-    }
-    bad = [key for key, wrong in problems.items() if wrong]
-    if bad:
-        raise UsageError(f"{path}: config.{bad[0]} is {config[bad[0]]!r}, which parity localize cannot rebuild")
 
 
 def _selected(run: RunResult, case_id: str | None) -> list[CaseResult]:

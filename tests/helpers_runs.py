@@ -148,6 +148,27 @@ def make_sequence(
                       requests=tuple(request(*r) for r in requests))
 
 
+# The fields each backend's every run writes (trust v6: a file without them, or with another backend's,
+# is refused), with what the embedded preset's runs write.
+_SERVER_CONFIG = {"servers": {"eager": [], "bcg": []}, "concurrent": False, "start_order": None,
+                  "gpus": {"eager": None, "bcg": None}, "launches": 2, "tap_processes": {}}
+BACKEND_CONFIG: Mapping[str, Mapping] = MappingProxyType({
+    "transformers": {"runner": "fixed", "graph_backend": "emulated", "buckets": "auto",
+                     "captured_buckets": [4, 8, 12, 16, 20, 24, 28, 32, 48], "deepstack_slot_bytes": 36864,
+                     "preset_seed": 0, "chunk_size": 8, "prefix_cache_page": 8, "localize_threshold": 1e-4},
+    "sglang": {**{f"sglang_{k}": v for k, v in _SERVER_CONFIG.items()}, "chunk_size": 8, "top_logprobs_num": 5,
+               "sglang_args": [], "sglang_prefill_buckets": {"max": 64, "count": 10}, "sglang_device": "cuda",
+               "tp_size": 1, "sglang_graph_backend": None, "sglang_server_dtype": {}, "sglang_fix": None,
+               "sglang_fix_slots": {}},
+    "vllm": {**{f"vllm_{k}": v for k, v in _SERVER_CONFIG.items()}, "chunk_size": 8, "top_logprobs_num": 5,
+             "engine": "vllm", "engine_version": "0.34.0", "graph_mode": "full", "graph_cudagraph_modes": {},
+             "graph_breakable": False, "vllm_server_env": {}, "vllm_args": [], "vllm_capture_sizes": {"max": 64, "count": 10},
+             "vllm_fix": None, "vllm_fix_records": {}, "vllm_device": "cuda", "vllm_graph_backend": None,
+             "vllm_compile_mode": "vllm default"},
+})
+ENGINE_VERSIONS = {"sglang": "0.5.23", "vllm": "0.34.0"}
+
+
 def make_run(
     cases: Sequence[CaseResult],
     model: str = "tiny-qwen3-vl",
@@ -165,11 +186,12 @@ def make_run(
     repeats = {len(a.repeats) for c in cases for a in c.all_arms() if not a.failed}
     if len(repeats) == 1 and repeats != {0}:  # as --repeat writes it: every arm repeated alike
         config["repeat"] = repeats.pop() + 1
-    if backend == "sglang":
-        config["tp_size"] = 1
+    config.update(BACKEND_CONFIG[backend])
     config["model_identity"] = identity_of(model).to_json()
     env = {"parity": "test", "parity_source": "test+0", "python": "3", "torch": "x", "transformers": "x",
            "sglang": None, "device": "cpu", "gpu": None}
+    if backend in ENGINE_VERSIONS:
+        env[backend] = ENGINE_VERSIONS[backend]
     run = RunResult(created=created, environment=MappingProxyType(env), config=MappingProxyType(config),
                     cases=cases)
     return judge_run(run)

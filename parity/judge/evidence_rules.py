@@ -79,6 +79,8 @@ def bucket_fault(label: str, evidence: Evidence | None, rules: Rules) -> str | N
 
 
 def _bucket_fault(label: str, tokens: int, buckets: tuple[int, ...], rules: Rules) -> str | None:
+    if not buckets:  # no replay's bucket recorded (the evidence's own rules refuse a replay without one)
+        return None
     small = [b for b in buckets if b < tokens]
     if small:
         return f"{label} replayed its {tokens}-token prompt in bucket {small[0]}, smaller than the prompt"

@@ -7,6 +7,7 @@ here, so an edited value is a usage error naming it, never a traceback or a hang
 
 from __future__ import annotations
 
+from parity.design import RUNNER_VARIANTS
 from parity.runner.buckets import AUTO
 from parity.registry import BACKENDS
 from parity.judge.identity import SOURCE_KEY
@@ -26,6 +27,9 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 MAX_THREADS = 8192
 # What `--dtype` resolves to; the tolerances, records and rebuilds of a run all read it.
 DTYPES = ("float32", "bfloat16", "float16")
+# What `--graph-backend` and `--device` resolve to on the in-process backend.
+GRAPH_BACKENDS = ("cuda", "emulated")
+DEVICES = ("cpu", "cuda")
 
 
 def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
@@ -50,6 +54,7 @@ def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
     _check_rebuild_fields(config, v2)
     _check_vocabulary(config, v2)
     if v2:
+        _check_backend_fields(config)
         _check_identity(config)
     _check_environment(environment, v2)
     return config
@@ -63,6 +68,25 @@ def _check_vocabulary(config: dict, v2: bool) -> None:
     dtype = get(config, "dtype", str, "config", optional=not v2)
     if dtype is not None and dtype not in DTYPES:
         raise Invalid(f"config.dtype {dtype!r} is not one parity runs ({', '.join(DTYPES)})")
+    for key, known in (("runner", RUNNER_VARIANTS), ("graph_backend", GRAPH_BACKENDS)):
+        value = config.get(key)
+        if value is not None and value not in known:
+            raise Invalid(f"config.{key} {value!r} is not one parity has ({', '.join(known)})")
+
+
+def _check_backend_fields(config: dict) -> None:
+    """Each backend writes its own fields, and no other's (v6): the backend a file names selects the
+    rules it is judged by, strict in-process ones or lenient server ones, so it must be the backend
+    that wrote the file, not one label away."""
+    backend = BACKENDS[config["backend"]]
+    missing = sorted(backend.config_fields - set(config))
+    if missing:
+        raise Invalid(f"config.{missing[0]} is missing: every {backend.name} run writes it")
+    for other in BACKENDS.values():
+        foreign = sorted((other.config_fields - backend.config_fields) & set(config))
+        if foreign and other is not backend:
+            raise Invalid(f"config.{foreign[0]} is a {other.name} run's field, but config.backend is {backend.name!r}: "
+                          "a file relabelled from another backend")
 
 
 def _check_identity(config: dict) -> None:
@@ -99,6 +123,10 @@ def _check_rebuild_fields(config: dict, v2: bool) -> None:
     seed = get(config, "preset_seed", int, "config", optional=True)
     if seed is not None:
         integer(seed, "config.preset_seed", *SEED_RANGE)
+    for key in ("chunk_size", "prefix_cache_page"):
+        value = get(config, key, int, "config", optional=True)
+        if value is not None:
+            non_negative_int(value, f"config.{key}", 1)
     buckets = config.get("buckets")
     if buckets is not None and buckets != AUTO:
         if not isinstance(buckets, list) or not buckets:
@@ -130,7 +158,9 @@ def _check_environment(environment: dict, v2: bool) -> None:
     threads = get(environment, "threads", int, "environment", optional=True)
     if threads is not None:
         integer(threads, "environment.threads", 1, MAX_THREADS)
-    get(environment, "device", str, "environment", optional=True)
+    device = get(environment, "device", str, "environment", optional=True)
+    if device is not None and device not in DEVICES:
+        raise Invalid(f"environment.device {device!r} is not one parity runs on ({', '.join(DEVICES)})")
     # The code that wrote the file (design §4b): a merge of shards of different code is refused unless
     # asked for, so a file may not drop the field to slip past that check.
     # A merge made with --allow-mixed-code lists every source it merged.

@@ -15,6 +15,7 @@ from typing import Callable
 
 from parity import registry
 from parity.judge.metrics import auto_tolerances
+from parity.judge.verdict import groups
 from parity.results import SCHEMA, FixtureInfo, RunResult
 from parity.plan.entries import read_plan
 from parity.trust.consistency import RULES, Contradiction, _ran, _requests
@@ -197,9 +198,41 @@ def replays_checked_in_process(run: RunResult) -> None:
                              "checks every replay against eager on its own shape")
 
 
+def interrupted_runs_lack_something(run: RunResult) -> None:
+    """`interrupted` relaxes the rules for what a stop cut short (fewer repeats, absent cases), so a
+    file that says so lacks something a whole run has (v6): a planned case, an arm, or a repeat."""
+    if run.schema != SCHEMA or not run.interrupted:
+        return
+    try:
+        planned = [entry.id for entry in read_plan(run.config)]
+    except ValueError:
+        return  # the loader has refused the plan already
+    held = {case.id for case in run.cases}
+    repeat = run.config.get("repeat") if isinstance(run.config.get("repeat"), int) else 1
+    short = any(len(arm.repeats) < repeat - 1 for case in run.cases for arm in case.all_arms() if not arm.failed)
+    missing_arm = any(name not in group.arms for case in run.cases for group in groups(case) for name in group.needed)
+    if not (set(planned) - held or short or missing_arm):
+        raise Contradiction("interrupted is true, but every planned case, arm and repeat is in the file: a run a stop "
+                            "cut short lacks one of them")
+
+
+def engine_release_named(run: RunResult) -> None:
+    """A server run whose servers answered names the engine release it judged (v6): the version its
+    servers reported, or the installed package's."""
+    backend = registry.of_run(run.config)
+    if run.schema != SCHEMA or not backend.names_its_version:
+        return
+    ran = any(not arm.failed for case in run.cases for arm in case.all_arms())
+    version = run.environment.get(backend.package)
+    if ran and (not isinstance(version, str) or not version.strip()):
+        raise Contradiction(f"environment.{backend.package} is {version!r}, but a {backend.name} run whose servers "
+                            "answered names the release it judged")
+
+
 REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
     repeats_as_configured, ranks_as_configured, auto_tolerances_are_the_dtypes, builtin_fixtures_are_theirs,
     records_in_the_runs_dtype, arms_are_the_configured, plan_prompts_are_the_evidence, replays_checked_in_process,
+    engine_release_named, interrupted_runs_lack_something,
 )
 
 

@@ -143,8 +143,8 @@ def test_merge_refuses_another_experiment(runs, tmp_path, field, value, companio
 
 
 @pytest.mark.parametrize("field, value, message", [
-    # An in-process run relabelled as SGLang's claims a buffer growth, which SGLang cannot reach (v5).
-    ("backend", "sglang", "shows buffer growth, which the sglang backend cannot reach"),
+    # An in-process run relabelled as SGLang's lacks what every SGLang run writes (v6).
+    ("backend", "sglang", "config.sglang_args is missing: every sglang run writes it"),
     ("dtype", "bfloat16", "logprob_tol_source 'auto' gives 0.75 for dtype 'bfloat16'"),  # its records are float32 too
     ("scenarios", ["four-arm"], "config.plan"),  # the plan is scenario-major over config.scenarios
 ])

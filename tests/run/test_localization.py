@@ -336,8 +336,8 @@ def test_localize_usage_errors(parity_cli, tmp_path):
         ([edited(lambda d: d["cases"][0]["fixture"].update(sha256="0" * 64))], "another image under the same case id"),
         ([edited(lambda d: (d["cases"][0]["fixture"].update(name="cat", sha256="0" * 64),
                             d["config"]["plan"][0].update(image="0" * 64)))], "user image 'cat'"),
-        ([edited(lambda d: d["config"].pop("captured_buckets"))], "config lacks captured_buckets"),
-        ([edited(lambda d: d["config"].update(runner="turbo"))], "config.runner is 'turbo'"),
+        ([edited(lambda d: d["config"].pop("captured_buckets"))], "config.captured_buckets is missing"),
+        ([edited(lambda d: d["config"].update(runner="turbo"))], "config.runner 'turbo' is not one parity has"),
         ([str(results), "--localize-threshold", "0"], "must be 'auto' or a finite number > 0"),
         ([str(tmp_path / "missing.json")], "no such file"),
     ):

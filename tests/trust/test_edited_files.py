@@ -320,6 +320,34 @@ PATH_EDITS = [
 ]
 
 
+def _relabelled(doc, backend, add_fields=False, drop_own=False):
+    """The issue's relabel: config.backend switched to a server backend, selecting its lenient rules."""
+    from tests.helpers_runs import BACKEND_CONFIG, ENGINE_VERSIONS
+
+    doc["config"]["backend"] = backend
+    if add_fields:  # its own fields, keeping the run's chunk size
+        doc["config"].update({k: v for k, v in BACKEND_CONFIG[backend].items() if k not in doc["config"]})
+        doc["environment"][backend] = ENGINE_VERSIONS[backend]
+    if drop_own:
+        for key in set(BACKEND_CONFIG["transformers"]) - set(BACKEND_CONFIG[backend]):
+            doc["config"].pop(key, None)
+
+
+# Strictness is the backend's: a file relabelled from another backend is refused (trust v6).
+BACKEND_EDITS = [
+    ("chunk-1000", lambda d: (_forge_chunks(d), _relabelled(d, "vllm")), "config.engine is missing: every vllm run writes it"),
+    ("chunk-1000", lambda d: (_forge_chunks(d), _relabelled(d, "sglang", add_fields=True)),
+     "is a transformers run's field, but config.backend is 'sglang': a file relabelled from another backend"),
+    ("chunk-1000", lambda d: (_forge_chunks(d, ("bcg_normal", "eager_normal", "eager_zero_deepstack"), replays=True),
+                              _relabelled(d, "vllm", add_fields=True, drop_own=True)),
+     "replay_check is recorded, but only an in-process arm that replayed checks its replays"),
+    ("default", lambda d: _set(d["config"], runner="turbo"), "config.runner 'turbo' is not one parity has"),
+    ("default", lambda d: _set(d["config"], graph_backend="tpu-graph"), "config.graph_backend 'tpu-graph' is not one"),
+    ("default", lambda d: _set(d["environment"], device="tpu"), "environment.device 'tpu' is not one parity runs on"),
+    ("default", lambda d: _set(d, interrupted=True), "interrupted is true, but every planned case, arm and repeat"),
+]
+
+
 def test_the_chunked_run_the_path_forgeries_start_from_is_not_a_pass(real_run):
     _, doc, code = real_run("chunk-20")
     assert code == 3 and doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED"
@@ -339,7 +367,7 @@ def test_a_forged_clean_check_still_leaves_the_dropped_answers(real_run, parity_
     assert result.exit_code == 1 and "FAIL_DEEPSTACK_DROPPED" in result.output
 
 
-@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS + PATH_EDITS)
+@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS + PATH_EDITS + BACKEND_EDITS)
 def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, name, edit, message):
     _, doc, _ = real_run(name)
     edit(doc)

@@ -198,3 +198,19 @@ def test_the_rules_that_need_no_v2_data_hold_for_v1_files(tmp_path: Path, config
     path.write_text(json.dumps(doc))
     with pytest.raises(ResultsFileError, match=message):
         load_results(path)
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+def test_a_server_run_names_the_release_it_judged(tmp_path: Path, backend):
+    doc = run_to_json(make_run([make_case(fixed_arms())], backend=backend))
+    assert load_results(_written(tmp_path, doc)).environment[backend]
+    doc["environment"][backend] = None
+    with pytest.raises(ResultsFileError, match=f"environment.{backend} is None, but a {backend} run whose servers "
+                                               "answered names the release it judged"):
+        load_results(_written(tmp_path, doc))
+
+
+def _written(tmp_path: Path, doc: dict) -> Path:
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(doc))
+    return path

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import click
 
 from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
-from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
+from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption, server_config_fields
 from parity.evidence import Evidence
 
 GRAPH_FLAG = "--cuda-graph-backend-prefill"  # what the bcg server's flags set, and the eager server's do not
@@ -39,7 +39,10 @@ SGLANG = BackendInfo(
     # SGLang's buckets come from its own flags (--sglang-arg), not --buckets.
     options=frozenset({"graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
     runbook="docs/sglang-runbook.md", servers_key="sglang_servers", volatile_keys=("sglang_tap_processes",),
-    records_ranks=True, version_in_every_run=True, package="sglang",
+    records_ranks=True, version_in_every_run=True, package="sglang", names_its_version=True,
+    config_fields=server_config_fields("sglang") | {
+        "sglang_args", "sglang_prefill_buckets", "sglang_device", "tp_size", "sglang_graph_backend",
+        "sglang_server_dtype", "sglang_fix", "sglang_fix_slots"},
     own_options=(
         EngineOption("sglang_args", "--sglang-arg", {
             "multiple": True, "help": "Extra SGLang server flag (repeatable, sglang backend)."}),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import click
 
 from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
-from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption
+from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption, server_config_fields
 from parity.evidence import Evidence
 
 GRAPH_MODE_NAMES = ("full_and_piecewise", "full", "piecewise", "breakable")  # servers.GRAPH_MODES, in order
@@ -23,7 +23,11 @@ VLLM = BackendInfo(
     name="vllm", factory="parity.engines.vllm.backend:from_options",
     options=frozenset({"buckets", "graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
     runbook="docs/vllm-runbook.md", servers_key="vllm_servers", volatile_keys=("vllm_tap_processes",),
-    package="vllm",
+    package="vllm", names_its_version=True,
+    config_fields=server_config_fields("vllm") | {
+        "engine", "engine_version", "graph_mode", "graph_cudagraph_modes", "graph_breakable", "vllm_server_env",
+        "vllm_args", "vllm_capture_sizes", "vllm_fix", "vllm_fix_records", "vllm_device", "vllm_graph_backend",
+        "vllm_compile_mode"},
     own_options=(
         EngineOption("vllm_args", "--vllm-arg", {
             "multiple": True,
