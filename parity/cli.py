@@ -24,6 +24,7 @@ from parity.cli_options import (
 )
 from parity import registry
 from parity.errors import NothingToProve, ParityError, UsageError
+from parity.reporting.text import visible
 from parity.run.interrupts import exit_code_of, signal_of
 from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES
 from parity.results import FOUR_ARM, SCENARIOS
@@ -48,7 +49,7 @@ class VerdictBeforeRun(click.ClickException):
     """A verdict found before any arm ran (NothingToProve): `<VERDICT>: <reason>`, exit with its code."""
 
     def __init__(self, err: NothingToProve) -> None:
-        super().__init__(f"{err.verdict}: {err}")
+        super().__init__(visible(f"{err.verdict}: {err}", keep="\n"))
         self.exit_code = err.exit_code
 
     def show(self, file=None) -> None:
@@ -62,7 +63,8 @@ class ParityGroup(click.Group):
         except NothingToProve as err:
             raise VerdictBeforeRun(err) from None
         except ParityError as err:
-            raise ParityCommandError(str(err)) from None
+            # Messages quote files (a model name, a case id, a path): nothing in them may drive the terminal.
+            raise ParityCommandError(visible(str(err), keep="\n")) from None
         except KeyboardInterrupt as stop:  # a light command stopped: nothing to keep, no traceback
             click.echo("interrupted", err=True)
             ctx.exit(exit_code_of(signal_of(stop)))
@@ -157,8 +159,10 @@ def run(**options) -> None:
     from parity.run.interrupts import first_stop_only
     from parity.models import check_runnable
     from parity.run_command import (
-        OutputOptions, RunStopped, build_cases, check_junit, check_writable, default_run_dir, execute_run, plan_note,
+        OutputOptions, RunStopped, build_cases, check_outputs, check_writable, default_run_dir, execute_run,
+        files_written, plan_note,
     )
+    from parity.plan.entries import scenario_case_id
     from parity.plan.sharding import Shard, check_not_empty
 
     o = options
@@ -182,7 +186,10 @@ def run(**options) -> None:
     run_dir = check_writable("--out", Path(o["out_dir"]) if o["out_dir"] else default_run_dir(o["model"]), True)
     inputs = (*o["images"], *o["videos"], *o["audios"], *([o["prompts_file"]] if o["prompts_file"] else []))
     junit = check_writable("--junit", Path(o["junit_path"]), False) if o["junit_path"] else None
-    output = OutputOptions(run_dir=run_dir, junit=check_junit(junit, run_dir, inputs), plots=not o["no_plot"])
+    case_ids = [scenario_case_id(scenario, case.id) for scenario in spec.scenarios for case in spec.cases]
+    check_outputs([("--out", path) for path in files_written(run_dir, case_ids)]
+                  + ([("--junit", junit)] if junit else []), inputs)
+    output = OutputOptions(run_dir=run_dir, junit=junit, plots=not o["no_plot"])
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
@@ -216,7 +223,6 @@ def run(**options) -> None:
 def verdict(results_file: str, as_json: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json
-    from parity.reporting.text import visible
     from parity.trust.loader import load_results
     from parity.judge.verdict import judge_run
 
@@ -296,7 +302,6 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], vi
     """
     from parity.localize_command import LocalizeOptions, localize_results
     from parity.reporting.report import localization_json, localization_lines
-    from parity.reporting.text import visible
 
     result = localize_results(LocalizeOptions(Path(results_file), case_id, tuple(images), tuple(videos),
                                               localize_threshold, device, write))
@@ -331,11 +336,11 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 
     Refuses (exit 2) files of different experiments, a shard given twice and a missing shard."""
     from parity.merge import MergeOutput, run_merge
-    from parity.run_command import check_junit, check_writable
+    from parity.run_command import check_writable
 
     out = check_writable("--out", Path(out_dir), True)
     junit = check_writable("--junit", Path(junit_path), False) if junit_path else None
-    output = MergeOutput(out, check_junit(junit, out, results_files), not no_plot)
+    output = MergeOutput(out, junit, not no_plot)
     from parity.run.interrupts import first_stop_only
 
     with first_stop_only():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind

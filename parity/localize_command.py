@@ -22,6 +22,8 @@ from parity.design import SEQUENCE_REQUESTS
 from parity.media.catalog import builtin_fixture, builtin_names
 from parity.media.fixtures import LAYOUT_SIZES, Fixture, image_fixture
 from parity.media.videos import video_fixture
+from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
+from parity.model_identity import read_identity, same_model
 from parity.run.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
 from parity.trust.loader import load_results
@@ -154,6 +156,10 @@ def _backend(run: RunResult, device: str | None, requests: dict[str, tuple[Reque
     apply_thread_policy(threads, embedded)
     seed = config.get("preset_seed") if embedded else None
     loaded = load_model(str(config["model"]), device=device, dtype=str(config["dtype"]), seed=seed)
+    recorded = read_identity(config[IDENTITY_KEY])
+    if not same_model(loaded.identity, recorded):  # a localization of other weights would describe no run
+        raise UsageError(f"the file judged {recorded.describe()}, but {config['model']} loads as "
+                         f"{loaded.identity.describe()} here: not the model the run judged")
     captured = tuple(int(b) for b in config["captured_buckets"])
     context = loaded.adapter.max_positions
     if any(b > context for b in captured):  # a checkpoint's context is known only now; capturing past it hangs

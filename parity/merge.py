@@ -195,6 +195,17 @@ def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> R
     return run
 
 
+def _check_written(merged: Sequence[tuple[Path, RunResult]], output: "MergeOutput", inputs: Sequence[str],
+                   own_report: bool = False) -> None:
+    """Before anything is written: no file the merge writes (an experiment's folder, the matrix
+    report, the JUnit file) is an input or another of its files."""
+    from parity.run_command import check_outputs, files_written
+
+    written = [("--out", path) for folder, run in merged for path in files_written(folder, [c.id for c in run.cases])]
+    written += [("--out", output.out_dir / "report.md")] if own_report else []
+    check_outputs(written + ([("--junit", output.junit)] if output.junit else []), inputs)
+
+
 def _check_out_holds_no_input(paths: Sequence[str], out_dir: Path) -> None:
     """The merge writes into --out; an input there would be overwritten by the merge of itself."""
     folder = Path(os.path.realpath(out_dir))  # realpath never raises, a loop in an input's path included
@@ -243,14 +254,17 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
     _check_out_holds_no_input(paths, output.out_dir)
     files = load_files(paths)
     if matrix:
-        runs = [write_run_folder(run, output.out_dir / experiment_folder(i, run), output.plots, warn)
-                for i, run in enumerate(merge_matrix(files, allow_mixed_code), 1)]
+        merged = [(output.out_dir / experiment_folder(i, run), run)
+                  for i, run in enumerate(merge_matrix(files, allow_mixed_code), 1)]
+        _check_written(merged, output, paths, own_report=True)
+        runs = [write_run_folder(run, folder, output.plots, warn) for folder, run in merged]
         markdown = render_matrix(runs)
         _write(output.out_dir / "report.md", markdown)
         verdict = matrix_verdict(experiments(runs))
     else:
-        runs = [write_run_folder(merge_runs(files, allow_missing, allow_mixed_code), output.out_dir, output.plots,
-                                 warn)]
+        merged = [(output.out_dir, merge_runs(files, allow_missing, allow_mixed_code))]
+        _check_written(merged, output, paths)
+        runs = [write_run_folder(merged[0][1], output.out_dir, output.plots, warn)]
         # A summary cannot show the folder's plots; rendered only for a CI that asks for one.
         markdown = render_markdown(runs[0], images=False) if step_summary_wanted() else ""
         verdict = runs[0].verdict

@@ -5,9 +5,13 @@ shown in the report.
 
 A name says nothing of the weights behind it: `--model DIR` may point at one checkpoint on one CI
 machine and another elsewhere, and a preset's seed is one edited field. The identity is read from
-the weights themselves. A checkpoint's files are hashed once and the hashes kept in parity's cache,
-keyed by path, modification time and size, so a 16 GB checkpoint is not read again every run.
-Torch-free: the loader reads it.
+the weights themselves, and verified where weights load again (`parity localize` refuses other
+weights; a known build of a preset is checked by the loader). A checkpoint's files are hashed once
+and the hashes kept in parity's cache, keyed by path, inode, change and modification times and size
+(a same-size, same-mtime swap changes the inode or the change time), so a 16 GB checkpoint is not
+read again every run; the cache is read as every user file is (regular, bounded, non-blocking) and
+ignored, with a warning, on any refusal. One checkpoint at two paths is one model. Torch-free: the
+loader reads it.
 """
 
 from __future__ import annotations
@@ -16,15 +20,26 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
+
+from parity.textfiles import NotAFile, TooLarge, described, read_chunks, read_text_capped
 
 CONFIG_KEY = "model_identity"
 PRESET, CHECKPOINT = "preset", "checkpoint"
 # Files of a checkpoint folder that do not change what it computes.
 _IGNORED_SUFFIXES = (".md", ".txt.lock", ".lock")
 _CHUNK = 16 * 2**20
+# A line per checkpoint file: a cache of a million files is past any real use, and reading more is a hang.
+MAX_CACHE_BYTES = 256 * 2**20
+# The weights a preset's recipe builds (float32 on the CPU, x86_64), where known: a file that says it
+# judged that preset at that seed with other weights was edited. Other machines' random streams may
+# round otherwise (not recorded), and other presets' layouts follow the transformers release.
+KNOWN_BUILDS: Mapping[tuple[str, int, str], str] = {
+    ("tiny-qwen3-vl", 0, "x86_64"): "7e8c9f35fa8742968e2163ffbe8ca4d74895f35eda0431d85cf100185c9318fb",
+}
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,16 @@ class ModelIdentity:
         """`tiny-qwen3-vl (preset, seed 0, weights sha256 1a2b3c4d5e6f…)`."""
         what = f"preset, seed {self.seed}, weights" if self.kind == PRESET else "checkpoint, files"
         return f"{self.name} ({what} sha256 {self.sha256[:12]}…)"
+
+    def weights(self) -> tuple:
+        """What decides the weights: a checkpoint's files, wherever its folder is; a preset's name,
+        seed and build."""
+        return (self.kind, self.sha256) if self.kind == CHECKPOINT else (self.kind, self.name, self.seed, self.sha256)
+
+
+def same_model(a: ModelIdentity, b: ModelIdentity) -> bool:
+    """One model: one checkpoint at two paths is one model, a preset is its name, seed and build."""
+    return a.weights() == b.weights()
 
 
 def read_identity(raw: Any) -> ModelIdentity:
@@ -112,11 +137,15 @@ def checkpoint_sha256(folder: str | Path, cache: Path | None = None) -> str:
     digest, changed = hashlib.sha256(), False
     for path in checkpoint_files(folder):
         status = os.stat(path)
-        key = f"{os.path.realpath(path)}|{status.st_mtime_ns}|{status.st_size}"
-        file_sha = known.get(key)
+        # The inode and change time too: a file swapped for another of the same size and mtime gets a
+        # new inode (a rename over it) or a new change time (a copy into it, a touch to reset the mtime).
+        key = (f"{os.path.realpath(path)}|{status.st_ino}|{status.st_ctime_ns}|{status.st_mtime_ns}|"
+               f"{status.st_size}")
+        file_sha = None if known is None else known.get(key)
         if file_sha is None:
-            file_sha = known[key] = _file_sha256(path)
-            changed = True
+            file_sha = _file_sha256(path)
+            if known is not None:
+                known[key], changed = file_sha, True
         digest.update(f"{path.name}\0{file_sha}\n".encode())
     if changed:
         _write_cache(cache, known)
@@ -125,9 +154,8 @@ def checkpoint_sha256(folder: str | Path, cache: Path | None = None) -> str:
 
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
+    for chunk in read_chunks(path, _CHUNK):
+        digest.update(chunk)
     return digest.hexdigest()
 
 
@@ -136,11 +164,22 @@ def _cache_path() -> Path:
     return Path(root) / "file-hashes.json"
 
 
-def _read_cache(path: Path) -> dict[str, str]:
+def _read_cache(path: Path) -> dict[str, str] | None:
+    """The cached file hashes; {} for no cache yet or a damaged one (hashed again), None for a path
+    that is refused as any user file is (not a regular file, too large, a read that would block):
+    then it is neither read nor written, and the run says so."""
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}  # no cache yet, or a damaged one: hashed again
+        raw = json.loads(read_text_capped(path, MAX_CACHE_BYTES))
+    except FileNotFoundError:
+        return {}
+    except (NotAFile, TooLarge) as err:
+        print(f"warning: the checkpoint hash cache {path} {err}; ignored (every file is hashed)", file=sys.stderr)
+        return None
+    except OSError as err:
+        print(f"warning: the checkpoint hash cache {path} cannot be read ({described(err)}); ignored", file=sys.stderr)
+        return None
+    except ValueError:  # damaged (not UTF-8, not JSON): hashed again, and rewritten
+        return {}
     return {k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(raw, dict) else {}
 
 

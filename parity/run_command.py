@@ -145,20 +145,30 @@ def _check_resolvable(option: str, path: Path) -> None:
             raise UsageError(f"{option} {path}: {described(err)}") from None
 
 
-def check_junit(junit: Path | None, out_dir: Path, inputs: Sequence[str | Path] = ()) -> Path | None:
-    """`--junit` may name neither the run folder's own results.json or report.md (it would replace
-    the results it reports on) nor an input of the run."""
-    if junit is None:
-        return None
-    target = os.path.realpath(junit)  # realpath never raises, a loop in an input's path included
-    for own in ("results.json", "report.md"):
-        if target == os.path.realpath(out_dir / own):
-            raise UsageError(f"--junit {junit}: is the run folder's {own}, which the JUnit file would overwrite; "
+def files_written(out_dir: Path, case_ids: Sequence[str]) -> list[Path]:
+    """The files a run (or a merged experiment) writes into its folder: results.json, report.md and
+    each case's plots."""
+    from parity.reporting.plots import plot_filename
+
+    plots = [plot_filename(case_id, suffix) for case_id in case_ids for suffix in ("", "-layers")]
+    return [out_dir / name for name in ("results.json", "report.md", *plots)]
+
+
+def check_outputs(written: Sequence[tuple[str, Path]], inputs: Sequence[str | Path]) -> None:
+    """No file a command writes is one of its inputs, or another file the same command writes (the
+    JUnit file over the results it reports): refused before any work. `written`: (option, path)."""
+    seen: dict[str, tuple[str, Path]] = {}
+    for option, path in written:
+        real = os.path.realpath(path)  # realpath never raises, a loop in a path included
+        if real in seen:
+            raise UsageError(f"{option} {path}: the command writes {seen[real][1]} there too ({seen[real][0]}); "
                              "give another path")
+        seen[real] = (option, path)
     for given in inputs:
-        if target == os.path.realpath(given):
-            raise UsageError(f"--junit {junit}: is the input {given}, which the JUnit file would overwrite")
-    return junit
+        found = seen.get(os.path.realpath(given))
+        if found is not None:
+            raise UsageError(f"{found[0]} {found[1]}: is the input {given}, which the command would overwrite; "
+                             "give another path")
 
 
 # Seconds per generation of a tiny preset on one CPU core, measured with `parity run --fixture all

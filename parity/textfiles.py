@@ -12,6 +12,7 @@ import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 
 class TooLarge(ValueError):
@@ -20,6 +21,9 @@ class TooLarge(ValueError):
 
 class NotAFile(ValueError):
     """The path names something other than a regular file; the message says what."""
+
+
+_WOULD_BLOCK = "is a file whose read would block (a kernel or device file that answers only when it has data)"
 
 
 def _kind(mode: int) -> str:
@@ -51,20 +55,39 @@ def regular_file(path: str | Path, limit: int | None = None) -> os.stat_result:
 
 
 def read_bytes_capped(path: str | Path, limit: int) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes. Opened without blocking, so a FIFO put in
-    the path's place after the check cannot hang the reader either."""
+    """The bytes of a regular file of at most `limit` bytes. Opened and read without blocking, so
+    neither a FIFO put in the path's place after the check nor a regular file whose read blocks
+    (`/proc/kmsg`) can hang the reader: the latter is refused (`NotAFile`)."""
+    chunks, size = [], 0
+    for chunk in read_chunks(path, 2**20, limit):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:  # a file that grew since its size was checked: still bounded
+            raise TooLarge(f"holds more than {_shown(limit)}")
+    return b"".join(chunks)
+
+
+def read_chunks(path: str | Path, size: int, limit: int | None = None) -> Iterator[bytes]:
+    """A regular file's bytes in chunks of at most `size`, opened and read without blocking (see
+    `read_bytes_capped`); `limit` is checked against its size first."""
     regular_file(path, limit)  # names what the path is (opening a socket only says "no such device")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as handle:
+    try:
         status = os.fstat(fd)
         if not stat.S_ISREG(status.st_mode):
             raise NotAFile(f"is {_kind(status.st_mode)}, not a file")
-        if status.st_size > limit:
+        if limit is not None and status.st_size > limit:
             raise TooLarge(f"holds more than {_shown(limit)}")
-        data = handle.read(limit + 1)  # a file that grew since: still bounded
-    if len(data) > limit:
-        raise TooLarge(f"holds more than {_shown(limit)}")
-    return data
+        while True:
+            try:
+                chunk = os.read(fd, size)
+            except BlockingIOError:
+                raise NotAFile(_WOULD_BLOCK) from None
+            if not chunk:
+                return
+            yield chunk
+    finally:
+        os.close(fd)
 
 
 def read_text_capped(path: str | Path, limit: int) -> str:
@@ -76,21 +99,22 @@ def _shown(limit: int) -> str:
     return f"{limit // 2**20} MiB" if limit >= 2**20 else f"{limit} bytes"
 
 
-def user_file(option: str, given: str | Path, limit: int) -> Path:
-    """A file a user named on the command line (`--image`, `--video`, `--audio` …), checked before
-    anything opens it: a `UsageError` naming the option when it is empty, missing, not a regular
-    file, unreadable or larger than `limit` bytes."""
+def user_bytes(option: str, given: str | Path, limit: int) -> bytes:
+    """The bytes of a file a user named on the command line (`--image`, `--video`, `--audio` …),
+    read as `read_bytes_capped` reads (bounded, never blocking): a `UsageError` naming the option
+    when it is empty, missing, not a regular file, unreadable, larger than `limit` bytes or a read
+    that would block. Decoders take these bytes, never the path (a read that blocks there would hang
+    the command)."""
     from parity.errors import UsageError
 
     if not str(given).strip():
         raise UsageError(f"{option}: an empty path names no file")
     try:
-        regular_file(given, limit)
+        return read_bytes_capped(given, limit)
     except (NotAFile, TooLarge) as err:
         raise UsageError(f"{option} {given}: {err}") from None
     except OSError as err:
         raise UsageError(f"{option} {given}: {described(err)}") from None
-    return Path(given)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -8,6 +8,9 @@ user could produce, and the refusal (exit 2) or the honest verdict it must get i
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -323,3 +326,112 @@ def test_shards_of_two_checkpoints_under_one_path_do_not_merge(tmp_path):
     assert mixed.exit_code == 2 and "shards of two models" in mixed.output, mixed.output
     assert mixed.output.count(f"{folder} (checkpoint, files sha256") == 2
     assert not (tmp_path / "m" / "results.json").exists()
+
+
+# --- trust v6: identity as evidence --------------------------------------------------------------------
+
+def _as_checkpoint(doc: dict, path: str, sha256: str) -> None:
+    doc["config"]["model"] = path
+    doc["config"]["preset_seed"] = None
+    doc["config"]["model_identity"] = {"name": path, "kind": "checkpoint", "seed": None, "sha256": sha256}
+
+
+def test_one_checkpoint_at_two_paths_is_one_model(legacy_run):
+    from parity.judge.identity import first_difference, identity
+    from parity.trust.loader import run_from_json
+
+    one, two, other = load(legacy_run), load(legacy_run), load(legacy_run)
+    _as_checkpoint(one, "/ci-a/qwen3-vl", "1" * 64)
+    _as_checkpoint(two, "/ci-b/checkout/qwen3-vl", "1" * 64)
+    _as_checkpoint(other, "/ci-a/qwen3-vl", "2" * 64)
+    runs = [run_from_json(doc, name) for doc, name in ((one, "one"), (two, "two"), (other, "other"))]
+    assert first_difference(identity(runs[0]), identity(runs[1])) is None
+    assert first_difference(identity(runs[0]), identity(runs[2])) == "config.model_identity"  # negative control
+
+
+def test_a_merge_refusal_cannot_drive_the_terminal(legacy_run, tmp_path):
+    """A model name is a string from a file: an ANSI sequence in it (clear the screen, paint a green
+    PASS) is shown escaped in the refusal, never sent to the terminal."""
+    evil = "m\x1b[2J\x1b[32mPASS\x1b[0m"
+    first = edited(legacy_run, tmp_path, lambda d: _as_checkpoint(d, evil, "1" * 64), "a.json")
+    second = edited(legacy_run, tmp_path, lambda d: _as_checkpoint(d, evil, "2" * 64), "b.json")
+    result = invoke("merge", first, second, "--out", str(tmp_path / "m"))
+    assert result.exit_code == 2 and "shards of two models" in result.output
+    assert "\x1b" not in result.output and "\\x1b[2J" in result.output
+
+
+@pytest.mark.skipif(__import__("platform").machine() != "x86_64", reason="the known preset builds are x86_64's")
+def test_a_preset_identity_that_is_not_its_known_build_is_refused(legacy_run, tmp_path):
+    from parity.model_identity import KNOWN_BUILDS
+    from parity.models import preset_identity
+
+    assert preset_identity("tiny-qwen3-vl").sha256 == KNOWN_BUILDS[("tiny-qwen3-vl", 0, "x86_64")]
+    result = invoke("verdict", edited(legacy_run, tmp_path, lambda d: d["config"]["model_identity"].update(
+        sha256="3" * 64)))
+    assert result.exit_code == 2 and "tiny-qwen3-vl seed 0 builds weights 7e8c9f35fa87" in result.output
+
+
+def _hash_in_a_subprocess(folder: Path, cache: Path) -> subprocess.CompletedProcess:
+    code = ("import sys; from pathlib import Path; from parity.model_identity import checkpoint_sha256; "
+            "print(checkpoint_sha256(Path(sys.argv[1]), Path(sys.argv[2])))")
+    return subprocess.run([sys.executable, "-c", code, str(folder), str(cache)], capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "loop", "folder"])
+def test_the_hash_cache_is_read_as_a_user_file(tmp_path, kind):
+    """A FIFO there hung `parity run --model DIR` for ever, /dev/zero ran until MemoryError: now the
+    cache is refused with a warning and every file is hashed, as without one (no hang: a timeout)."""
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"weights")
+    plain = _hash_in_a_subprocess(folder, tmp_path / "plain.json")
+    cache = tmp_path / "cache.json"
+    {"fifo": lambda: os.mkfifo(cache), "device": lambda: os.symlink("/dev/zero", cache),
+     "loop": lambda: os.symlink(cache, cache), "folder": lambda: cache.mkdir()}[kind]()
+    refused = _hash_in_a_subprocess(folder, cache)
+    assert plain.returncode == 0 and refused.returncode == 0, refused.stderr
+    assert refused.stdout == plain.stdout and "checkpoint hash cache" in refused.stderr, refused.stderr
+
+
+def test_a_swap_of_the_same_size_and_mtime_is_hashed_again(tmp_path):
+    from parity.model_identity import checkpoint_sha256
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"weights-a")
+    stamp = os.stat(weights)
+    before = checkpoint_sha256(folder, tmp_path / "cache.json")
+    swapped = tmp_path / "swap"
+    swapped.write_bytes(b"weights-b")  # the same size
+    os.replace(swapped, weights)
+    os.utime(weights, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # and the same modification time
+    assert checkpoint_sha256(folder, tmp_path / "cache.json") != before
+
+
+def test_no_output_of_a_merge_overwrites_another_or_an_input(shards, legacy_run, tmp_path):
+    """`merge --matrix --junit` naming an experiment folder's own results.json or report.md, or the
+    matrix report, would overwrite what the merge writes: refused before anything is written."""
+    from parity.merge import experiment_folder
+    from parity.trust.loader import load_results
+
+    out = tmp_path / "m"
+    folder = out / experiment_folder(1, load_results(shards["s1"]))
+    for target in (folder / "results.json", folder / "report.md", out / "report.md"):
+        result = invoke("merge", "--matrix", str(shards["s1"]), str(shards["s2"]), str(legacy_run), "--out", str(out),
+                        "--junit", str(target))
+        assert result.exit_code == 2 and "--junit" in result.output and "writes" in result.output, result.output
+        assert not out.exists()
+    result = invoke("merge", str(shards["s1"]), str(shards["s2"]), "--out", str(out), "--junit", str(shards["s1"]))
+    assert result.exit_code == 2 and "is the input" in result.output
+
+
+def test_no_output_of_a_run_overwrites_an_input(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "report.md").write_text("Describe the image.\n")  # a prompts file where the run writes its report
+    result = invoke("run", "--device", "cpu", "--out", str(out), "--prompts", str(out / "report.md"))
+    assert result.exit_code == 2 and "is the input" in result.output and "--out" in result.output, result.output
+    assert (out / "report.md").read_text() == "Describe the image.\n" and not (out / "results.json").exists()

@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 from parity import __version__
 from parity import registry
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
-from parity.model_identity import read_identity
+from parity.model_identity import CHECKPOINT, read_identity
 from parity.results import RunResult
 
 # `environment.parity_source`: the code that wrote a file. Shards of different code are not one
@@ -54,6 +54,14 @@ def identity(run: RunResult) -> dict[str, Any]:
             value = _masked(value)
         fields[f"config.{key}"] = value
     fields.setdefault("config.shard", None)
+    try:
+        model = read_identity(run.config.get(IDENTITY_KEY))
+    except ValueError:  # a /1 file: its name is all there is
+        model = None
+    if model is not None:  # the weights decide: one checkpoint at two paths is one model
+        fields[f"config.{IDENTITY_KEY}"] = model.weights()
+        if model.kind == CHECKPOINT:
+            fields[MODEL_FIELD] = None
     for key, value in run.environment.items():
         # CPU threads change a CPU run's numerics, not a GPU run's; runners of one pool differ in cores.
         if key == "threads" and run.environment.get("device") == "cuda":

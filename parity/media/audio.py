@@ -9,6 +9,7 @@ model's rate) after that rate.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import wave
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from parity.errors import UsageError
-from parity.textfiles import user_file
+from parity.textfiles import user_bytes
 
 RATE = 16000  # what the Omni thinker's feature extractor takes
 MAX_SECONDS = 30.0
@@ -57,9 +58,10 @@ def audio_clip(given: str) -> AudioClip:
         return AudioClip(given, BUILTIN[given]())
     if str(given).strip() and not os.path.lexists(given):
         raise UsageError(f"--audio {given}: no such file, and not a built-in clip ({', '.join(BUILTIN)})")
-    path = user_file("--audio", given, MAX_AUDIO_BYTES)
+    data = user_bytes("--audio", given, MAX_AUDIO_BYTES)
+    path = Path(given)
     try:
-        with wave.open(str(path), "rb") as wav:
+        with wave.open(io.BytesIO(data), "rb") as wav:
             width, channels, rate, frames = wav.getsampwidth(), wav.getnchannels(), wav.getframerate(), wav.getnframes()
             if frames > MAX_SECONDS * rate:
                 raise UsageError(f"--audio {given}: {frames / rate:.1f} s, longer than the {MAX_SECONDS:.0f} s parity takes")

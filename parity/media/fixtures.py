@@ -10,6 +10,7 @@ bucket with equal shapes but other content can be checked.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from PIL import Image, UnidentifiedImageError
 
 from parity.data import data_dir
 from parity.errors import UsageError
-from parity.textfiles import user_file
+from parity.textfiles import user_bytes
 
 # A user image or video file larger than this is no test input (a 4K video of 64 frames in a lossless
 # codec is about 1.5 GB): refused before it is decoded.
@@ -265,9 +266,10 @@ def _twin_pixels(pixels: np.ndarray) -> np.ndarray:
 
 def image_fixture(path: str | Path) -> Fixture:
     """A user image, converted to RGB and hashed like the built-in ones."""
-    path = user_file("--image", path, MAX_MEDIA_BYTES)
+    data = user_bytes("--image", path, MAX_MEDIA_BYTES)
+    path = Path(path)
     try:
-        with Image.open(path) as opened:
+        with Image.open(io.BytesIO(data)) as opened:
             image = opened.convert("RGB")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         # The warning arrives here only where warnings are errors (python -W error, pytest -W error).

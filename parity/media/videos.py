@@ -9,6 +9,7 @@ frame the processor repeats to fill its pair.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Callable
 
@@ -17,7 +18,7 @@ from PIL import Image, ImageSequence, UnidentifiedImageError
 
 from parity.errors import UsageError
 from parity.media.fixtures import MAX_MEDIA_BYTES, TWIN_SUFFIX, Fixture, blocks
-from parity.textfiles import user_file
+from parity.textfiles import user_bytes
 
 VIDEO_PREFIX = "video-"
 FPS = 2.0  # the built-in videos' frame rate: their pairs of frames are one second apart
@@ -84,10 +85,11 @@ def builtin_videos() -> list[Fixture]:
 def video_fixture(path: str | Path) -> Fixture:
     """A user video: every frame decoded (PyAV for any container it reads, else Pillow for animated
     GIF, PNG and WebP), converted to RGB."""
-    path = user_file("--video", path, MAX_MEDIA_BYTES)
-    frames, fps = _decode_av(path) if has_av() else (None, None)
+    data = user_bytes("--video", path, MAX_MEDIA_BYTES)
+    path = Path(path)
+    frames, fps = _decode_av(path, data) if has_av() else (None, None)
     if frames is None:
-        frames, fps = _decode_pillow(path)
+        frames, fps = _decode_pillow(path, data)
     if not frames:
         raise UsageError(f"--video {path}: no frames decoded")
     if len(frames) > MAX_FRAMES:  # decoding stops one frame past the limit: the true count is not known
@@ -104,11 +106,11 @@ def has_av() -> bool:
     return importlib.util.find_spec("av") is not None
 
 
-def _decode_av(path: Path) -> tuple[list[Image.Image] | None, float | None]:
+def _decode_av(path: Path, data: bytes) -> tuple[list[Image.Image] | None, float | None]:
     import av
 
     try:
-        with av.open(str(path)) as container:
+        with av.open(io.BytesIO(data)) as container:
             if not container.streams.video:
                 raise UsageError(f"--video {path}: the file has no video stream")
             stream = container.streams.video[0]
@@ -123,9 +125,9 @@ def _decode_av(path: Path) -> tuple[list[Image.Image] | None, float | None]:
         return None, None  # not a container FFmpeg reads: Pillow may read it (an animated image)
 
 
-def _decode_pillow(path: Path) -> tuple[list[Image.Image], float | None]:
+def _decode_pillow(path: Path, data: bytes) -> tuple[list[Image.Image], float | None]:
     try:
-        with Image.open(path) as opened:
+        with Image.open(io.BytesIO(data)) as opened:
             frames = [frame.convert("RGB") for _, frame in zip(range(MAX_FRAMES + 1), ImageSequence.Iterator(opened))]
             duration = opened.info.get("duration")
     except (UnidentifiedImageError, OSError) as err:

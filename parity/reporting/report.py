@@ -137,12 +137,30 @@ def fenced(text: str, info: str = "text") -> str:
 
 # --- markdown ----------------------------------------------------------------------------------
 
+def absent_note(run: RunResult, shown: int = 5) -> str | None:
+    """The planned cases a file does not hold, in one line (a plan of 20,000 cases is not 20,000
+    sections): how many, and the first few ids; None when every planned case is there."""
+    absent = [case.id for case in run.cases if case.absent]
+    if not absent:
+        return None
+    more = f" and {len(absent) - shown} more" if len(absent) > shown else ""
+    return (f"{len(absent)} planned case(s) are not in the file, each INCOMPLETE: "
+            f"{', '.join(absent[:shown])}{more} (config.plan)")
+
+
+def held(run: RunResult) -> tuple[CaseResult, ...]:
+    """The cases a file holds (a planned case it lacks is reported by `absent_note`)."""
+    return tuple(case for case in run.cases if not case.absent)
+
+
 def render_markdown(run: RunResult, images: bool = True) -> str:
     """report.md; `images=False` for where relative links to the run folder's plots cannot show
     (a CI step summary, a PR comment): the plots are then named, not linked."""
+    absent = absent_note(run)
+
     def render(with_texts: bool) -> str:
-        return "\n".join([_md_header(run), _md_summary(run)]
-                         + [_md_case(case, run, with_texts, images) for case in run.cases] + [_md_environment(run)])
+        return "\n".join([_md_header(run), _md_summary(run)] + ([f"_{md_text(absent)}_\n"] if absent else [])
+                         + [_md_case(case, run, with_texts, images) for case in held(run)] + [_md_environment(run)])
 
     text = render(True)
     if len(text) > MAX_COMMENT_CHARS:  # drop arm texts wholesale rather than exceed a PR comment
@@ -170,12 +188,13 @@ def _mean_rule(run: RunResult) -> str:
 
 
 def _md_summary(run: RunResult) -> str:
-    """Every case in one table, when there are several: what a reviewer reads first."""
-    if len(run.cases) < 2:
+    """Every case the file holds in one table, when there are several: what a reviewer reads first."""
+    cases = held(run)
+    if len(cases) < 2:
         return ""
     lines = ["| case | verdict | reason |", "|---|---|---|"]
     lines += [f"| {md_code(c.id, in_table=True)} | `{c.verdict.code}` | {md_text(c.verdict.reason)} |"
-              for c in run.cases]
+              for c in cases]
     return "\n".join(lines) + "\n"
 
 

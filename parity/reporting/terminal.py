@@ -12,7 +12,8 @@ from rich.table import Table
 
 from parity.judge.metrics import tuple_text
 from parity.reporting.report import (
-    arm_evidence_text, arms_with_labels, check_label, localization_sentence, not_localized_note, rows, run_notes,
+    absent_note, arm_evidence_text, arms_with_labels, check_label, held, localization_sentence, not_localized_note,
+    rows, run_notes,
 )
 from parity.reporting.text import terminal
 from parity.results import CaseResult, RunResult
@@ -20,7 +21,7 @@ from parity.judge.verdict import PASS
 
 
 def print_table(run: RunResult, console: Console) -> None:
-    for case in run.cases:
+    for case in held(run):
         console.print(_case_table(case, run.logprob_tol))
         for label, arm in arms_with_labels(case):
             if arm.error:
@@ -32,7 +33,7 @@ def print_table(run: RunResult, console: Console) -> None:
             console.print(f"  {terminal(localization_sentence(case))}", highlight=False)
         elif not_localized_note(case, run):
             console.print(f"  {terminal(not_localized_note(case, run))}", highlight=False)
-    for note in run_notes(run):
+    for note in [*run_notes(run), *filter(None, [absent_note(run)])]:
         console.print(f"[yellow]note:[/] {terminal(note)}", highlight=False)
     style = "green" if run.verdict.code == PASS else "red"
     console.print(f"[bold {style}]{run.verdict.code}[/]: {terminal(run.verdict.reason)}", highlight=False)

@@ -13,7 +13,7 @@ from parity.registry import BACKENDS
 from parity.judge.identity import SOURCE_KEY
 from parity.judge.metrics import NOISE_FLOOR
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
-from parity.model_identity import PRESET, read_identity
+from parity.model_identity import KNOWN_BUILDS, PRESET, read_identity
 from parity.presets import PRESETS
 from parity.trust.fields import Invalid, get, integer, ints, non_negative_int, number, positive
 
@@ -55,7 +55,7 @@ def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
     _check_vocabulary(config, v2)
     if v2:
         _check_backend_fields(config)
-        _check_identity(config)
+        _check_identity(config, environment)
     _check_environment(environment, v2)
     return config
 
@@ -89,8 +89,9 @@ def _check_backend_fields(config: dict) -> None:
                           "a file relabelled from another backend")
 
 
-def _check_identity(config: dict) -> None:
-    """The model's identity (design §4b, v5) agrees with the fields that name the model."""
+def _check_identity(config: dict, environment: dict) -> None:
+    """The model's identity (design §4b, v5) agrees with the fields that name the model, and a preset
+    build parity knows (v6) with its weights."""
     try:
         identity = read_identity(config.get(IDENTITY_KEY))
     except ValueError as err:
@@ -105,6 +106,10 @@ def _check_identity(config: dict) -> None:
     if identity.kind == PRESET and "preset_seed" in config and seed != identity.seed:
         raise Invalid(f"{where}.seed is {identity.seed}, but config.preset_seed is {seed!r}: the weights judged were "
                       "built from another seed than the file says")
+    known = KNOWN_BUILDS.get((identity.name, identity.seed, environment.get("machine")))
+    if identity.kind == PRESET and known is not None and identity.sha256 != known:
+        raise Invalid(f"{where}.sha256 is {identity.sha256[:12]}…, but {identity.name} seed {identity.seed} builds "
+                      f"weights {known[:12]}… on {environment.get('machine')}: not the weights the file names")
 
 
 def _check_rebuild_fields(config: dict, v2: bool) -> None:

@@ -194,3 +194,21 @@ def test_parity_report_and_verdict_print_any_valid_results_file(parity_cli, tmp_
         assert "\x1b" not in result.output and "id\\udfff" in result.output, args
     doc = json.loads(parity_cli("report", str(path), "--format", "json").output)
     assert doc["cases"][0]["id"] == "id\udfff\n# x|y"
+
+
+def test_planned_cases_a_file_lacks_are_summarised_not_rendered_one_by_one():
+    """A sweep's shard holds a few of its plan's 20,000 cases: each report format says how many are
+    absent and names the first few, in one line, not 20,000 sections (or a 526 MB string)."""
+    from parity.results import run_to_json
+    from parity.trust.loader import run_from_json
+
+    doc = run_to_json(make_run([make_case(fixed_arms())]))
+    first = doc["config"]["plan"][0]
+    doc["config"]["plan"] += [dict(first, id=f"sweep-{i}/describe") for i in range(20000)]
+    run = judge_run(run_from_json(doc, "sweep"))
+    assert run.verdict.code == "INCOMPLETE"
+    note = "20000 planned case(s) are not in the file, each INCOMPLETE: sweep-0/describe"
+    markdown, table = render_markdown(run), _terminal(run, width=400)
+    assert note in markdown and markdown.count("sweep-") < 10 and len(markdown) < 20_000
+    assert note in table and table.count("sweep-") < 10
+    assert len(json.loads(render_json(run))["cases"]) == 1  # the file holds what ran; its plan, the rest

@@ -366,3 +366,17 @@ def test_a_sequence_whose_first_request_dropped_deepstack_is_localized(parity_cl
     assert case["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED" and "first request" in case["verdict"]["reason"]
     loc = case["localization"]
     assert loc["request"] == 0 and loc["arm"] == "bcg_normal" and loc["first_divergent"] is not None
+
+
+def test_localize_refuses_a_file_of_other_weights(parity_cli, tmp_path):
+    """`parity localize` rebuilds the model: a file that judged other weights (another checkpoint at
+    the path, an edited seed's build) is refused naming both, not localized on the wrong model."""
+    _, doc, out = parity_cli.run("--runner", "legacy", "--seed", "3", "--max-new-tokens", "4")
+    assert parity_cli("localize", str(out / "results.json")).exit_code == 0  # the control: its own weights
+    doc["config"]["model_identity"]["sha256"] = "4" * 64
+    edited = tmp_path / "other-weights.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("localize", str(edited), "--write")
+    assert result.exit_code == 2 and "not the model the run judged" in result.output, result.output
+    assert "sha256 444444444444" in result.output and "seed 3, weights sha256" in result.output
+    assert json.loads(edited.read_text())["config"]["model_identity"]["sha256"] == "4" * 64  # not annotated

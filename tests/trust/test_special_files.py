@@ -1,7 +1,9 @@
 """Every command that takes a path, given a path that names no regular file: one line, exit 2, at once.
 
 A FIFO blocks whoever opens it for reading until a writer comes (forever in a CI job), /dev/zero
-never ends, a socket cannot be opened at all and a symbolic-link loop cannot be followed. Each runs
+never ends, a socket cannot be opened at all, a symbolic-link loop cannot be followed, and a regular
+file whose read blocks (/proc/kmsg, where the machine lets a test open it) must be read without
+blocking, media included. Each runs
 in a subprocess under a timeout, so a hang fails the test instead of hanging the suite. The timeout
 tells a hang from a slow start, not a speed: each command answers in 0.2-2 s here (most of it
 importing torch for `run`), but no test holds a machine to a time.
@@ -28,8 +30,20 @@ def special(tmp_path_factory):
     server = socket.socket(socket.AF_UNIX)
     server.bind(str(folder / "sock"))
     yield {"fifo": str(folder / "fifo"), "socket": str(folder / "sock"), "device": "/dev/zero",
-           "loop": str(folder / "loop"), "folder": folder}
+           "loop": str(folder / "loop"), "blocking": BLOCKING, "folder": folder}
     server.close()
+
+
+def _blocking_file() -> str | None:
+    """/proc/kmsg: a regular file (size 0) whose read blocks until the kernel logs something."""
+    try:
+        os.close(os.open("/proc/kmsg", os.O_RDONLY | os.O_NONBLOCK))
+    except OSError:
+        return None
+    return "/proc/kmsg"
+
+
+BLOCKING = _blocking_file()
 
 
 # (command line with PATH where the special file goes, the words the one line says for a FIFO)
@@ -44,15 +58,22 @@ COMMANDS = [
 ]
 
 
+# The options whose path the command writes (or lists as a folder): a regular file there is no read.
+WRITTEN = ("--out", "--junit", "--write", "--source")
+
+
 def _parity(*args: str) -> subprocess.CompletedProcess:
     """The command's result; `subprocess.TimeoutExpired` (the test fails) when it hangs."""
     return subprocess.run([sys.executable, "-m", "parity", *args], capture_output=True, text=True,
                           timeout=HANG_S, stdin=subprocess.DEVNULL)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "socket", "device", "loop"])
+@pytest.mark.parametrize("kind", ["fifo", "socket", "device", "loop", "blocking"])
 @pytest.mark.parametrize("command, option", COMMANDS)
 def test_a_special_file_is_one_line_exit_2_at_once(special, real_run, tmp_path, command, option, kind):
+    if kind == "blocking" and (special[kind] is None or option in WRITTEN):
+        pytest.skip("no regular file whose read blocks can be opened here (/proc/kmsg needs root)"
+                    if special[kind] is None else "a path the command writes, not reads")
     good, _, _ = real_run("legacy")
     args = [str(good) if a == "GOOD" else str(tmp_path / "out") if a == "OUT" else special[kind] if a == "PATH" else a
             for a in command.split()]
