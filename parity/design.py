@@ -24,6 +24,7 @@ RUN_ORDER = (EAGER_NORMAL, EAGER_ZERO, BCG_ZERO, BCG_NORMAL)
 FOUR_ARM = "four-arm"
 REUSE = "reuse"
 STREAM = "stream"
+SHRINK = "shrink"
 # The DeepStack bug family (design §10, docs/scenarios.md): each a request-specific side input the
 # engine must carry through one more serving feature.
 CHUNKED = "chunked"
@@ -32,14 +33,15 @@ GROWTH = "growth"
 WARMUP = "warmup"
 LAYOUT = "layout"
 FAMILY_SCENARIOS = (CHUNKED, PREFIX, GROWTH, WARMUP, LAYOUT)
-CORE_SCENARIOS = (FOUR_ARM, REUSE, STREAM)  # the slot itself (design §5)
+CORE_SCENARIOS = (FOUR_ARM, REUSE, STREAM, SHRINK)  # the slot itself (design §5)
 SCENARIOS = (*CORE_SCENARIOS, *FAMILY_SCENARIOS)
-SEQUENCE_SCENARIOS = (REUSE, STREAM, *FAMILY_SCENARIOS)
+SEQUENCE_SCENARIOS = (REUSE, STREAM, SHRINK, *FAMILY_SCENARIOS)
 # One line each, for `--help` and the reports.
 SCENARIO_SUMMARIES: Mapping[str, str] = MappingProxyType({
     FOUR_ARM: "eager vs graph, each with DeepStack as computed and zeroed (the original bug)",
     REUSE: "an image request, then a text request in its bucket (a slot never cleared)",
     STREAM: "five requests back to back in one bucket (a slot refreshed only on a new shape)",
+    SHRINK: "a large image, a smaller one, then text as long as the first (a clear of only the rows just written)",
     CHUNKED: "the image prompt prefilled in chunks (each chunk must get its own DeepStack rows)",
     PREFIX: "prefix-cache hits on the image prompt (DeepStack rows offset by the cached tokens)",
     GROWTH: "a request past the DeepStack buffer's size, then short ones (graphs must follow a regrown buffer)",
@@ -61,6 +63,8 @@ CASE_IMAGE = "case"  # a request with the case's own image
 TWIN_IMAGE = "twin"  # a request with the twin of the case's image: same size and tokens, other pixels
 WIDE_IMAGE = "wide"  # the case's image resized to a 2:1 grid
 TALL_IMAGE = "tall"  # the same, 1:2: as many visual tokens as the wide one, the grid transposed
+LARGE_IMAGE = "large"  # the case's image resized to the most visual tokens a preset takes
+SMALL_IMAGE = "small"  # the same, to the fewest
 SAME_TEXT = "same"  # the case's prompt (a text-only request: lengthened into the image's bucket)
 EXTENDED_TEXT = "extended"  # the case's prompt with a sentence added: a prefix-cache hit on all of it
 OTHER_TEXT = "other"  # another question about the same image: a hit on what precedes the question
@@ -112,6 +116,9 @@ class RequestSpec:
     serving: Serving = Serving()
     replays: bool = True  # False: its prefill is past every captured bucket and runs eager in both modes
     proves: str | None = None  # the serving path its graph arm must show it reached
+    # A text-only request is lengthened into the bucket of this image request of the sequence (the
+    # case's image, or its large form), as long as it where the tokenizer allows (shorter in reuse).
+    length_of: str = CASE_IMAGE
 
 
 _CHUNKS = Serving(chunked=True, recorded=True)
@@ -129,6 +136,12 @@ SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
              RequestSpec("twin image (same size, other pixels)", TWIN_IMAGE, "normal"),
              RequestSpec("text only", None, "normal"),
              RequestSpec("image again", CASE_IMAGE, "normal")),
+    # Each request shorter than the one before it but the last: a clear that covers only the rows the
+    # request in hand wrote leaves the large image's tail past the small one's rows, and the text
+    # request, as long as the first, reads it (docs/scenarios.md).
+    SHRINK: (RequestSpec("large image (many visual rows)", LARGE_IMAGE, "normal", power=True),
+             RequestSpec("small image (fewer rows, a shorter prompt)", SMALL_IMAGE, "normal"),
+             RequestSpec("text only (as long as the large image's prompt)", None, "normal", length_of=LARGE_IMAGE)),
     CHUNKED: (RequestSpec("image, in chunks", CASE_IMAGE, "normal", power=True, serving=_CHUNKS,
                           proves=PROVES_CHUNKS),
               RequestSpec("twin image, in chunks", TWIN_IMAGE, "normal", serving=_CHUNKS, proves=PROVES_CHUNKS),
@@ -164,6 +177,9 @@ PLANTED_BUGS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "growth-rebind": (GROWTH, "FastDeploy PR #5962: the buffer re-allocated, graphs left on the old storage"),
     "warmup-specialized": (WARMUP, "vLLM PR #43617: a graph shaped by a warm-up without DeepStack never adds it"),
     "layout-keyed": (LAYOUT, "SGLang PR #37043: vision-encoder graphs keyed by token count only"),
+    "clears-own-rows": (SHRINK, "a partial fix of the stale-DeepStack leak (vLLM's persistent buffer, SGLang's "
+                                "slot): it clears the rows the request in hand wrote, never an earlier, longer "
+                                "request's tail"),
 })
 RUNNER_VARIANTS = ("fixed", "legacy", "no-clear", *PLANTED_BUGS)
 

@@ -20,7 +20,7 @@ from parity import registry
 from parity.errors import UsageError
 from parity.design import SEQUENCE_REQUESTS
 from parity.media.catalog import builtin_fixture, builtin_names
-from parity.media.fixtures import LAYOUT_SIZES, Fixture, image_fixture
+from parity.media.fixtures import RESHAPED_SIZES, Fixture, image_fixture
 from parity.media.videos import video_fixture
 from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
 from parity.model_identity import read_identity, same_model
@@ -112,7 +112,7 @@ def _fixture(info: FixtureInfo | None, user: Sequence[Fixture], case_id: str) ->
     # A built-in given twice or as a file is stored under another name (`rgb-stripes-2`); the layout
     # scenario sends a built-in resized, and a user image resized.
     candidates = [*map(builtin_fixture, known), *user]
-    candidates += [f.reshaped(layout) for f in list(candidates) for layout in LAYOUT_SIZES]
+    candidates += [f.reshaped(layout) for f in list(candidates) for layout in RESHAPED_SIZES]
     same = [f for f in candidates if _matches(f, info)]
     if same:
         return dataclasses.replace(same[0], name=info.name)

@@ -18,7 +18,7 @@ import torch
 
 from parity.backends.protocol import Request
 from parity.runner.encoder_graphs import EncoderGraphs
-from parity.evidence import ChunkRun, EncoderRun, ReplayCheck, ServingEvidence, image_span
+from parity.evidence import ChunkRun, EncoderRun, LeakWitness, ReplayCheck, ServingEvidence, image_span
 from parity.runner.graph_runner import PrefillGraphRunner, Window
 from parity.runner.lm_body import Past
 from parity.runner.replay_check import ReplayChecker
@@ -79,6 +79,7 @@ class Prefill:
     values: torch.Tensor
     bucket: int | None  # the bucket it replayed in; None: eager
     check: ReplayCheck | None = None  # a replay against eager on its own shape (design §6)
+    leak: LeakWitness | None = None  # DeepStack rows it read that an earlier request left in the buffer
 
 
 class LMExecutor:
@@ -98,28 +99,33 @@ class LMExecutor:
                 and (past is None or past.keys.shape[0] <= self.runner.context_rows))
 
     def prefill(self, prompt: PreparedPrompt, deepstack: torch.Tensor | None, probe: bool = False,
-                window: Window | None = None, past: Past | None = None):
+                window: Window | None = None, past: Past | None = None, owner: str | None = None):
         """(Prefill, probe points [T, P, H] or None): the whole prompt, or, with a `window`, its
-        rows `[start, end)` after `past` (DeepStack is the whole prompt's either way)."""
+        rows `[start, end)` after `past` (DeepStack is the whole prompt's either way). `owner`: the
+        request's tag (its image's sha256), which names the rows it leaves in the DeepStack buffer."""
         embeds, positions = prompt.input_embeds, prompt.positions
         if window is not None:
             embeds, positions = embeds[window.start:window.end], positions[:, window.start:window.end]
         num_tokens = embeds.shape[0]
         rows = deepstack if window is None else window.of(deepstack)  # what a correct engine hands its LM
-        bucket = check = None
+        bucket = check = leak = None
         if self.will_replay(num_tokens, past):
-            outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past)
+            outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past,
+                                         owner=owner)
             bucket = self.runner.bucket_for(num_tokens)
             if not probe:
                 check = self.checker.prefill((bucket, past is not None), self.adapter.body, outputs,
                                              self.runner.padded_inputs(embeds, positions, rows, past),
                                              (embeds, positions, rows, past), 0 if window is None else window.start)
+                stale, source = self.runner.stale_rows(self.runner.window_rows(deepstack, window), num_tokens)
+                leak = LeakWitness(stale, 1, source) if stale else None
         elif self.runner is not None:  # graph mode, no graph fits: eager, through the engine's buffer
-            outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past)
+            outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past,
+                                        owner=owner)
         else:
             outputs = self.adapter.body(embeds, positions, rows, probe=probe, past=past)
         points = outputs[3] if probe else None
-        return Prefill(outputs[0], outputs[1], outputs[2], bucket, check), points
+        return Prefill(outputs[0], outputs[1], outputs[2], bucket, check, leak), points
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,7 @@ class Served:
     serving: ServingEvidence | None
     points: torch.Tensor | None = None  # with probe: [computed rows, P, H], the rows not from the cache
     checks: tuple[ReplayCheck, ...] = ()  # its graph replays against eager on their own shape, in order
+    leak: LeakWitness | None = None  # stale DeepStack rows its parts read (the in-process leak witness)
 
     @property
     def replay_check(self) -> ReplayCheck | None:
@@ -185,7 +192,7 @@ class PromptServer:
             return self._serve_in_parts(request, prompt, deepstack, tap_mode, encoder, probe)
         runner = self._executor.runner
         ready = runner.warmed_without_deepstack(prompt.input_ids.shape[0]) if runner is not None else None
-        prefill, points = self._executor.prefill(prompt, deepstack, probe=probe)
+        prefill, points = self._executor.prefill(prompt, deepstack, probe=probe, owner=_owner(request))
         evidence = None
         if request.serving.recorded:
             # Once grown, the buffer stays grown: every later request is served past the growth.
@@ -193,7 +200,8 @@ class PromptServer:
             evidence = ServingEvidence(image_span=self._image_span(prompt), prompt_tokens=int(prompt.input_ids.shape[0]),
                                        buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
                                        graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
-        return Served(prefill, 1, (prefill.bucket,), evidence, points, tuple(c for c in (prefill.check,) if c))
+        return Served(prefill, 1, (prefill.bucket,), evidence, points, tuple(c for c in (prefill.check,) if c),
+                      prefill.leak)
 
     def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
                         tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
@@ -208,16 +216,22 @@ class PromptServer:
                 self._prefix_cache.empty(tap_mode)
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
-        chunks, hidden, ready, points, checks = [], None, None, [], []
+        chunks, hidden, ready, points, checks, leak = [], None, None, [], [], None
         image_ids = (prompt.input_ids == prompt.visual_token if prompt.visual_token is not None
                      else torch.zeros_like(prompt.input_ids, dtype=torch.bool))
         for window in windows:
             past = None if keys is None else Past.of(keys, values, window.end - window.start)
+            # Whether the first part's graph was there before it came (asked before it replays, which may
+            # capture it); a first part that ran eagerly found no warm graph.
+            warm = ready is None and runner is not None and runner.warmed_without_deepstack(
+                window.end - window.start, past is not None)
+            part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past,
+                                                 owner=_owner(request))
             if ready is None and runner is not None:
-                ready = runner.warmed_without_deepstack(window.end - window.start, past is not None)
-            part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past)
+                ready = warm and part.bucket is not None
             points.append(part_points)
             checks += [part.check] if part.check is not None else []
+            leak = part.leak if leak is None else leak.merged(part.leak)
             keys = part.keys if keys is None else torch.cat([keys, part.keys])
             values = part.values if values is None else torch.cat([values, part.values])
             hidden = part
@@ -228,7 +242,13 @@ class PromptServer:
         evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0, prompt_tokens=int(total),
                                    image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
         return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
-                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None, tuple(checks))
+                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None, tuple(checks),
+                      leak)
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
         return image_span(prompt.input_ids.tolist(), {prompt.visual_token})
+
+
+def _owner(request: Request) -> str | None:
+    """A request's tag on the DeepStack rows it writes: its image's sha256 (what a leak witness names)."""
+    return None if request.fixture is None else request.fixture.sha256

@@ -31,7 +31,13 @@ WIDTH, HEIGHT = 128, 96  # the first three fixtures: 4 x 3 blocks of 32 px = 12 
 DEFAULT_FIXTURE = "rgb-stripes"
 TWIN_SUFFIX = "-twin"
 # The layout scenario's two grids: 8 x 4 and 4 x 8 blocks of 32 px, as many visual tokens each.
-LAYOUT_SIZES = {"wide": (256, 128), "tall": (128, 256)}
+# The case's image resized, for the sequences that need another shape of it: `layout`'s wide and tall
+# forms (as many visual tokens on transposed grids) and `shrink`'s large and small ones (the most
+# and the fewest visual tokens the presets' processor takes: 64 and 4).
+RESHAPED_SIZES = {"wide": (256, 128), "tall": (128, 256), "large": (256, 256), "small": (64, 64)}
+# A video's small form keeps one temporal pair of frames: its prompt is short too (a timestamp, a few
+# rows), so the large form's last visual rows lie past its end.
+RESHAPED_FRAMES = {"small": 2}
 
 
 @dataclass(frozen=True)
@@ -80,16 +86,16 @@ class Fixture:
             return Fixture.video(name, (_twin_image(f) for f in self.frames), self.fps)
         return Fixture(name, _twin_image(self.image))
 
-    def reshaped(self, layout: str) -> Fixture:
-        """The image (every frame) resized to the layout scenario's `wide` or `tall` size, named
-        `<name>-<layout>`: both have as many visual tokens, on transposed grids. Nearest-neighbour,
-        so the pixels are the same on every machine."""
+    def reshaped(self, shape: str) -> Fixture:
+        """The image (every frame) resized to one of `RESHAPED_SIZES`, named `<name>-<shape>`.
+        Nearest-neighbour, so the pixels are the same on every machine."""
         def resize(image: Image.Image) -> Image.Image:
-            return image.resize(LAYOUT_SIZES[layout], Image.Resampling.NEAREST)
+            return image.resize(RESHAPED_SIZES[shape], Image.Resampling.NEAREST)
 
-        name = f"{self.name}-{layout}"
+        name = f"{self.name}-{shape}"
         if self.is_video:
-            return Fixture.video(name, (resize(f) for f in self.frames), self.fps)
+            frames = self.frames[:RESHAPED_FRAMES.get(shape, len(self.frames))]
+            return Fixture.video(name, (resize(f) for f in frames), self.fps)
         return Fixture(name, resize(self.image))
 
 

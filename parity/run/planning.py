@@ -101,7 +101,8 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
 def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image: Request) -> Request:
     if spec.image is None:
         # reuse: a shorter text request in the image's bucket; the others: exactly as long where reachable
-        text = text_request_in_bucket(backend, image, same_length=scenario != REUSE)
+        like = image if spec.length_of == CASE_IMAGE else Request(image.fixture.reshaped(spec.length_of), image.prompt)
+        text = text_request_in_bucket(backend, like, same_length=scenario != REUSE)
         return Request(None, text.prompt, spec.serving)
     fixture = image.fixture
     if spec.image == TWIN_IMAGE:

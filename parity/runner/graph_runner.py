@@ -33,6 +33,7 @@ class RunnerVariant(str, enum.Enum):
     GROWTH_REBIND = "growth-rebind"  # the buffer regrown, the graphs left on the old one (FastDeploy #5962)
     WARMUP_SPECIALIZED = "warmup-specialized"  # a bucket's graph shaped by its first request (vLLM #43617)
     LAYOUT_KEYED = "layout-keyed"  # vision-encoder graphs keyed by token count (SGLang #37043)
+    CLEARS_OWN_ROWS = "clears-own-rows"  # clears what it last wrote, never an earlier, longer tail (shrink)
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,11 @@ class PrefillGraphRunner:
         )
         buffer = None if self._deepstack is None else self._deepstack.buffer
         self._slot_bytes = 0 if buffer is None else buffer.numel() * buffer.element_size()
+        # Who wrote each row of the DeepStack buffer (the request's tag, None for zeros): what a stale
+        # row a request reads is named by (`stale_rows`).
+        self._owners: list[str | None] = [None] * max_tokens
+        self._owner: str | None = None  # the tag of the request in hand
+        self._own_rows = 0  # clears-own-rows: the rows its last write covered
         self.context_rows = context_rows if self.buckets else 0
         self._past: Past | None = None
         if self.context_rows:
@@ -253,13 +259,14 @@ class PrefillGraphRunner:
 
     def replay(
         self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
-        probe: bool = False, window: Window | None = None, past: Past | None = None,
+        probe: bool = False, window: Window | None = None, past: Past | None = None, owner: str | None = None,
     ) -> Outputs:
         """Refresh every slot from the live inputs, replay the bucket's graph, return copies of the
         outputs' real rows: (hidden [T, H], keys, values[, probe points]). With a `window`,
         `deepstack` is the whole prompt's and the runner takes this prefill's rows from it; with
-        `past`, the bucket's context graph runs after those rows."""
+        `past`, the bucket's context graph runs after those rows. `owner` tags the rows it writes."""
         self._check_open()
+        self._owner = owner
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         if bucket is None or num_tokens == 0:
@@ -317,7 +324,7 @@ class PrefillGraphRunner:
 
     def eager(
         self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
-        probe: bool = False, window: Window | None = None, past: Past | None = None,
+        probe: bool = False, window: Window | None = None, past: Past | None = None, owner: str | None = None,
     ) -> Outputs:
         """A prefill in graph mode that no bucket fits: the body runs eagerly, its DeepStack read
         from the engine's buffer like a replay's, which grows when the rows do not fit."""
@@ -327,6 +334,7 @@ class PrefillGraphRunner:
             self._ensure_rows(rows.shape[0])
             slot_contract.refresh(self._deepstack.buffer, rows, rows.shape[0], rows=rows.shape[0],
                                   clear=self._deepstack.padding is Padding.ZERO)
+            self._owners[:rows.shape[0]] = [owner] * rows.shape[0]
             rows = self._deepstack.buffer[:rows.shape[0]]
         extra = ({"probe": True} if probe else {}) | ({"past": past} if past is not None else {})
         with torch.inference_mode():
@@ -338,6 +346,7 @@ class PrefillGraphRunner:
             return
         grown = torch.zeros(rows, old.buffer.shape[1], dtype=old.buffer.dtype, device=old.buffer.device)
         grown[:old.buffer.shape[0]].copy_(old.buffer)
+        self._owners += [None] * (rows - len(self._owners))
         self._deepstack = Slot(old.name, grown, old.padding)
         self.growths.append((old.buffer.shape[0], rows))
         if self.variant is RunnerVariant.GROWTH_REBIND:
@@ -373,9 +382,32 @@ class PrefillGraphRunner:
 
     def refresh_deepstack(self, deepstack: torch.Tensor | None, num_tokens: int, bucket: int) -> None:
         """The DeepStack slot contract (`slot_contract.refresh`): validated before any write."""
-        if self._deepstack is not None:
-            slot_contract.refresh(self._deepstack.buffer, deepstack, bucket, rows=num_tokens,
-                                  clear=self._deepstack.padding is Padding.ZERO)
+        if self._deepstack is None:
+            return
+        buffer, filled = self._deepstack.buffer, 0 if deepstack is None else deepstack.shape[0]
+        if self.variant is RunnerVariant.CLEARS_OWN_ROWS and not filled:
+            # The partial fix: absence clears the rows the last write covered, not what lies past them.
+            slot_contract.refresh(buffer[:self._own_rows], None, self._own_rows)
+            self._owners[:self._own_rows] = [None] * self._own_rows
+            self._own_rows = 0
+            return
+        clear = self._deepstack.padding is Padding.ZERO and self.variant is not RunnerVariant.CLEARS_OWN_ROWS
+        slot_contract.refresh(buffer, deepstack, bucket, rows=num_tokens, clear=clear)
+        self._owners[:filled] = [self._owner] * filled
+        if clear and bucket > filled:
+            self._owners[filled:bucket] = [None] * (bucket - filled)
+        self._own_rows = filled
+
+    def stale_rows(self, written: torch.Tensor | None, num_tokens: int) -> tuple[int, str | None]:
+        """(how many of this prefill's real rows hold DeepStack features it did not write, the tag
+        of the request that left the first of them): read after a replay, the leak witness of the
+        in-process engine (a correct slot never shows one)."""
+        if self._deepstack is None:
+            return 0, None
+        slot = self._deepstack.buffer[:num_tokens]
+        meant = torch.zeros_like(slot) if written is None or written.numel() == 0 else written
+        stale = ((slot != meant).any(dim=1) & slot.any(dim=1)).nonzero().flatten().tolist()
+        return len(stale), next((self._owners[r] for r in stale if self._owners[r] is not None), None)
 
     def refresh_past(self, past: Past, num_tokens: int, bucket: int) -> None:
         """The rows before this prefill into the context slots, and its padded mask over them."""

@@ -100,10 +100,10 @@ def prompts_are_the_evidence(run: RunResult) -> None:
 
 
 def graph_readiness_is_the_runners(run: RunResult) -> None:
-    """A warm graph needs a graph: readiness is recorded only in graph mode, and a warm graph only
-    where something replayed. In-process it is the runner's: every graph is captured at start-up, so
-    a request's first prefill found its graph warm exactly when it replayed; the runner that captures
-    on first use found one warm only in a bucket a request without DeepStack replayed."""
+    """A warm graph needs a graph: it is recorded only where something replayed (an eager arm that
+    replayed, a runner bug, is rule 4's). In-process it is the runner's: every graph is captured at
+    start-up, so a request's first prefill found its graph warm exactly when it replayed; the runner
+    that captures on first use found one warm only in a bucket a request without DeepStack replayed."""
     in_process = registry.of_run(run.config).in_process
     runner = run.config.get("runner")
     text_buckets = {b for request in _requests(run) if request.fixture is None for arm in _ran(request)
@@ -112,7 +112,7 @@ def graph_readiness_is_the_runners(run: RunResult) -> None:
         ready = serving.graph_ready
         if ready is None:
             continue
-        if arm.mode != "bcg" or (ready and not _buckets(arm)):
+        if ready and not _buckets(arm):
             raise request.contradiction(arm, f"{where}.graph_ready is {str(ready).lower()}, but the arm replayed no "
                                              "graph")
         first = serving.chunks[0].bucket if serving.chunks else _buckets(arm)[0]
@@ -134,9 +134,9 @@ def _buckets(arm: ArmResult) -> tuple[int, ...]:
 
 
 def buffer_growth_is_the_grown_prompts(run: RunResult) -> None:
-    """A grown DeepStack buffer grew in graph mode, for a prompt past every bucket: in-process from
-    the largest captured bucket (the slot's size at start-up) to a prompt some graph arm of the run
-    served eagerly; on every backend no larger than the longest planned prompt."""
+    """A grown DeepStack buffer grew for a prompt past every bucket: in-process from the largest
+    captured bucket (the slot's size at start-up) to a prompt some graph arm of the run served
+    eagerly; on every backend no larger than the longest planned prompt."""
     in_process = registry.of_run(run.config).in_process
     captured = run.config.get("captured_buckets")
     largest = max(captured) if isinstance(captured, list) and captured else None
@@ -151,9 +151,6 @@ def buffer_growth_is_the_grown_prompts(run: RunResult) -> None:
         if growth is None:
             continue
         start, end = growth
-        if arm.mode != "bcg":
-            raise request.contradiction(arm, f"{where}.buffer_growth is set on an eager arm: the DeepStack buffer "
-                                             "is the graph mode's")
         if planned is not None and end > planned:
             raise request.contradiction(arm, f"{where}.buffer_growth grew to {end} rows, more than the longest planned "
                                              f"prompt ({planned} tokens)")
@@ -165,7 +162,7 @@ def buffer_growth_is_the_grown_prompts(run: RunResult) -> None:
 
 
 def encoder_graphs_are_their_images(run: RunResult) -> None:
-    """An encoder graph ran in graph mode for an image, over grid t x h x w patches, shaped as the
+    """An encoder graph ran for an image, over grid t x h x w patches, shaped as the
     image (wider grid, wider image), with as many patches per DeepStack row as every other image of
     the run (the merge size squared); in-process its key is its grid (its patch count, for the runner
     keyed by patches), and a key the request's earlier requests already used was a replay."""
@@ -194,8 +191,8 @@ def encoder_graphs_are_their_images(run: RunResult) -> None:
 def _encoder_problem(encoder: EncoderRun, arm: ArmResult, fixture, serving: ServingEvidence,
                      per_row: set[int]) -> str | None:
     t, h, w = encoder.grid
-    if arm.mode != "bcg" or fixture is None:
-        return "an encoder graph ran for an eager arm or a request without an image"
+    if fixture is None:
+        return "an encoder graph ran for a request without an image"
     if encoder.patches != t * h * w:
         return f"{encoder.patches} patches, but grid {t}x{h}x{w} holds {t * h * w}"
     width, height = fixture.size

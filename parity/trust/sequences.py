@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from parity.design import EXTENDED_TEXT, LONG_TEXT, OTHER_TEXT, SAME_TEXT, TALL_IMAGE, TWIN_IMAGE, WIDE_IMAGE
-from parity.media.fixtures import LAYOUT_SIZES
+from parity.design import EXTENDED_TEXT, LONG_TEXT, OTHER_TEXT, SAME_TEXT, TWIN_IMAGE
+from parity.media.fixtures import RESHAPED_SIZES
 from parity.results import CASE_IMAGE, SEQUENCE_REQUESTS, CaseResult, FixtureInfo, RequestResult, RequestSpec
 from parity.trust.arms import read_arms, read_fixture
 from parity.trust.fields import Invalid, get
@@ -51,8 +51,8 @@ def read_requests(raw: Any, where: str, scenario: str, fixture: FixtureInfo | No
 
 def _check_request(request: RequestResult, spec: RequestSpec, where: str, fixture: FixtureInfo | None,
                    prompt: str) -> None:
-    """The request is what its scenario sends: the case's image, its twin, its wide or tall form,
-    or no image; and the case's prompt, or the form of it the scenario sends."""
+    """The request is what its scenario sends: the case's image, its twin, its wide, tall, large or
+    small form, or no image; and the case's prompt, or the form of it the scenario sends."""
     got = request.fixture
     if spec.image is None:
         if got is not None:
@@ -61,11 +61,11 @@ def _check_request(request: RequestResult, spec: RequestSpec, where: str, fixtur
     if got is None:
         raise Invalid(f"{where}.fixture is null, but {spec.label!r} is an image request")
     _check_prompt(request.prompt, spec, where, prompt)
-    if spec.image in (WIDE_IMAGE, TALL_IMAGE):
-        if got.size != LAYOUT_SIZES[spec.image]:
+    if spec.image in RESHAPED_SIZES:
+        if got.size != RESHAPED_SIZES[spec.image]:
             raise Invalid(f"{where}.fixture is {got.size[0]}x{got.size[1]}, but {spec.label!r} sends the "
-                          f"{spec.image} form of the case's image ({LAYOUT_SIZES[spec.image][0]}x"
-                          f"{LAYOUT_SIZES[spec.image][1]})")
+                          f"{spec.image} form of the case's image ({RESHAPED_SIZES[spec.image][0]}x"
+                          f"{RESHAPED_SIZES[spec.image][1]})")
         return
     if fixture is None:
         return

@@ -61,7 +61,7 @@ def _set(obj, **values):
 
 EDITS = [
     # A sequence case is complete only with all of its requests.
-    ("no-clear", lambda d: [_drop_failing_requests(d, s) for s in ("reuse", "stream", "growth")], 3,
+    ("no-clear", lambda d: [_drop_failing_requests(d, s) for s in ("reuse", "stream", "shrink", "growth")], 3,
      "reuse/rgb-stripes/describe: INCOMPLETE: request 2 of 2 (follow-up (text only)): arm(s) not run"),
     ("no-clear", lambda d: _drop_failing_requests(d, "stream"), 1,  # the reuse case still fails
      "stream/rgb-stripes/describe: INCOMPLETE: request 4 of 5 (text only): arm(s) not run"),
@@ -291,13 +291,12 @@ PATH_EDITS = [
      "every graph is captured at start-up, and its first prefill replayed"),
     ("default", lambda d: _set(_serving(d, "warmup", 1, "eager_normal"), graph_ready=True), "replayed no graph"),
     # A grown buffer: from the largest captured bucket, to a prompt a graph arm served eagerly.
-    ("default", lambda d: _set(_serving(d, "growth", 2, "bcg_normal"), buffer_growth=[64, 80]),
-     "grows to a prompt a graph arm served eagerly ([87])"),
-    ("default", lambda d: _set(_serving(d, "growth", 2, "bcg_normal"), buffer_growth=[32, 87]),
-     "starts at the largest captured bucket (64)"),
-    ("default", lambda d: _set(_serving(d, "growth", 2, "eager_normal"), buffer_growth=[64, 87]), "on an eager arm"),
-    ("default", lambda d: _set(_serving(d, "growth", 2, "bcg_normal"), buffer_growth=[64, 500]),
-     "more than the longest planned prompt (87 tokens)"),
+    ("default", lambda d: (g := _serving(d, "growth", 2, "bcg_normal")["buffer_growth"]).__setitem__(1, g[1] - 1),
+     "grows to a prompt a graph arm served eagerly"),
+    ("default", lambda d: _serving(d, "growth", 2, "bcg_normal")["buffer_growth"].__setitem__(0, 32),
+     "starts at the largest captured bucket"),
+    ("default", lambda d: _serving(d, "growth", 2, "bcg_normal")["buffer_growth"].__setitem__(1, 900),
+     "more than the longest planned prompt"),
     # An encoder graph: its grid, its image, its key, and whether it was a replay.
     ("default", lambda d: _serving(d, "layout", 1, "bcg_normal")["encoder"].update(patches=64),
      "64 patches, but grid 1x16x8 holds 128"),
@@ -308,7 +307,7 @@ PATH_EDITS = [
     ("default", lambda d: _serving(d, "layout", 2, "bcg_normal")["encoder"].update(replayed=False),
      "was captured by an earlier request of the case, yet it is not a replay"),
     ("default", lambda d: _set(_serving(d, "layout", 0, "eager_normal"), encoder=_serving(d, "layout", 0, "bcg_normal")[
-        "encoder"]), "an encoder graph ran for an eager arm"),
+        "encoder"]), "replayed a graph but records no replay_check"),
     # A cache hit: whole pages, from an earlier request's rows, for a request served from the cache.
     ("default", lambda d: _in_both_modes(d, "prefix", 1, lambda s: _set(s, cached_tokens=40, chunks=[
         [40, 48, s["chunks"][0][2], 0]])), "no earlier request of the case with its image and mode prefilled that many"),
