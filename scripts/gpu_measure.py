@@ -41,13 +41,13 @@ from parity.run.experiment import run_experiment  # noqa: E402
 from parity.run.planning import CaseSpec, RunSpec  # noqa: E402
 from parity.runner.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant  # noqa: E402
 
-CORE = ("four-arm", "reuse", "stream")
+CORE = ("four-arm", "reuse", "stream", "shrink")
 # The bug family: the fixed runner on each family scenario, each planted variant on its own.
 FAMILY_RUNS = tuple(("fixed", s) for s in FAMILY_SCENARIOS) + tuple((v, s) for v, (s, _) in PLANTED_BUGS.items())
 # What each planted variant gives on its own scenario, alone in a run (docs/scenarios.md's table).
 PLANTED_VERDICTS = {"chunk-misaligned": "FAIL_GRAPH_DIVERGES", "prefix-offset": "FAIL_GRAPH_DIVERGES",
                     "growth-rebind": "FAIL_STALE_STATE", "warmup-specialized": "FAIL_DEEPSTACK_DROPPED",
-                    "layout-keyed": "FAIL_GRAPH_DIVERGES"}
+                    "layout-keyed": "FAIL_GRAPH_DIVERGES", "clears-own-rows": "FAIL_STALE_STATE"}
 TIMED_PRESETS = ("tiny-qwen3-vl", "mid-qwen3-vl")
 BUCKETS = (16, 32, 64, 128, 256, 512)
 

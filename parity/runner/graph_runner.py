@@ -170,10 +170,10 @@ class PrefillGraphRunner:
         )
         buffer = None if self._deepstack is None else self._deepstack.buffer
         self._slot_bytes = 0 if buffer is None else buffer.numel() * buffer.element_size()
-        # Who wrote each row of the DeepStack buffer (the request's tag, None for zeros): what a stale
-        # row a request reads is named by (`stale_rows`).
-        self._owners: list[str | None] = [None] * max_tokens
-        self._owner: str | None = None  # the tag of the request in hand
+        # Which write left each row of the DeepStack buffer ((its serial, the request's tag); None for
+        # zeros): a row a replay reads that an earlier write left is named by that request (`stale_rows`).
+        self._owners: list[tuple[int, str | None] | None] = [None] * max_tokens
+        self._owner: tuple[int, str | None] = (0, None)  # the write in hand
         self._own_rows = 0  # clears-own-rows: the rows its last write covered
         self.context_rows = context_rows if self.buckets else 0
         self._past: Past | None = None
@@ -266,7 +266,7 @@ class PrefillGraphRunner:
         `deepstack` is the whole prompt's and the runner takes this prefill's rows from it; with
         `past`, the bucket's context graph runs after those rows. `owner` tags the rows it writes."""
         self._check_open()
-        self._owner = owner
+        self._owner = (self._owner[0] + 1, owner)
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         if bucket is None or num_tokens == 0:
@@ -334,7 +334,8 @@ class PrefillGraphRunner:
             self._ensure_rows(rows.shape[0])
             slot_contract.refresh(self._deepstack.buffer, rows, rows.shape[0], rows=rows.shape[0],
                                   clear=self._deepstack.padding is Padding.ZERO)
-            self._owners[:rows.shape[0]] = [owner] * rows.shape[0]
+            self._owner = (self._owner[0] + 1, owner)
+            self._owners[:rows.shape[0]] = [self._owner] * rows.shape[0]
             rows = self._deepstack.buffer[:rows.shape[0]]
         extra = ({"probe": True} if probe else {}) | ({"past": past} if past is not None else {})
         with torch.inference_mode():
@@ -399,15 +400,16 @@ class PrefillGraphRunner:
         self._own_rows = filled
 
     def stale_rows(self, written: torch.Tensor | None, num_tokens: int) -> tuple[int, str | None]:
-        """(how many of this prefill's real rows hold DeepStack features it did not write, the tag
-        of the request that left the first of them): read after a replay, the leak witness of the
-        in-process engine (a correct slot never shows one)."""
+        """(how many of this prefill's real rows hold DeepStack features an earlier write left, not
+        the rows it meant to write, the tag of the request that left the first of them): read after
+        a replay, the leak witness of the in-process engine (a correct slot never shows one)."""
         if self._deepstack is None:
             return 0, None
         slot = self._deepstack.buffer[:num_tokens]
         meant = torch.zeros_like(slot) if written is None or written.numel() == 0 else written
-        stale = ((slot != meant).any(dim=1) & slot.any(dim=1)).nonzero().flatten().tolist()
-        return len(stale), next((self._owners[r] for r in stale if self._owners[r] is not None), None)
+        differ = ((slot != meant).any(dim=1) & slot.any(dim=1)).nonzero().flatten().tolist()
+        stale = [r for r in differ if self._owners[r] is not None and self._owners[r] != self._owner]
+        return len(stale), next((self._owners[r][1] for r in stale), None)
 
     def refresh_past(self, past: Past, num_tokens: int, bucket: int) -> None:
         """The rows before this prefill into the context slots, and its padded mask over them."""

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from parity.design import SCENARIOS
 from parity.media.audio import RATE, audio_clip
 from parity.media.catalog import builtin_fixture
 
@@ -39,7 +40,7 @@ def test_omni_passes_fixed_and_fails_legacy_on_images_and_video(parity_cli):
             "--max-new-tokens", "2")
     fixed, doc, _ = parity_cli.run(*args)
     assert fixed.exit_code == 0 and doc["verdict"]["code"] == "PASS", fixed.output
-    assert len(doc["cases"]) == 10 * 8 and {c["fixture"].get("frames", 0) for c in doc["cases"]} == {0, 4, 5}
+    assert len(doc["cases"]) == 10 * len(SCENARIOS) and {c["fixture"].get("frames", 0) for c in doc["cases"]} == {0, 4, 5}
     legacy, doc, _ = parity_cli.run("--model", "tiny-qwen3-omni", "--video", "video-moving-square",
                                     "--fixture", "mosaic", "--runner", "legacy", "--max-new-tokens", "2", name="legacy")
     assert legacy.exit_code == 1 and doc["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED", legacy.output
