@@ -64,6 +64,7 @@ class BackendInfo:
     in_process: bool = False
     runbook: str | None = None  # what to read when its servers misbehave
     servers_key: str | None = None  # config key: each mode's server flags
+    fix_records_key: str | None = None  # config key: each server's records of parity's fix (fix_records.py)
     volatile_keys: tuple[str, ...] = ()  # config keys that differ between machines of one experiment
     records_ranks: bool = False  # records config.tp_size and one evidence record per rank
     version_in_every_run: bool = False  # its package version goes in every run's environment

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 # What happens to DeepStack in one graph mode.
 EAGER = "eager"  # a prefill carrying DeepStack does not replay a graph here: nothing to cover
 COVERED = "covered"  # it replays, and the graph reads this request's rows and nothing else
+CARRIED_ENGINE = "carried (engine)"  # it replays, and the engine's own mechanism carries DeepStack (named in why)
 DROPPED = "dropped"  # it replays, and the graph never reads DeepStack: dropped silently
 LEAKS = "leaks"  # it replays, and rows an earlier step left are not cleared: stale rows read
 UNKNOWN = "not analysed"  # it replays, and DeepStack reaches the body in a way the audit does not know
@@ -109,7 +110,16 @@ def to_markdown(report: AuditReport) -> str:
     reasons = sorted({f"{c.mode}: {c.why}" for r in report.uncovered for c in r.uncovered(report.with_fix)})
     if reasons:
         lines += ["", "Uncovered:", ""] + [f"- {reason}" for reason in reasons]
+    carried = carried_reasons(report)
+    if carried:
+        lines += ["", "Carried by the engine itself:", ""] + [f"- {reason}" for reason in carried]
     return "\n".join(lines) + "\n"
+
+
+def carried_reasons(report: AuditReport) -> list[str]:
+    """Why each cell the engine carries itself is carried: the engine's function, named."""
+    return sorted({f"{r.model_class}, {c.mode}: {c.why}" for r in report.rows for c in r.modes
+                   if c.outcome(report.with_fix) == CARRIED_ENGINE})
 
 
 def render_table(report: AuditReport, console) -> None:
@@ -118,12 +128,12 @@ def render_table(report: AuditReport, console) -> None:
     table = Table(title=f"DeepStack audit: {report.engine} {report.version}", show_lines=False)
     for column in ("module", "class", "DeepStack", *report.modes, "parity's fix relies on"):
         table.add_column(column, overflow="fold")
-    colours = {COVERED: "green", EAGER: "dim", NOT_AN_INPUT: "dim", DROPPED: "red", LEAKS: "red", UNKNOWN: "yellow"}
+    colours = {COVERED: "green", CARRIED_ENGINE: "green", EAGER: "dim", NOT_AN_INPUT: "dim", DROPPED: "red", LEAKS: "red", UNKNOWN: "yellow"}
     for row in report.rows:
         cells = [f"[{colours[c.outcome(report.with_fix)]}]{cell_text(c)}[/]" for c in row.modes]
         table.add_row(row.module, row.model_class, row.deepstack, *cells, row.method)
     console.print(table)
-    for fact in report.facts:
-        console.print(f"- {fact}", highlight=False, markup=False)
+    for line in (*report.facts, *carried_reasons(report)):
+        console.print(f"- {line}", highlight=False, markup=False)
     colour = "red" if report.uncovered else "green"
     console.print(f"[{colour}]{report.summary}[/]", highlight=False)

@@ -36,7 +36,7 @@ class ClassInfo:
     bases: tuple[str, ...]  # qualified (`models.qwen3_vl.Qwen3VLForConditionalGeneration`) where resolvable
     methods: dict[str, FunctionInfo]
     self_attrs: frozenset[str]  # `self.<attr> = ...` anywhere in its methods
-    constants: dict[str, object]  # `self.<attr> = <literal>` (the last one written in the file)
+    constants: dict[str, object]  # `self.<attr> = <literal>` or a class attribute's literal (the last in the file)
     # attribute -> the qualified class a method builds it from (`self.thinker = X(...)`), or
     # `PARAM + name` when the class is a constructor parameter (`self.model = language_model_cls(...)`)
     built: dict[str, str]
@@ -208,6 +208,8 @@ def _read_class(module: str, node: ast.ClassDef, qualify) -> ClassInfo:
         if isinstance(item, (ast.Assign, ast.AnnAssign)):
             targets = item.targets if isinstance(item, ast.Assign) else [item.target]
             self_attrs.update(t.id for t in targets if isinstance(t, ast.Name))
+            if isinstance(item.value, ast.Constant):  # a class attribute's literal (an opt-in flag)
+                constants.update((t.id, item.value.value) for t in targets if isinstance(t, ast.Name))
         if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
         info = _function(item, qualify)

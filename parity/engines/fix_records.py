@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Collection, Iterable, Mapping
 
 RECORDS_FILE = "fix.jsonl"
 
@@ -25,16 +25,38 @@ class FixRecord:
     dtype: str | None
     note: str  # why there is no slot, or what refused the fix
     refused: bool = False
+    # The engine does the fix's work itself, so the fix did nothing (the note names the engine's mechanism).
+    stood_aside: bool = False
+    # Counted at capture: the captured bodies, and how many took the slot (parity's, or where the fix
+    # stood aside the engine's) as their DeepStack input; None where nothing was captured with it.
+    captures: int | None = None
+    reads: int | None = None
 
     def to_json(self) -> dict:
         return {"pid": self.pid, "variant": self.variant, "slot": None if self.slot is None else list(self.slot),
-                "dtype": self.dtype, "note": self.note, "refused": self.refused}
+                "dtype": self.dtype, "note": self.note, "refused": self.refused, "stood_aside": self.stood_aside,
+                "captures": self.captures, "reads": self.reads}
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> "FixRecord":
         slot = raw.get("slot")
+        counts = [None if raw.get(k) is None else int(raw[k]) for k in ("captures", "reads")]
         return cls(int(raw["pid"]), str(raw["variant"]), None if slot is None else (int(slot[0]), int(slot[1])),
-                   raw.get("dtype"), str(raw.get("note", "")), bool(raw.get("refused", False)))
+                   raw.get("dtype"), str(raw.get("note", "")), bool(raw.get("refused", False)),
+                   bool(raw.get("stood_aside", False)), *counts)
+
+
+def stood_aside_note(records: Iterable[Mapping[str, Any]]) -> str | None:
+    """One line for the report where a fix stood aside for the engine's own mechanism, else None."""
+    aside = [r for r in records if isinstance(r, Mapping) and r.get("stood_aside")]
+    if not aside:
+        return None
+    note = f"parity's {aside[0].get('variant')} fix {aside[0].get('note')}"
+    counted = [r for r in aside if r.get("captures") is not None]
+    if counted:
+        reads, captures = (sum(int(r.get(k) or 0) for r in counted) for k in ("reads", "captures"))
+        note += f"; the captured bodies read the engine's own slot in {reads} of {captures} captures"
+    return note + ". This run judges the engine's own mechanism, not parity's fix"
 
 
 def read_records(folder: Path) -> list[FixRecord]:

@@ -7,6 +7,7 @@ import re
 from typing import Iterator
 
 from parity import registry
+from parity.engines.fix_records import stood_aside_note
 from parity.evidence import Evidence, ReplayCheck, ServingEvidence
 from parity.run.localization import not_available, target_of
 from parity.judge.metrics import format_delta, tuple_text
@@ -117,6 +118,10 @@ def run_notes(run: RunResult) -> list[str]:
     if shard:
         notes.append(shard)
     backend = registry.BACKENDS.get(str(run.config.get("backend")))
+    fixes = run.config.get(backend.fix_records_key or "") if backend is not None else None
+    aside = stood_aside_note(r for rs in fixes.values() if isinstance(rs, list) for r in rs) \
+        if isinstance(fixes, dict) else None
+    notes += [aside] if aside else []
     if backend is not None and not backend.in_process:
         notes.append(f"the {backend.name} servers replay their own shapes, so no eager pass over the exact padded "
                      "inputs can check their replays (design §6): this run is judged on its answers alone, within "

@@ -20,3 +20,14 @@ def report(request):
     from parity.audit.command import run_audit
 
     return run_audit(request.module.ENGINE)
+
+
+@pytest.fixture(scope="session")
+def sglang_port(tmp_path_factory):
+    """The installed SGLang with SGLang PR #33726's slot ported (tests/engines/sglang_upstream.py):
+    {"fixed": folder, "broken": folder}, each to put first on PYTHONPATH or to audit as folder/sglang."""
+    from tests.engines.sglang_upstream import installed_site, ported
+
+    site = installed_site()
+    return {name: ported(site, tmp_path_factory.mktemp(f"sglang-{name}"), broken=name == "broken")
+            for name in ("fixed", "broken")}

@@ -10,6 +10,8 @@ import re
 import time
 from pathlib import Path
 
+from parity.engines.sglang import versions as sglang_versions
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 SGLANG_STANDIN = HERE / "sglang_standin.py"
@@ -55,7 +57,7 @@ def assert_nothing_left(run_dir: Path) -> None:
     assert [p for p in pids if running(p)] == []
 
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = sglang_versions.NEWEST.version  # what CI's SGLang stage installs
 
 
 def installed(package: str) -> str | None:

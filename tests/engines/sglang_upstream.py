@@ -83,6 +83,13 @@ def _edit(path: Path, anchor: str, added: str, before: bool = False) -> None:
     path.write_text(text.replace(anchor, added + anchor if before else anchor + added))
 
 
+def installed_site() -> Path:
+    """The folder the installed `sglang` package lives in (found, not imported)."""
+    import importlib.util
+
+    return Path(importlib.util.find_spec("sglang").submodule_search_locations[0]).parent
+
+
 def ported(site: Path, out: Path, broken: bool = False) -> Path:
     """The installed `site/sglang` with PR #33726's mechanism, as `out/sglang`; returns `out`."""
     package = out / "sglang"

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from parity.audit.report import COVERED, DROPPED, EAGER
+from parity.audit.command import run_audit
+from parity.audit.report import CARRIED_ENGINE, COVERED, DROPPED, EAGER, to_markdown
 from tests.engines.servers import SGLANG_VERSION, installed
 
 _FOUND = installed("sglang")
@@ -67,3 +68,33 @@ def test_the_command_exits_1_and_says_so_in_every_format() -> None:
     data = json.loads(as_json.stdout)
     assert data["exit_code"] == 1 and data["version"] == SGLANG_VERSION
     assert {"qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe"} <= {r["module"] for r in data["rows"]}
+
+
+# --- the release that carries SGLang PR #33726 (our port of it onto 0.5.23) ----------------------------
+
+@pytest.mark.parametrize("module", ["qwen3_vl", "qwen3_vl_moe"])
+def test_an_engine_with_its_own_slot_carries_qwen3_vl_itself_and_the_audit_names_how(sglang_port, module) -> None:
+    report = run_audit("sglang", sglang_port["fixed"] / "sglang")
+    carried = dict.fromkeys((DEFAULT, BREAKABLE, FULL), CARRIED_ENGINE)  # on the allowlist: the default replays
+    assert report.outcomes(module) == report.outcomes(module, with_fix=True) == carried
+    row = report.row(module)
+    assert all("_refresh_deepstack_replay_slot refreshes the engine's own input_deepstack_embeds slot" in c.why
+               for c in row.modes)
+    assert "supports_bcg_deepstack_replay = True on Qwen3VLForConditionalGeneration" in row.modes[0].why  # inherited
+    assert "stands aside for the engine's own slot" in row.method
+    assert module not in {r.module for r in report.uncovered}
+    text = to_markdown(report)
+    assert "Carried by the engine itself:" in text and "calls _refresh_deepstack_replay_slot before every replay" in text
+    # The Omni wrapper does not opt in: still dropped, so the command still exits 1.
+    assert report.outcomes("qwen3_omni_moe")[BREAKABLE] == DROPPED
+
+
+def test_an_engine_slot_that_is_never_refreshed_is_dropped_with_or_without_parity_s_fix(sglang_port) -> None:
+    """The negative control: the port without its refresh call binds its slot and reads it as captured;
+    parity's fix stands aside for it, so the fix column drops too."""
+    report = run_audit("sglang", sglang_port["broken"] / "sglang")
+    dropped = dict.fromkeys((DEFAULT, BREAKABLE, FULL), DROPPED)
+    assert report.outcomes("qwen3_vl") == report.outcomes("qwen3_vl", with_fix=True) == dropped
+    assert "never calls _refresh_deepstack_replay_slot" in report.row("qwen3_vl").modes[1].why
+    released = run_audit("sglang")
+    assert any("has no DeepStack slot of its own" in fact for fact in released.facts)

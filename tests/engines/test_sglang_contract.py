@@ -21,11 +21,12 @@ from pathlib import Path
 
 import pytest
 
+from parity.engines.sglang import versions as sglang_versions
 from parity.arms import MODES
 from parity.design import SERVER_PROFILES
 from parity.engines.sglang import cpu_patches, deepstack_slot, plugin, servers
 
-SGLANG_VERSION = "0.5.23"
+SGLANG_VERSION = sglang_versions.NEWEST.version  # what CI's SGLang stage installs
 pytestmark = pytest.mark.network
 _UNREACHABLE = ("NewConnectionError", "Max retries exceeded", "Temporary failure in name resolution",
                 "Network is unreachable", "Connection refused", "ProxyError", "timed out")

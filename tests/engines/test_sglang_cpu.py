@@ -21,6 +21,7 @@ import torch
 from parity.errors import BackendUnavailableError, UsageError
 from parity.engines import after_import, fix_records, standin_calls
 from parity.engines.settings import resolve_graph_backend
+from parity.engines.sglang import versions as sglang_versions
 from parity.engines.sglang import backend as sglang_backend
 from parity.engines.sglang import cpu_patches, deepstack_slot, kernel_standin, server_checks, servers
 from parity.engines.sglang.plugin import TapChannel
@@ -235,7 +236,7 @@ def test_choices_that_cannot_work_on_a_cpu_are_refused(tmp_path: Path, tiny_part
     with pytest.raises(UsageError, match="unknown SGLang fix"):
         make_backend(tmp_path, tiny_parts, concurrent=False, fix="deepstack-slots")
     monkeypatch.setattr(deepstack_slot, "installed_sglang", lambda: "0.5.24")
-    with pytest.raises(BackendUnavailableError, match="written against SGLang 0.5.23.*has SGLang 0.5.24"):
+    with pytest.raises(BackendUnavailableError, match="validated on SGLang 0.5.23's prefill.*has SGLang 0.5.24"):
         server_checks.check_fix_version(deepstack_slot.FIX)
     server_checks.check_fix_version(None)
 
@@ -289,7 +290,8 @@ def test_a_bcg_server_without_a_slot_fails_the_fix_check(tmp_path: Path) -> None
     assert "has no DeepStack slot: no slot: the model has 0 DeepStack blocks" in problem and len(records) == 1
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "eager")[0] is None
     assert server_checks.fix_problem(tmp_path, None, "bcg") == (None, [])
-    fix_records.append_record(tmp_path, fix_records.FixRecord(2, deepstack_slot.FIX, (64, 192), "torch.float32", ""))
+    fix_records.append_record(tmp_path, fix_records.FixRecord(2, deepstack_slot.FIX, (64, 192), "torch.float32", "",
+                                                              captures=3, reads=3))
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")[0] is None
     assert fix_records.FixRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
 
@@ -324,7 +326,7 @@ def test_a_standin_op_called_in_the_server_is_an_error_naming_it(tmp_path: Path,
     assert_nothing_left(tmp_path)
 
 
-@pytest.mark.skipif(deepstack_slot.installed_sglang() == deepstack_slot.WRITTEN_FOR,
+@pytest.mark.skipif(deepstack_slot.installed_sglang() in sglang_versions.fix_accepted(),
                     reason="the fix installs in SGLang 0.5.23; its refusal needs another version")
 def test_a_fix_that_refuses_to_install_in_the_server_is_an_error(tmp_path: Path, tiny_parts) -> None:
     result = run(make_backend(tmp_path, tiny_parts, concurrent=False, device="cpu", fix=deepstack_slot.FIX))

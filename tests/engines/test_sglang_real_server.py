@@ -12,6 +12,8 @@ never clear their slot (the stream scenario only).
 from __future__ import annotations
 
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -100,7 +102,7 @@ def test_released_0_5_23_drops_deepstack_on_every_family_path_it_reaches(release
     suffixes included; each failing verdict names its scenario and request (docs/scenarios.md)."""
     _, _, doc = released
     codes = {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]}
-    dropped = ("four-arm", "reuse", "stream", "chunked", "prefix", "warmup")
+    dropped = ("four-arm", "reuse", "stream", "chunked", "prefix", "warmup", "shrink")
     assert codes == {**dict.fromkeys(dropped, "FAIL_DEEPSTACK_DROPPED"), "growth": "INCONCLUSIVE_NOT_REPLAYED",
                      "layout": "INCONCLUSIVE_NOT_REPLAYED"}, codes
     assert "request 1 of 3 (image, in chunks)" in case_of(doc, "chunked")["verdict"]["reason"]
@@ -118,7 +120,7 @@ def test_the_fix_plugin_passes_every_scenario_sglang_can_serve(fixed_all) -> Non
     assert result.exit_code == 3, result.output[-3000:]
     assert doc["verdict"]["code"] == "INCONCLUSIVE_NOT_REPLAYED", doc["verdict"]
     codes = {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]}
-    assert codes == {**dict.fromkeys(("four-arm", "reuse", "stream", "chunked", "prefix", "warmup"), "PASS"),
+    assert codes == {**dict.fromkeys(("four-arm", "reuse", "stream", "chunked", "prefix", "warmup", "shrink"), "PASS"),
                      "growth": "INCONCLUSIVE_NOT_REPLAYED", "layout": "INCONCLUSIVE_NOT_REPLAYED"}, codes
     for scenario, why in (("growth", "keeps no DeepStack buffer across batches"),
                           ("layout", "SGLANG_VIT_ENABLE_CUDA_GRAPH")):
@@ -244,4 +246,55 @@ def test_the_fix_passes_every_builtin_video(tmp_path: Path) -> None:
         assert arms[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
         assert arms[BCG_NORMAL]["token_ids"] != arms[BCG_ZERO]["token_ids"] or max(
             abs(a - b) for a, b in zip(arms[BCG_NORMAL]["token_logprobs"], arms[BCG_ZERO]["token_logprobs"])) > 100 * NOISE
+    assert_no_server_left()
+
+
+# --- SGLang PR #33726's own slot (our port of it onto 0.5.23, tests/engines/sglang_upstream.py) ------------
+
+@contextmanager
+def serving(folder: Path):
+    """Servers started inside import `sglang` from `folder` first (the port), parity's process too."""
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), before]))
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def test_sglang_with_its_own_slot_passes_without_parity_s_fix(sglang_port, fixed_all, tmp_path: Path) -> None:
+    """The upstream fix judged by parity alone: the four arms and the shrinking stream PASS with the
+    engine's own slot, its answers those of parity's fix on the released engine (same model, same
+    machine, same greedy tokens)."""
+    with serving(sglang_port["fixed"]):
+        result, doc = parity_run(tmp_path, "--scenario", "four-arm", "--scenario", "shrink")
+    assert result.exit_code == 0, result.output[-3000:]
+    assert {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]} == {"four-arm": "PASS", "shrink": "PASS"}
+    assert doc["config"]["sglang_fix"] is None and doc["config"]["sglang_fix_slots"] == {}
+    four = arms_of(case_of(doc, "four-arm"))
+    assert four[BCG_NORMAL]["evidence"]["prefill_replayed"] is True  # the graph replayed, and carried DeepStack
+    assert four[BCG_NORMAL]["token_ids"] != four[BCG_ZERO]["token_ids"]
+    parity_fixed = arms_of(case_of(fixed_all[2], "four-arm"))
+    assert {n: four[n]["token_ids"] for n in four} == {n: parity_fixed[n]["token_ids"] for n in four}
+    assert "stood aside" not in (tmp_path / "report.md").read_text()
+    assert_no_server_left()
+
+
+def test_parity_s_fix_stands_aside_for_the_engine_s_slot_and_the_file_says_so(sglang_port, tmp_path: Path) -> None:
+    """The engine's slot never refreshed (the planted bug) and parity's fix asked for: the fix binds
+    nothing (the engine would overwrite it), records that it stood aside and that the captured
+    bodies read the engine's slot, and the run FAILs as the broken engine does: no false credit."""
+    with serving(sglang_port["broken"]):
+        result, doc = parity_run(tmp_path, "--sglang-fix", deepstack_slot.FIX)
+    assert result.exit_code == 1, result.output[-3000:]
+    assert doc["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED", doc["verdict"]
+    (record,) = doc["config"]["sglang_fix_slots"]["bcg"]
+    assert record["stood_aside"] is True and record["slot"] is None
+    assert record["captures"] == record["reads"] > 0, record
+    report = (tmp_path / "report.md").read_text()
+    assert "parity's deepstack-slot fix stood aside: SGLang's prefill runner registers its own" in report
+    assert "This run judges the engine's own mechanism, not parity's fix" in report
     assert_no_server_left()

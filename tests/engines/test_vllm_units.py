@@ -310,7 +310,7 @@ def test_the_fix_is_activated_with_the_tap_armed_too(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=60)
     assert "WRAPPED=" in proc.stdout, proc.stderr
     (record,) = fix_records.read_records(tmp_path / "tap")
-    assert record.refused and f"validated on vLLM {', '.join(versions.fix_validated())}" in record.note
+    assert record.refused and f"validated on vLLM {', '.join(versions.fix_accepted())}" in record.note
 
 
 # --- the verdict ---------------------------------------------------------------------------------------------

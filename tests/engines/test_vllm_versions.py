@@ -43,7 +43,7 @@ def test_a_patch_target_a_newer_vllm_moved_is_named_not_a_traceback_deep_in_vllm
 def test_the_fix_is_refused_outside_the_releases_it_was_validated_on_and_the_tap_warns(capsys):
     from parity.errors import BackendUnavailableError
 
-    with pytest.raises(BackendUnavailableError, match=f"validated on vLLM {', '.join(versions.fix_validated())}; "
+    with pytest.raises(BackendUnavailableError, match=f"validated on vLLM {', '.join(versions.fix_accepted())}; "
                                                       "this environment has vLLM 0.35.0"):
         backend.check_release("0.35.0", "deepstack-clear")
     backend.check_release("0.35.0", None)  # the tap runs on, as best it can

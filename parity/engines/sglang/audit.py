@@ -13,6 +13,12 @@ Read from the installed source (docs/engines/sglang-0.5.23.md §1.2, §3, §6):
   architectures of `is_qwen4_exp` (breakable) and under FA4 (full);
 - the runner binds at capture only what `_build_layer_model_forward_kwargs` names: when DeepStack is
   not among them, a replayed prefill drops it silently;
+- the release that carries SGLang PR #33726 gives the runner its own DeepStack slot: a module
+  function (or runner method) `_refresh_deepstack_replay_slot` that the runner calls before each
+  replay, an `input_deepstack_embeds` slot it registers for a model class whose
+  `supports_bcg_deepstack_replay` is True (set on the class or an ancestor). Such a model is
+  "carried (engine)" wherever it replays, with parity's fix too (the fix stands aside there); a
+  refresh that is defined but never called carries nothing;
 - parity's fix (`deepstack_slot.py`) sizes its slot from the served model's
   `num_deepstack_embeddings` and binds it as the body's `input_deepstack_embeds`: a class that lacks
   either gets no slot.
@@ -21,7 +27,7 @@ DeepStack is a per-batch tensor in SGLang 0.5.23, not a buffer kept across steps
 
 from __future__ import annotations
 
-from parity.audit.report import COVERED, DROPPED, EAGER, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
+from parity.audit.report import CARRIED_ENGINE, COVERED, DROPPED, EAGER, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
 from parity.audit.source_index import SourceIndex, literal_strings
 from parity.engines.sglang.deepstack_slot import BLOCKS_ATTRIBUTE, DEEPSTACK_KWARG, REPLAYING_BACKENDS
 
@@ -36,6 +42,8 @@ NAMES = frozenset({DEEPSTACK_KWARG, "use_deepstack", BLOCKS_ATTRIBUTE, "deepstac
 DEFAULT_BREAKABLE, EXPLICIT_BREAKABLE, EXPLICIT_FULL = "breakable (default)", "breakable (explicit)", "full (explicit)"
 MODES = (DEFAULT_BREAKABLE, EXPLICIT_BREAKABLE, EXPLICIT_FULL)
 OMNI_WRAPPER = "Qwen3OmniMoeForConditionalGeneration"  # resolve_language_model's one named case
+REFRESH = "_refresh_deepstack_replay_slot"  # SGLang PR #33726: the engine's own slot refresh
+OPT_IN = "supports_bcg_deepstack_replay"  # ... and the model class's opt-in to it
 
 
 class RunnerFacts:
@@ -53,9 +61,16 @@ class RunnerFacts:
         self.breakable_gated = qwen4.strings if qwen4 and {"contains_mm_inputs", "_qwen_bcg_hc_sidechannel"} <= gate \
             else frozenset()
         self.full_fa4_gate = {"contains_mm_inputs", "_fa4_prefill"} <= gate
-        kwargs = index.module(RUNNER_MODULE)
-        binder = kwargs.functions.get("_build_layer_model_forward_kwargs") if kwargs else None
+        module = index.module(RUNNER_MODULE)
+        binder = module.functions.get("_build_layer_model_forward_kwargs") if module else None
         self.engine_slot = binder is not None and any("deepstack" in n for n in binder.names)
+        # PR #33726's slot: the refresh exists, the runner calls it, and the runner gates it on the opt-in.
+        defined = module is not None and (REFRESH in module.functions or (runner is not None and REFRESH in runner.methods))
+        called = runner is not None and any(REFRESH in m.calls for m in runner.methods.values())
+        # A runner gated on the opt-in binds a slot of its own for the models that opt in, and parity's fix
+        # stands aside there, refreshed or not.
+        self.own_slot = runner is not None and OPT_IN in runner.names
+        self.refresh = "called" if defined and called else "uncalled" if defined else None
 
     def lines(self) -> tuple[str, ...]:
         if not self.found:
@@ -64,7 +79,16 @@ class RunnerFacts:
         slot = ("binds DeepStack" if self.engine_slot else
                 f"binds no DeepStack (only input_embeds and pp proxies): a replayed prefill drops "
                 f"{DEEPSTACK_KWARG} silently")
+        if not self.own_slot:
+            own = f"has no DeepStack slot of its own ({OPT_IN} is not read: SGLang PR #33726 is not in this release)"
+        elif self.refresh == "called":
+            own = (f"registers its own {DEEPSTACK_KWARG} slot for a model class with {OPT_IN} = True, binds it at "
+                   f"capture and calls {REFRESH} before every replay (SGLang PR #33726)")
+        else:
+            own = (f"binds an {DEEPSTACK_KWARG} slot of its own for a model class with {OPT_IN} = True but never "
+                   f"calls {REFRESH} before a replay: the graph reads the slot as captured")
         return (
+            f"{RUNNER} {own}",
             f"{CONFIG}.{ALLOWLIST} holds {len(set(self.allowlist))} architectures; the breakable prefill "
             "graph serves other multimodal architectures only when asked for explicitly",
             f"{RUNNER}.can_replay_locally keeps multimodal prefills eager under breakable for "
@@ -110,8 +134,13 @@ def _row(index: SourceIndex, facts: RunnerFacts, qualname: str) -> AuditRow | No
         how = "not a language-model input (used outside the LM)"
     blocks_from = index.sets(qualname, BLOCKS_ATTRIBUTE)
     fix_covers = side_input and blocks_from is not None
+    opts_in = index.sets(qualname, OPT_IN)
+    own_slot = facts.own_slot and opts_in is not None and opts_in.constants.get(OPT_IN) is True
+    own = None if not own_slot else (f"{OPT_IN} = True on {opts_in.name}", facts.refresh == "called")
     if not side_input:
         method = "nothing to carry"
+    elif own is not None:
+        method = f"nothing: it stands aside for the engine's own slot ({own[0]})"
     elif blocks_from is not None:
         method = f"`{BLOCKS_ATTRIBUTE}` (set by {blocks_from.name}) and `{DEEPSTACK_KWARG}`: present"
     else:
@@ -119,11 +148,13 @@ def _row(index: SourceIndex, facts: RunnerFacts, qualname: str) -> AuditRow | No
         holder = next((s for s in subs.values() if index.sets(s, BLOCKS_ATTRIBUTE)), None)
         if holder:
             method += f" (its sub-model {holder.rsplit('.', 1)[-1]} sets it)"
-    modes = tuple(_cell(mode, facts, name, side_input, fix_covers) for mode in MODES)
+    modes = tuple(_cell(mode, facts, name, side_input, fix_covers, own) for mode in MODES)
     return AuditRow(module, name, (name,), how, side_input, "none (a per-batch tensor)", modes, method)
 
 
-def _cell(mode: str, facts: RunnerFacts, arch: str, side_input: bool, fix_covers: bool) -> ModeCell:
+def _cell(mode: str, facts: RunnerFacts, arch: str, side_input: bool, fix_covers: bool,
+          own: tuple[str, bool] | None) -> ModeCell:
+    """`own`: the model's opt-in to the engine's own slot, and whether the runner refreshes it."""
     if not side_input:
         return ModeCell(mode, NOT_AN_INPUT, NOT_AN_INPUT, "no DeepStack reaches the language model: nothing to carry")
     if not facts.found:
@@ -132,6 +163,13 @@ def _cell(mode: str, facts: RunnerFacts, arch: str, side_input: bool, fix_covers
         return ModeCell(mode, EAGER, EAGER, f"{arch} is not on {ALLOWLIST}: prefill graph disabled")
     if mode != EXPLICIT_FULL and arch in facts.breakable_gated:
         return ModeCell(mode, EAGER, EAGER, "can_replay_locally keeps its multimodal prefills eager")
+    if own is not None:  # parity's fix stands aside for the engine's slot (deepstack_slot.py): one outcome
+        opted, refreshed = own
+        if refreshed:
+            return ModeCell(mode, CARRIED_ENGINE, CARRIED_ENGINE, f"replayed; {RUNNER_MODULE}.{REFRESH} refreshes "
+                            f"the engine's own {DEEPSTACK_KWARG} slot before every replay ({opted})")
+        return ModeCell(mode, DROPPED, DROPPED, f"replayed; the engine binds its own {DEEPSTACK_KWARG} slot ({opted}) "
+                        f"but never calls {REFRESH}, so the graph reads it as captured; parity's fix stands aside")
     engine = COVERED if facts.engine_slot else DROPPED
     backend = "full" if mode == EXPLICIT_FULL else "breakable"
     fixed = COVERED if facts.engine_slot or (fix_covers and backend in REPLAYING_BACKENDS) else DROPPED

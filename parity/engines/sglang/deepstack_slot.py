@@ -14,11 +14,18 @@ plugin adds the slot of design §6 to the real runner, through SGLang's own hook
 - refreshed before every replay, right after SGLang fills its `input_embeds` slot: a fitting live
   tensor's rows are copied and the bucket's tail zeroed; no DeepStack (a text-only batch) zeroes
   the bucket; a malformed tensor raises before any write (fail closed);
-- proven in place: the runner's process appends a line to `fix.jsonl` in parity's tap channel,
-  which parity checks before trusting a bcg server (parity/engines/sglang/backend.py).
+- proven read, not assumed: every captured body's `input_deepstack_embeds` is checked against the
+  slot's storage as the body receives it (after every hook and engine edit of the kwargs); the
+  runner's process then appends a line to `fix.jsonl` in parity's tap channel with the slot and how
+  many captured bodies read it, which parity checks before trusting a bcg server (server_checks.py).
 
-It is off unless `PARITY_SGLANG_FIX` names a variant, and it refuses any SGLang version but the one
-it was written against. `deepstack-slot-no-clear` is a test-only variant that never clears (the
+An engine that carries DeepStack itself (SGLang PR #33726: an `input_deepstack_embeds` slot in the
+runner's buffer registry, versions.py) overwrites any binding parity makes, so the fix stands aside
+there: it binds nothing, and records that the engine's own slot was found and that the captured
+bodies read it. The run then judges the engine's slot, and its report says so.
+
+It is off unless `PARITY_SGLANG_FIX` names a variant, and it refuses any SGLang release it was not
+validated on or that carries no slot of its own (versions.py). `deepstack-slot-no-clear` is a test-only variant that never clears (the
 stale-state bug the `stream` scenario must catch), and `deepstack-slot-skip-same-shape` one that
 skips the refresh when two batches in a row carry DeepStack of one shape (what the stream's
 normal and zeroed requests of one image reach, back to back). Nothing here depends on the device: with real
@@ -35,6 +42,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
+from parity.engines.sglang import versions
 from parity.runner.slot_contract import refresh
 
 ENV_FIX = "PARITY_SGLANG_FIX"
@@ -44,7 +52,6 @@ NO_CLEAR = "deepstack-slot-no-clear"  # test-only: a slot that is never cleared
 # "optimized" away for repeated shapes): only requests back to back reach it (design §5).
 SKIP_SAME_SHAPE = "deepstack-slot-skip-same-shape"
 VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE)
-WRITTEN_FOR = "0.5.23"
 
 RUNNER_MODULE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.PrefillCudaGraphRunner"
@@ -56,14 +63,39 @@ TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/engines/test_sglang_
 }
 DEEPSTACK_KWARG = "input_deepstack_embeds"
 BLOCKS_ATTRIBUTE = "num_deepstack_embeddings"  # on the served model: how many DeepStack blocks it adds
-SLOT_ATTRIBUTE = "_parity_deepstack_slot"
+SLOT_ATTRIBUTE = "_parity_deepstack_slot"  # on the runner: its _Binding (None: nothing to bind)
 REPLAYING_BACKENDS = ("breakable", "full")
+ENGINE_SLOT = (f"SGLang's prefill runner registers its own {DEEPSTACK_KWARG} graph slot (buffer_registry, "
+               "SGLang PR #33726's mechanism) and binds it at capture")
 
 
 # --- the hooks on the real runner ------------------------------------------------------------------
 
 _LAST_SHAPE = "_parity_deepstack_last_shape"  # the shape the slot was last refreshed for
 _BINDING: contextvars.ContextVar[Any] = contextvars.ContextVar("parity_deepstack_binding", default=None)
+
+
+@dataclass
+class _Binding:
+    """What one runner's captured bodies must read as `input_deepstack_embeds`: parity's slot, or,
+    where the fix stood aside, the engine's own; and how many of them did, counted at capture."""
+
+    slot: Any | None  # parity's slot [max_tokens, hidden x n]; None: the engine's own slot
+    note: str
+    captures: int = 0
+    reads: int = 0
+    capturing: bool = False
+
+    def expected(self, runner, num_tokens: int) -> Any:
+        if self.slot is not None:
+            return self.slot[:num_tokens]
+        return runner.buffer_registry.get_slot(DEEPSTACK_KWARG).slice_for(1, num_tokens)
+
+    def saw(self, received: Any, expected: Any) -> None:
+        self.captures += 1
+        # The same storage from the same first element, the same rows: the graph's input is the slot.
+        self.reads += int(received is not None and received.data_ptr() == expected.data_ptr()
+                          and tuple(received.shape) == tuple(expected.shape))
 
 
 @dataclass(frozen=True)
@@ -76,11 +108,28 @@ class DeepStackSlotFix:
         return self.variant != NO_CLEAR
 
     def around_capture(self, original, runner, *args, **kwargs):
-        if getattr(runner, SLOT_ATTRIBUTE, None) is None:
-            setattr(runner, SLOT_ATTRIBUTE, self._allocate(runner))
-        return original(runner, *args, **kwargs)
+        if not hasattr(runner, SLOT_ATTRIBUTE):
+            setattr(runner, SLOT_ATTRIBUTE, self._bind(runner))
+        binding = getattr(runner, SLOT_ATTRIBUTE)
+        if binding is None:
+            return original(runner, *args, **kwargs)
+        binding.captures = binding.reads = 0
+        binding.capturing = True
+        try:
+            result = original(runner, *args, **kwargs)
+        finally:
+            binding.capturing = False
+        slot = binding.slot
+        append_record(self.records, FixRecord(
+            os.getpid(), self.variant, None if slot is None else tuple(slot.shape),
+            None if slot is None else str(slot.dtype), binding.note, stood_aside=slot is None,
+            captures=binding.captures, reads=binding.reads))
+        return result
 
-    def _allocate(self, runner) -> Any:
+    def _bind(self, runner) -> _Binding | None:
+        """Stand aside for the engine's own slot; else parity's slot, where the model consumes DeepStack."""
+        if runner.buffer_registry.has_slot(DEEPSTACK_KWARG):
+            return _Binding(None, f"stood aside: {ENGINE_SLOT}; parity's slot is not bound")
         import torch
 
         model = runner.model_runner.model
@@ -99,9 +148,7 @@ class DeepStackSlotFix:
             raise RuntimeError(f"parity {self.variant}: {unsupported}")
         width = int(runner.model_runner.model_config.hidden_size) * blocks
         slot = torch.zeros((runner.max_num_tokens, width), dtype=runner.model_runner.dtype, device=runner.device)
-        append_record(self.records, FixRecord(os.getpid(), self.variant, tuple(slot.shape), str(slot.dtype),
-                                        f"{blocks} DeepStack blocks, buckets {list(runner.capture_num_tokens)}"))
-        return slot
+        return _Binding(slot, f"{blocks} DeepStack blocks, buckets {list(runner.capture_num_tokens)}")
 
     @staticmethod
     def _unsupported(runner) -> str | None:
@@ -113,15 +160,23 @@ class DeepStackSlotFix:
             return "pipeline-parallel ranks after the first are not supported"
         if getattr(runner, "enable_cp_bcg_capture", False):
             return "context-parallel breakable capture is not supported"
+        found = versions.release(installed_sglang())
+        if found is not None and not found.fix_validated:
+            return (f"SGLang {found.version} carries its own DeepStack slot, but registered none for this model, "
+                    "and parity's fix was not validated on that release")
         return None
 
     def around_run_forward(self, original, runner, forward_batch, num_tokens, *args, **kwargs):
-        slot = getattr(runner, SLOT_ATTRIBUTE, None)
+        binding = getattr(runner, SLOT_ATTRIBUTE, None)
+        slot = None if binding is None else binding.slot
         token = _BINDING.set(None if slot is None else slot[:num_tokens])  # [bucket, hidden x n]
+        restore = _watch_body(runner, binding, num_tokens) if binding is not None and binding.capturing else None
         try:
             return original(runner, forward_batch, num_tokens, *args, **kwargs)
         finally:
             _BINDING.reset(token)
+            if restore is not None:
+                restore()
 
     def after_layer_kwargs(self, result, *args, **kwargs):
         bound = _BINDING.get()
@@ -130,15 +185,15 @@ class DeepStackSlotFix:
         return result
 
     def after_fill(self, result, runner, args, layer_kwargs, static_num_tokens, *rest, **kwargs):
-        slot = getattr(runner, SLOT_ATTRIBUTE, None)
-        if slot is None:
+        binding = getattr(runner, SLOT_ATTRIBUTE, None)
+        if binding is None or binding.slot is None:  # no slot, or the engine refreshes its own
             return result
         live = layer_kwargs.get(DEEPSTACK_KWARG)
         shape = None if live is None else (tuple(live.shape), int(static_num_tokens))
         repeated = shape is not None and shape == getattr(runner, _LAST_SHAPE, None)
         setattr(runner, _LAST_SHAPE, shape)
         if not (repeated and self.variant == SKIP_SAME_SHAPE):
-            refresh(slot, live, int(static_num_tokens), clear=self.clears)
+            refresh(binding.slot, live, int(static_num_tokens), clear=self.clears)
         return result
 
     def register(self) -> None:
@@ -150,11 +205,34 @@ class DeepStackSlotFix:
         HookRegistry.register(TARGETS["fill"], self.after_fill, HookType.AFTER)
 
 
+def _watch_body(runner, binding: _Binding, num_tokens: int):
+    """Check, as the captured body is called, which tensor it takes as DeepStack (the runner calls
+    `layer_model.forward`, and replaces it the same way at replay); returns the undo."""
+    layer_model = runner.layer_model
+    own = "forward" in vars(layer_model)
+    inner = layer_model.forward
+
+    def forward(*args, **kwargs):
+        binding.saw(kwargs.get(DEEPSTACK_KWARG), binding.expected(runner, num_tokens))
+        return inner(*args, **kwargs)
+
+    layer_model.forward = forward
+
+    def restore() -> None:
+        if own:
+            layer_model.forward = inner
+        else:
+            del layer_model.forward
+
+    return restore
+
+
 def installed_sglang() -> str | None:
     return installed_version("sglang")
 
 
 def activate(environ: Mapping[str, str], records: Path | None) -> DeepStackSlotFix | None:
     """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
-    variant = requested_variant(environ, ENV_FIX, VARIANTS, (WRITTEN_FOR,), installed_sglang(), "SGLang", records)
+    variant = requested_variant(environ, ENV_FIX, VARIANTS, versions.fix_accepted(), installed_sglang(), "SGLang",
+                                records)
     return None if variant is None else DeepStackSlotFix(variant, records)

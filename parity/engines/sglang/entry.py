@@ -38,7 +38,7 @@ SGLANG = BackendInfo(
     name="sglang", factory="parity.engines.sglang.backend:from_options",
     # SGLang's buckets come from its own flags (--sglang-arg), not --buckets.
     options=frozenset({"graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
-    runbook="docs/sglang-runbook.md", servers_key="sglang_servers", volatile_keys=("sglang_tap_processes",),
+    runbook="docs/sglang-runbook.md", servers_key="sglang_servers", fix_records_key="sglang_fix_slots", volatile_keys=("sglang_tap_processes",),
     records_ranks=True, version_in_every_run=True, package="sglang", names_its_version=True,
     config_fields=server_config_fields("sglang") | {
         "sglang_args", "sglang_prefill_buckets", "sglang_device", "tp_size", "sglang_graph_backend",
@@ -48,14 +48,15 @@ SGLANG = BackendInfo(
             "multiple": True, "help": "Extra SGLang server flag (repeatable, sglang backend)."}),
         EngineOption("sglang_fix", "--sglang-fix", {
             "type": click.Choice(["deepstack-slot"]), "default": None,
-            "help": "Run parity's DeepStack slot fix inside the SGLang servers (SGLang 0.5.23 only)."}),
+            "help": "Run parity's DeepStack slot fix inside the SGLang servers (the SGLang releases it was "
+                    "validated on: 0.5.23; it stands aside, and says so, where the engine carries its own slot)."}),
     ),
     not_replayed_hint=not_replayed_hint, graph_label=graph_label,
     # docs/scenarios.md, "The real engines".
     unreachable={
-        PROVES_GROWTH: ("SGLang 0.5.23 keeps no DeepStack buffer across batches (prepare_mm_inputs builds one per "
-                        "batch, and parity's deepstack-slot fix sizes its slot once, at the largest captured bucket); "
-                        "a prompt past every bucket runs eagerly, so nothing can grow"),
+        PROVES_GROWTH: ("SGLang keeps no DeepStack buffer across batches (prepare_mm_inputs builds one per batch), "
+                        "a prefill graph's DeepStack slot is sized once, at the largest captured bucket, and a prompt "
+                        "past every bucket runs eagerly, so nothing can grow"),
         PROVES_ENCODER_GRAPH: ("SGLang 0.5.23's vision-encoder graphs (SGLANG_VIT_ENABLE_CUDA_GRAPH, "
                                "srt/multimodal/vit_cuda_graph_runner.py) are not started or recorded by parity yet"),
     },

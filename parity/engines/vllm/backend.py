@@ -136,6 +136,8 @@ class VllmBackend(EngineBackend):
         refused = [r for r in records if r.refused]
         if refused:
             return f"parity's {fix} fix refused to install: {refused[0].note}"
+        if any(r.stood_aside for r in records):  # the report says so (fix_records.stood_aside_note)
+            return None
         wrapped = {r.note for r in records}
         missing = [t for t in FIX_POINTS if f"wrapped {t}" not in wrapped]
         if missing:
@@ -242,8 +244,8 @@ def check_release(found: str | None, fix: str | None) -> None:
     which is accepted only where it was validated; a warning otherwise, and the run goes on as best
     it can (the tap's probe fails the run, naming what it missed, if a hook target moved)."""
     release = versions.release(found)
-    if fix is not None and found not in versions.fix_validated():
-        raise BackendUnavailableError(f"--vllm-fix {fix} is validated on vLLM {', '.join(versions.fix_validated())}; "
+    if fix is not None and found not in versions.fix_accepted():
+        raise BackendUnavailableError(f"--vllm-fix {fix} is validated on vLLM {', '.join(versions.fix_accepted())}; "
                                       f"this environment has vLLM {found}")
     if release is None:
         print(f"warning: parity supports vLLM {versions.supported()}; this environment has vLLM {found}: the tap "

@@ -18,7 +18,8 @@ of the buffers that the step did not write itself is zero.
 
 Nothing is done while a graph is being captured (the clearing must not be recorded into it). The
 same code runs under real CUDA graphs on a GPU: it touches only the persistent buffers, between
-steps, exactly where vLLM's setter does. It refuses any vLLM it was not validated on (versions.py).
+steps, exactly where vLLM's setter does. It refuses any vLLM it was not validated on, and stands
+aside, recording so, on a release that clears its own buffers (versions.py).
 Stdlib only at import (vLLM imports the plugin in every process); torch comes with the model.
 """
 
@@ -39,6 +40,8 @@ VARIANTS = (FIX,)
 BUFFER_ATTR = "deepstack_input_embeds"
 DIRTY_ATTR = "_parity_deepstack_dirty"  # on the model: rows [0, dirty) may hold an earlier step's features
 FIXED_FLAG = "__parity_fix__"
+STOOD_ASIDE = ("stood aside: vLLM {version} clears its own DeepStack buffers between graph steps "
+               "(parity/engines/vllm/versions.py), so parity wraps nothing")
 
 
 def _capturing() -> bool:
@@ -118,6 +121,14 @@ def installed_vllm() -> str | None:
 
 def activate(environ: Mapping[str, str], records: Path | None,
              version: Callable[[], str | None] = installed_vllm) -> DeepStackClear | None:
-    """The fix this process was asked for, or None. A refusal is recorded for parity to read."""
-    variant = requested_variant(environ, ENV_FIX, VARIANTS, versions.fix_validated(), version(), "vLLM", records)
-    return None if variant is None else DeepStackClear(records)
+    """The fix this process was asked for, or None. A refusal, or standing aside for a release that
+    clears its own buffers (versions.py), is recorded for parity to read."""
+    found = version()
+    variant = requested_variant(environ, ENV_FIX, VARIANTS, versions.fix_accepted(), found, "vLLM", records)
+    if variant is None:
+        return None
+    if versions.release(found).clears_own_buffer:
+        append_record(records, FixRecord(os.getpid(), variant, None, None, STOOD_ASIDE.format(version=found),
+                                         stood_aside=True))
+        return None
+    return DeepStackClear(records)

@@ -22,7 +22,7 @@ def not_replayed_hint(evidence: Evidence | None) -> str:
 VLLM = BackendInfo(
     name="vllm", factory="parity.engines.vllm.backend:from_options",
     options=frozenset({"buckets", "graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
-    runbook="docs/vllm-runbook.md", servers_key="vllm_servers", volatile_keys=("vllm_tap_processes",),
+    runbook="docs/vllm-runbook.md", servers_key="vllm_servers", fix_records_key="vllm_fix_records", volatile_keys=("vllm_tap_processes",),
     package="vllm", names_its_version=True,
     config_fields=server_config_fields("vllm") | {
         "engine", "engine_version", "graph_mode", "graph_cudagraph_modes", "graph_breakable", "vllm_server_env",

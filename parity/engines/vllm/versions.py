@@ -24,6 +24,10 @@ class Release:
     # `--vllm-fix deepstack-clear` was validated on real servers of this release (released FULL and
     # breakable FAIL_STALE_STATE, fixed PASS, eager answers unchanged): only then is it accepted.
     fix_validated: bool
+    # It keeps its persistent DeepStack buffers clean across graph steps itself (the rows a step did
+    # not write are zero when its forward starts): parity's fix then stands aside, recorded in the
+    # run, and the released engine is expected to PASS every scenario it reaches.
+    clears_own_buffer: bool = False
 
 
 # What else moved between the releases, handled by one stand-in or test stub that fits both (so no
@@ -54,9 +58,9 @@ def release(version: str | None) -> Release | None:
     return SUPPORTED.get(version or "")
 
 
-def fix_validated() -> tuple[str, ...]:
-    """The releases `--vllm-fix deepstack-clear` was validated on."""
-    return tuple(r.version for r in RELEASES if r.fix_validated)
+def fix_accepted() -> tuple[str, ...]:
+    """The releases `--vllm-fix` may be asked on: validated there, or standing aside for the engine's own clear."""
+    return tuple(r.version for r in RELEASES if r.fix_validated or r.clears_own_buffer)
 
 
 def nearest(version: str | None) -> Release:

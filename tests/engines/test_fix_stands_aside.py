@@ -1,0 +1,206 @@
+"""When the upstream fix lands (issue 46): parity's fixes recognise an engine that carries DeepStack
+itself, and where they bind, prove that the captured graph reads what they bound.
+
+SGLang's hooks run here on a small runner shaped like 0.5.23's `PrefillCudaGraphRunner` where the
+hooks touch it (capture -> `_run_forward` -> `_build_layer_model_forward_kwargs` -> the body's
+`forward`, then the input_embeds fill before a replay); the same hooks on the real runner, and on
+SGLang 0.5.23 patched with PR #33726's slot, run in the SGLang CI stage
+(test_sglang_real_server.py, test_sglang_audit.py). Nothing here needs SGLang or vLLM installed.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from parity.engines import fix_records
+from parity.engines.sglang import deepstack_slot, server_checks
+from parity.engines.sglang import versions as sglang_versions
+from parity.engines.vllm import backend as vllm_backend
+from parity.engines.vllm import deepstack_clear
+from parity.engines.vllm import versions as vllm_versions
+
+HIDDEN, BLOCKS, MAX_TOKENS, BUCKETS = 4, 3, 16, (8, 16)
+KWARG = deepstack_slot.DEEPSTACK_KWARG
+
+
+class Registry:
+    """The runner's buffer registry: its named graph slots."""
+
+    def __init__(self, engine_slot: bool) -> None:
+        self.slots = {"input_embeds": torch.zeros(MAX_TOKENS, HIDDEN)}
+        if engine_slot:
+            self.slots[KWARG] = torch.zeros(MAX_TOKENS, HIDDEN * BLOCKS)
+
+    def has_slot(self, name: str) -> bool:
+        return name in self.slots
+
+    def get_slot(self, name: str):
+        return types.SimpleNamespace(slice_for=lambda bs, tokens: self.slots[name][:tokens])
+
+
+class Body(torch.nn.Module):
+    """The LM body the runner captures: adds DeepStack when it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor | None] = []
+
+    def forward(self, input_ids, positions, forward_batch, input_embeds=None, input_deepstack_embeds=None):
+        self.seen.append(input_deepstack_embeds)
+        return input_embeds
+
+
+class Runner:
+    """Capture -> _run_forward -> layer kwargs -> body, as SGLang 0.5.23 calls them through its hook
+    registry. `engine`: the runner registers and binds its own slot (PR #33726); `overrides`: it
+    overwrites the body's DeepStack argument after the kwargs are built without registering a slot
+    (what a release with another mechanism could do)."""
+
+    def __init__(self, fix: deepstack_slot.DeepStackSlotFix, engine: bool = False, overrides: bool = False) -> None:
+        self.fix, self.engine, self.overrides = fix, engine, overrides
+        self.buffer_registry = Registry(engine)
+        self.layer_model = Body()
+        model = types.SimpleNamespace(**{deepstack_slot.BLOCKS_ATTRIBUTE: BLOCKS})
+        self.model_runner = types.SimpleNamespace(
+            model=model, model_config=types.SimpleNamespace(hidden_size=HIDDEN), dtype=torch.float32,
+            pp_group=types.SimpleNamespace(is_first_rank=True))
+        self.prefill_backend_name, self.device = "breakable", "cpu"
+        self.max_num_tokens, self.capture_num_tokens = MAX_TOKENS, list(BUCKETS)
+
+    def capture(self) -> None:
+        self.fix.around_capture(lambda runner: [self._forward(n) for n in BUCKETS], self)
+
+    def _forward(self, num_tokens: int):
+        return self.fix.around_run_forward(lambda runner, batch, n: self._run_forward(n), self, None, num_tokens)
+
+    def _run_forward(self, num_tokens: int):
+        kwargs = self.fix.after_layer_kwargs({"input_embeds": self.buffer_registry.slots["input_embeds"][:num_tokens]})
+        if self.engine:
+            kwargs[KWARG] = self.buffer_registry.get_slot(KWARG).slice_for(1, num_tokens)
+        elif self.overrides:
+            kwargs[KWARG] = torch.zeros(num_tokens, HIDDEN * BLOCKS)
+        return self.layer_model.forward(None, None, None, **kwargs)
+
+    def replay(self, live: torch.Tensor | None, bucket: int) -> None:
+        """SGLang fills its input_embeds slot before a replay; the fix's hook runs right after."""
+        self.fix.after_fill(None, self, (), {} if live is None else {KWARG: live}, bucket)
+
+
+def captured(tmp_path: Path, **runner) -> tuple[Runner, list[fix_records.FixRecord]]:
+    fix = deepstack_slot.DeepStackSlotFix(deepstack_slot.FIX, tmp_path)
+    target = Runner(fix, **runner)
+    target.capture()
+    return target, fix_records.read_records(tmp_path)
+
+
+def test_the_fix_binds_its_slot_and_proves_every_captured_body_reads_it(tmp_path: Path) -> None:
+    runner, (record,) = captured(tmp_path)
+    slot = getattr(runner, deepstack_slot.SLOT_ATTRIBUTE).slot
+    assert record.slot == (MAX_TOKENS, HIDDEN * BLOCKS) and not record.stood_aside
+    assert (record.captures, record.reads) == (len(BUCKETS), len(BUCKETS))
+    assert all(seen.data_ptr() == slot.data_ptr() for seen in runner.layer_model.seen)
+    assert "forward" not in vars(runner.layer_model)  # the watch is undone after capture
+    assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg") == (None, [record.to_json()])
+    live = torch.ones(5, HIDDEN * BLOCKS)
+    runner.replay(live, 8)
+    assert torch.equal(slot[:5], live) and not slot[5:].any()
+
+
+def test_a_slot_the_captured_graph_does_not_read_is_not_credited(tmp_path: Path) -> None:
+    """The negative control: the runner overwrites the fix's binding (the upstream slot did exactly
+    this), so the slot is allocated yet never read; the server check refuses to call the fix in place."""
+    _, (record,) = captured(tmp_path, overrides=True)
+    assert record.slot is not None and (record.captures, record.reads) == (len(BUCKETS), 0)
+    problem, _ = server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")
+    assert problem == (f"parity's deepstack-slot fix allocated its slot, but 2 of 2 captured bodies took another "
+                       f"tensor as {KWARG}: the graph does not read parity's slot, so the fix is not in place")
+
+
+def test_the_fix_stands_aside_for_the_engine_s_own_slot_and_says_so(tmp_path: Path) -> None:
+    runner, (record,) = captured(tmp_path, engine=True)
+    assert record.stood_aside and record.slot is None and "registers its own input_deepstack_embeds" in record.note
+    assert (record.captures, record.reads) == (len(BUCKETS), len(BUCKETS))  # the engine's slot, read
+    engine_slot = runner.buffer_registry.slots[KWARG]
+    runner.replay(torch.ones(5, HIDDEN * BLOCKS), 8)
+    assert not engine_slot.any()  # parity refreshes nothing: the engine's own code does
+    assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg")[0] is None
+    note = fix_records.stood_aside_note([record.to_json()])
+    assert note.startswith("parity's deepstack-slot fix stood aside: SGLang's prefill runner registers its own")
+    assert "read the engine's own slot in 2 of 2 captures" in note and "not parity's fix" in note
+    assert fix_records.stood_aside_note([]) is None
+
+
+def test_a_release_with_its_own_slot_accepts_the_fix_only_to_stand_aside(tmp_path: Path, monkeypatch) -> None:
+    """The release row for the SGLang that ships PR #33726 (own slot, parity's fix not validated):
+    --sglang-fix is accepted there; on a model the engine registered no slot for, the fix refuses
+    rather than bind unvalidated."""
+    future = sglang_versions.Release("0.5.30", own_deepstack_slot=True, fix_validated=False)
+    monkeypatch.setattr(sglang_versions, "SUPPORTED", {**sglang_versions.SUPPORTED, future.version: future})
+    monkeypatch.setattr(sglang_versions, "RELEASES", (*sglang_versions.RELEASES, future))
+    monkeypatch.setattr(deepstack_slot, "installed_sglang", lambda: "0.5.30")
+    server_checks.check_fix_version(deepstack_slot.FIX)
+    fix = deepstack_slot.activate({deepstack_slot.ENV_FIX: deepstack_slot.FIX}, tmp_path)
+    Runner(fix, engine=True).capture()
+    with pytest.raises(RuntimeError, match="registered none for this model"):
+        Runner(fix).capture()
+    aside, refused = fix_records.read_records(tmp_path)
+    assert aside.stood_aside and refused.refused
+    monkeypatch.setattr(deepstack_slot, "installed_sglang", lambda: "0.5.24")
+    with pytest.raises(Exception, match="validated on SGLang 0.5.23, 0.5.30"):
+        server_checks.check_fix_version(deepstack_slot.FIX)
+
+
+def test_the_release_tables_name_the_engines_own_fixes() -> None:
+    assert [(r.version, r.own_deepstack_slot) for r in sglang_versions.RELEASES] == [("0.5.23", False)]
+    assert sglang_versions.NEWEST.version == server_checks.PACKAGE.version
+    assert not any(r.clears_own_buffer for r in vllm_versions.RELEASES)  # 0.33 and 0.34 leak (docs/scenarios.md)
+
+
+def test_the_vllm_fix_stands_aside_on_a_release_that_clears_its_own_buffer(tmp_path: Path, monkeypatch) -> None:
+    cleared = vllm_versions.Release("0.35.0", v1_runner=None, fix_validated=False, clears_own_buffer=True)
+    monkeypatch.setattr(vllm_versions, "SUPPORTED", {**vllm_versions.SUPPORTED, cleared.version: cleared})
+    monkeypatch.setattr(vllm_versions, "RELEASES", (*vllm_versions.RELEASES, cleared))
+    environ = {deepstack_clear.ENV_FIX: deepstack_clear.FIX}
+    assert deepstack_clear.activate(environ, tmp_path, version=lambda: "0.35.0") is None  # wraps nothing
+    (record,) = fix_records.read_records(tmp_path)
+    assert record.stood_aside and "vLLM 0.35.0 clears its own DeepStack buffers" in record.note
+    vllm_backend.check_release("0.35.0", deepstack_clear.FIX)  # accepted: it stands aside
+    server = types.SimpleNamespace(channel=types.SimpleNamespace(folder=tmp_path),
+                                   process=types.SimpleNamespace(name="bcg"))
+    owner = types.SimpleNamespace(settings=types.SimpleNamespace(fix=deepstack_clear.FIX), _fix_records={})
+    assert vllm_backend.VllmBackend._fix_problem(owner, server) is None
+    # The negative control: a release that leaks gets the fix, which wraps vLLM's setter.
+    assert isinstance(deepstack_clear.activate(environ, tmp_path, version=lambda: "0.34.0"),
+                      deepstack_clear.DeepStackClear)
+
+
+@pytest.mark.parametrize("backend, key", [("sglang", "sglang_fix_slots"), ("vllm", "vllm_fix_records")])
+def test_the_report_says_the_fix_stood_aside_and_that_the_engine_was_judged(backend, key) -> None:
+    from dataclasses import replace
+    from types import MappingProxyType
+
+    from parity.reporting.report import render_markdown
+    from tests.helpers_runs import fixed_arms, make_case, make_run
+
+    run = make_run([make_case(fixed_arms())], backend=backend)
+    aside = fix_records.FixRecord(7, "f", None, None, "stood aside: the engine's own slot", stood_aside=True)
+    marked = replace(run, config=MappingProxyType({**run.config, key: {"bcg": [aside.to_json()]}}))
+    assert "parity's f fix stood aside: the engine's own slot. This run judges the engine's own mechanism" in \
+        render_markdown(marked)
+    assert "stood aside" not in render_markdown(run)  # the negative control: a fix that bound
+
+
+def test_the_sglang_setup_script_and_ci_install_the_newest_release_of_the_table() -> None:
+    """Following SGLang's release that ships its own slot is one row in versions.py and these two pins."""
+    import re
+
+    from tests.engines.servers import REPO
+
+    script = (REPO / "scripts" / "setup_sglang_env.sh").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^SGLANG_VERSION=(\S+)$", script, re.M).group(1) == sglang_versions.NEWEST.version
+    assert re.search(r"^SGLANG=(\S+)", ci, re.M).group(1) == sglang_versions.NEWEST.version
