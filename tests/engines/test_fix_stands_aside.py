@@ -10,6 +10,7 @@ SGLang 0.5.23 patched with PR #33726's slot, run in the SGLang CI stage
 
 from __future__ import annotations
 
+import inspect
 import types
 from pathlib import Path
 
@@ -48,9 +49,11 @@ class Body(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[torch.Tensor | None] = []
+        self.embeds: list[torch.Tensor | None] = []
 
     def forward(self, input_ids, positions, forward_batch, input_embeds=None, input_deepstack_embeds=None):
         self.seen.append(input_deepstack_embeds)
+        self.embeds.append(input_embeds)
         return input_embeds
 
 
@@ -78,7 +81,12 @@ class Runner:
         return self.fix.around_run_forward(lambda runner, batch, n: self._run_forward(n), self, None, num_tokens)
 
     def _run_forward(self, num_tokens: int):
-        kwargs = self.fix.after_layer_kwargs({"input_embeds": self.buffer_registry.slots["input_embeds"][:num_tokens]})
+        # As 0.5.23's _build_layer_model_forward_kwargs: the embeddings only where the body's
+        # signature takes them, so a hook that hides the signature loses them.
+        kwargs = {}
+        if "input_embeds" in inspect.signature(self.layer_model.forward).parameters:
+            kwargs["input_embeds"] = self.buffer_registry.slots["input_embeds"][:num_tokens]
+        kwargs = self.fix.after_layer_kwargs(kwargs)
         if self.engine:
             kwargs[KWARG] = self.buffer_registry.get_slot(KWARG).slice_for(1, num_tokens)
         elif self.overrides:
@@ -104,6 +112,9 @@ def test_the_fix_binds_its_slot_and_proves_every_captured_body_reads_it(tmp_path
     assert (record.captures, record.reads) == (len(BUCKETS), len(BUCKETS))
     assert all(seen.data_ptr() == slot.data_ptr() for seen in runner.layer_model.seen)
     assert "forward" not in vars(runner.layer_model)  # the watch is undone after capture
+    # The watch kept the body's signature: every capture still read the engine's input_embeds slot.
+    assert all(e is not None and e.data_ptr() == runner.buffer_registry.slots["input_embeds"].data_ptr()
+               for e in runner.layer_model.embeds)
     assert server_checks.fix_problem(tmp_path, deepstack_slot.FIX, "bcg") == (None, [record.to_json()])
     live = torch.ones(5, HIDDEN * BLOCKS)
     runner.replay(live, 8)

@@ -35,6 +35,7 @@ CUDA graphs on a GPU the same hooks bind the same slot.
 from __future__ import annotations
 
 import contextvars
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -212,6 +213,9 @@ def _watch_body(runner, binding: _Binding, num_tokens: int):
     own = "forward" in vars(layer_model)
     inner = layer_model.forward
 
+    # The runner builds the body's kwargs from `inspect.signature(layer_model.forward)`: a bare
+    # (*args, **kwargs) would silently drop input_embeds from every capture.
+    @functools.wraps(inner)
     def forward(*args, **kwargs):
         binding.saw(kwargs.get(DEEPSTACK_KWARG), binding.expected(runner, num_tokens))
         return inner(*args, **kwargs)
