@@ -140,7 +140,7 @@ def test_released_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_fa
     prefix-cache hit; the warm-up text request reads rows at its scoring."""
     _, _, doc = run_of(tmp_path_factory, "full", fixed=False)
     codes = {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]}
-    leaked = ("reuse", "stream", "chunked", "prefix", "growth", "warmup")
+    leaked = ("reuse", "stream", "shrink", "chunked", "prefix", "growth", "warmup")
     assert codes == {"four-arm": "PASS", **dict.fromkeys(leaked, "FAIL_STALE_STATE"),
                      "layout": "INCONCLUSIVE_NOT_REPLAYED"}, codes
     reasons = {c["scenario"]: c["verdict"]["reason"] for c in doc["cases"]}
@@ -153,7 +153,7 @@ def test_released_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_fa
 def test_the_fix_passes_every_family_path_vllm_reaches_with_its_own_evidence(tmp_path_factory) -> None:
     _, _, doc = run_of(tmp_path_factory, "full", fixed=True)
     codes = {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]}
-    assert codes == {**dict.fromkeys(("four-arm", "reuse", "stream", "chunked", "prefix", "warmup"), "PASS"),
+    assert codes == {**dict.fromkeys(("four-arm", "reuse", "stream", "shrink", "chunked", "prefix", "warmup"), "PASS"),
                      **dict.fromkeys(UNREACHABLE, "INCONCLUSIVE_NOT_REPLAYED")}, codes
     for scenario, why in UNREACHABLE.items():
         assert why in case_of(doc, scenario)["verdict"]["reason"]
@@ -168,6 +168,21 @@ def test_the_fix_passes_every_family_path_vllm_reaches_with_its_own_evidence(tmp
     hit = serving_of(prefix, 2)  # a whole-block hit that ends inside the image: its rest is in the suffix
     assert hit["cached_tokens"] > 0 and hit["chunks"][0][3] > 0 and hit["chunks"][0][2] is not None, hit
     assert serving_of(case_of(doc, "warmup"), 1)["graph_ready"] is True
+
+
+def test_the_shrinking_stream_reads_the_long_request_s_tail_and_the_fix_clears_it(tmp_path_factory) -> None:
+    """Issue 44 on the real engine (FULL): after a long image request and a shorter one, a text
+    request as long as the first reads the rows past the shorter one's, which the long request
+    left; with the fix, every request answers as eager."""
+    _, _, released = run_of(tmp_path_factory, "full", fixed=False)
+    case = case_of(released, "shrink")
+    reason = case["verdict"]["reason"]
+    assert case["verdict"]["code"] == "FAIL_STALE_STATE", case["verdict"]
+    assert reason.startswith("request 3 of 3 (text only") and "by request 1 (large image" in reason, reason
+    assert serving_of(case, 2)["chunks"][0][2] is not None  # the text request replayed in its bucket
+    _, _, fixed = run_of(tmp_path_factory, "full", fixed=True)
+    assert case_of(fixed, "shrink")["verdict"]["code"] == "PASS"
+    assert eager_answers(case_of(fixed, "shrink")) == eager_answers(case)  # the fix leaves eager untouched
 
 
 def test_vllms_default_mode_compiles_piecewise_graphs_and_passes_every_scenario(tmp_path: Path) -> None:

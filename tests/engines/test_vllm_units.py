@@ -249,6 +249,27 @@ def test_the_leak_witness_counts_real_rows_an_earlier_request_left(tmp_path: Pat
     assert channel.entries("image")[0].stale_rows == 0
 
 
+def test_the_leak_witness_names_the_request_that_left_most_of_the_rows(tmp_path: Path) -> None:
+    """The shrinking stream: a long image request, a shorter one over its first rows, then long
+    text. Each stale row's writer is the latest request whose rows reached it, so the tail is the
+    long request's, not the last writer's."""
+    channel = TapChannel(tmp_path)
+    channel.create()
+    tap, model = taps.StepTap(channel, capturing=lambda: False), FakeModel()
+    long_image = torch.zeros(3, 14, 2)
+    long_image[:, 2:14] = 1.0  # rows 2..13
+    short_image = torch.zeros(3, 4, 2)
+    short_image[:, 1:3] = 2.0  # rows 1..2
+    for tag, embeds in (("long", long_image), ("short", short_image)):
+        channel.arm("record", tag)
+        step(tap, FakeState(model, tap, embeds), embeds.shape[1], 16, "FULL", tag=tag)
+    channel.arm("record", "text")
+    step(tap, FakeState(model, tap), 14, 16, "FULL", tag="text")
+    (text,) = channel.entries("text")
+    # rows 1, 2 (short's) and 4..13 (the long request's tail; row 3 it left too, zeroed by short)
+    assert (text.stale_rows, text.stale_source) == (12, "long")
+
+
 # --- the plugin ---------------------------------------------------------------------------------------------
 
 FAKE_VLLM = {

@@ -28,6 +28,7 @@ wrappers pass through otherwise. Nothing here imports vllm; torch only inside a 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -146,7 +147,9 @@ class StepTap:
 
 def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
     """(rows in [start, stop) of the model's DeepStack buffers that hold features, the tag of the
-    latest tagged setter call that wrote one of them). Syncs with the device: tapped steps only."""
+    tagged setter call that left most of them: each row's writer is the latest call whose rows
+    reached it, so a longer request's tail past a shorter one's rows is named as the longer's).
+    Syncs with the device: tapped steps only."""
     buffers = getattr(model, BUFFER_ATTR, None)
     if not buffers or stop <= start:
         return 0, None
@@ -158,10 +161,11 @@ def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
     count = int(held.sum().item()) if held is not None else 0
     if count == 0:
         return 0, None
-    first = start + int(held.nonzero()[0].item())
     writes = getattr(model, WRITES_ATTR, [])
-    source = next((tag for tag, rows in reversed(writes) if rows > first), None)
-    return count, source
+    owners = Counter(next((tag for tag, rows in reversed(writes) if rows > start + row), None)
+                     for row in held.nonzero().flatten().tolist())
+    named = {tag: n for tag, n in owners.items() if tag is not None}
+    return count, max(named, key=named.__getitem__) if named else None
 
 
 # --- wrappers ---------------------------------------------------------------------------------------
