@@ -179,7 +179,8 @@ def test_the_shrinking_stream_reads_the_long_request_s_tail_and_the_fix_clears_i
     reason = case["verdict"]["reason"]
     assert case["verdict"]["code"] == "FAIL_STALE_STATE", case["verdict"]
     assert reason.startswith("request 3 of 3 (text only") and "by request 1 (large image" in reason, reason
-    assert serving_of(case, 2)["chunks"][0][2] is not None  # the text request replayed in its bucket
+    text = next(a for a in case["requests"][2]["arms"].values() if a["mode"] == "bcg" and a["deepstack"] == "normal")
+    assert text["evidence"]["prefill_replayed"] is True  # the text request replayed, in the large image's bucket
     _, _, fixed = run_of(tmp_path_factory, "full", fixed=True)
     assert case_of(fixed, "shrink")["verdict"]["code"] == "PASS"
     assert eager_answers(case_of(fixed, "shrink")) == eager_answers(case)  # the fix leaves eager untouched
