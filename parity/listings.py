@@ -44,10 +44,51 @@ def arms() -> None:
         click.echo(f"{spec.name:22} {spec.mode:6} deepstack={spec.deepstack:7} {spec.description}")
 
 
-@click.command()
-def models() -> None:
-    """List the embedded model presets (no download); any Qwen3-VL checkpoint id or path also works."""
+@click.group(invoke_without_command=True)
+@click.pass_context
+def models(ctx: click.Context) -> None:
+    """List the embedded model presets (no download); any Qwen3-VL checkpoint id or path also works.
+    A shape preset (a released checkpoint's dimensions, random weights) is listed with its parameters
+    and the memory its weights and a run need in bfloat16."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from parity.models.shapes import gib
     from parity.presets import PRESETS
 
     for preset in PRESETS.values():
-        click.echo(f"{preset.name:26} {preset.description}")
+        size = ""
+        if preset.shape is not None:
+            weights, needed = preset.shape.memory(2)
+            size = (f"{preset.shape.parameters() / 1e9:.2f} B params, {gib(weights)} in bfloat16 "
+                    f"(a run needs {gib(needed)}); ")
+        click.echo(f"{preset.name:30} {size}{preset.description}")
+
+
+@models.command("save")
+@click.argument("name")
+@click.argument("folder", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where the weights are drawn (a shape preset never passes through host memory).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True, help="auto: as `parity run` would load it (bfloat16 for a shape preset on a GPU).")
+@click.option("--seed", type=int, default=None, help="Build from this seed instead of the preset's own.")
+def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | None) -> None:
+    """Save preset NAME as a checkpoint folder (config, safetensors shards, tokenizer, processor), for
+    `parity run --model FOLDER`: the path a user's own checkpoint takes."""
+    from parity.presets import PRESETS
+    from parity.run_command import check_writable
+
+    if name not in PRESETS:
+        raise UsageError(f"{name!r} is not an embedded preset; `parity models` lists them")
+    check_writable("FOLDER", folder, True)
+    if folder.exists() and any(folder.iterdir()):
+        raise UsageError(f"FOLDER {folder}: is not empty; give a new or empty folder (nothing is overwritten)")
+    from parity.models import resolve_device, resolve_dtype
+    from parity.models.shapes import gib, save
+
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device, PRESETS[name].shape is None)
+    written = save(name, folder, torch_device, torch_dtype, seed)
+    files = sorted(p for p in written.iterdir() if p.is_file())
+    click.echo(f"wrote {written}: {len(files)} files, {gib(sum(p.stat().st_size for p in files))}; "
+               f"run it with `parity run --model {written}`")

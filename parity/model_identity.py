@@ -57,7 +57,10 @@ class ModelIdentity:
 
     def describe(self) -> str:
         """`tiny-qwen3-vl (preset, seed 0, weights sha256 1a2b3c4d5e6f…)`."""
-        what = f"preset, seed {self.seed}, weights" if self.kind == PRESET else "checkpoint, files"
+        from parity.presets import PRESETS
+
+        shape = self.name in PRESETS and PRESETS[self.name].shape is not None  # identified by its recipe
+        what = f"preset, seed {self.seed}, {'recipe' if shape else 'weights'}" if self.kind == PRESET else "checkpoint, files"
         return f"{self.name} ({what} sha256 {self.sha256[:12]}…)"
 
     def weights(self) -> tuple:

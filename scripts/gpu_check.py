@@ -4,7 +4,7 @@ Each step runs its commands (in parallel where they are independent) under its o
 to what is left of the budget; a step not reached, or cut, says so. After every step the results
 are written again under --out, so a call cut short still returns what it did, in four files:
 
-    summary.md   what each step gave, its tables (verdict matrix, timings, memory)
+    summary.md   what each step gave, its tables (verdict matrix, departures, shape presets' timings and memory)
     summary.json the same as data
     log.txt      every command's output
     runs.tar.gz  every results.json, report.md and JSON lines file the steps wrote
@@ -54,6 +54,9 @@ class Step:
     commands: tuple[Command, ...]
     parallel: bool = True  # False: one after another (timings that must not share the machine)
     dry_limit_s: float = 30  # with --device cpu: every step started and cut, within the same budget
+    # Started, then left running while the next steps run (the suite: CPU work on the host's cores
+    # while the device steps use the GPU); collected when done, or cut at its limit or the budget's end.
+    background: bool = False
 
 
 @dataclass
@@ -85,72 +88,100 @@ def steps(device: str, work: Path) -> list[Step]:
     def measure(label: str, what: str, out: str, *args: str) -> Command:
         return Command(label, (py, "scripts/gpu_measure.py", what, "--device", device, "--out", str(work / out), *args))
 
-    xdist = "16" if device == "cuda" else "2"
+    xdist = "12" if device == "cuda" else "2"  # on the GPU host, cores left for the device steps beside it
+    shape, shape_moe = (("shape-qwen3-vl-8b", "shape-qwen3-vl-30b-a3b") if device == "cuda" else
+                        ("shape-qwen3-vl-8b-scaled", "shape-qwen3-vl-30b-a3b-scaled"))
+    checkpoint = work / "shape-checkpoint" / shape
+    # Limits sized from the H200 run of 2026-12-04 (docs/gpu.md): the user's command 24 s, the MoE
+    # --scenario all --fixture all 92 s, the suite about 200 s at -n 16. Expected together about 480 s
+    # with the suite beside the device steps; the last step (the tiny presets' noise, which the shapes
+    # step measures at full size) is the first cut.
     return [
-        Step("defaults", 90, "`parity run` as a user types it, on this device and on this host's CPU (PASS, exit 0)",
+        Step("defaults", 60, "`parity run` as a user types it, on this device and on this host's CPU (PASS, exit 0)",
              (run("parity run", "defaults/device"),
               Command("parity run --device cpu", (*parity, "run", "--device", "cpu", "--no-plot", "--out",
                                                   str(work / "defaults/cpu")))), parallel=False),
-        Step("scenario-all", 150, "`--scenario all --fixture all` in one process per DeepStack preset and dtype (PASS)",
+        Step("scenario-all", 100, "`--scenario all --fixture all` in one process per DeepStack preset and dtype (PASS)",
              tuple(run(f"{p} {d}", f"scenario-all/{p}-{d}", "--model", p, "--dtype", d, "--scenario", "all",
                        "--fixture", "all") for p in DEEPSTACK_PRESETS for d in MATRIX_DTYPES), dry_limit_s=60),
-        Step("matrix", 150, "each runner variant x scenario x preset x dtype (fp32, bf16, fp16) against its expected "
-                            "verdict, the same in every dtype",
-             tuple(measure(f"{p} {d}", "matrix", f"matrix/{p}-{d}.jsonl", "--preset", p, "--dtype", d,
-                           "--runs", str(work / "matrix" / "runs")) for p, d in MATRIX_RUNS),
-             dry_limit_s=60),
-        Step("replay-check", 90, "every planted bug's departure from eager on its own shape, and a correct "
+        Step("pytest-gpu", 45, "the tests marked gpu (real torch.cuda.CUDAGraph)",
+             (Command("pytest -m gpu", (py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs")),)),
+        Step("suite", 300, f"the whole suite on this host (pytest -n {xdist}), beside the steps after it",
+             (Command(f"pytest -n {xdist}", (py, "-m", "pytest", "-q", "-n", xdist, "-p", "no:cacheprovider")),),
+             dry_limit_s=120, background=True),
+        Step("replay-check", 45, "every planted bug's departure from eager on its own shape, and a correct "
                                  "replay's bound and padding noise on this device (departure_table.py)",
              (Command("departure_table.py", (py, "scripts/departure_table.py", "--device", device,
                                              "--out", str(work / "replay-check/table.md"))),)),
-        Step("pytest-gpu", 120, "the tests marked gpu (real torch.cuda.CUDAGraph)",
-             (Command("pytest -m gpu", (py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs")),)),
-        Step("suite", 180, f"the whole suite on this host (pytest -n {xdist})",
-             (Command(f"pytest -n {xdist}", (py, "-m", "pytest", "-q", "-n", xdist, "-p", "no:cacheprovider")),),
-             dry_limit_s=60),
-        Step("noise", 90, "the noise of a correct replay on this device (measure_noise.py, one seed)",
+        Step("matrix", 45, "each runner variant x scenario x preset x dtype (fp32, bf16, fp16) against its expected "
+                           "verdict, the same in every dtype (its rows as far as the limit lets it)",
+             tuple(measure(f"{p} {d}", "matrix", f"matrix/{p}-{d}.jsonl", "--preset", p, "--dtype", d,
+                           "--runs", str(work / "matrix" / "runs")) for p, d in MATRIX_RUNS),
+             dry_limit_s=40),
+        # Real sizes without weights (shape presets, parity/models/shapes.py); --device cpu: their -scaled
+        # variants. The shapes step supersedes the tiny presets' `gpu_measure.py timings` and `memory`.
+        Step("shapes", 110, f"{shape} and {shape_moe} in bf16: build, capture of buckets 16 ... 8192 (time, "
+                            "memory, the slot against its formula), replay vs eager per bucket, a correct replay's "
+                            "noise at full depth",
+             (measure("shapes", "shapes", "shapes/rows.jsonl"),), dry_limit_s=45),
+        Step("shape-runs", 70, f"`parity run --model {shape}` and `{shape_moe}`: the four arms at a released size, "
+                               "load, capture and each session timed",
+             (run(shape, f"shape-runs/{shape}", "--model", shape),
+              run(shape_moe, f"shape-runs/{shape_moe}", "--model", shape_moe)), parallel=False, dry_limit_s=40),
+        Step("shape-checkpoint", 90, f"{shape} saved as a checkpoint folder, then `parity run --model FOLDER` "
+                                     "(the path a user's own checkpoint takes)",
+             (Command("parity models save", (*parity, "models", "save", shape, str(checkpoint), "--device", device)),
+              run("parity run --model FOLDER", "shape-checkpoint/run", "--model", str(checkpoint))),
+             parallel=False, dry_limit_s=45),
+        Step("noise", 40, "the noise of a correct replay of the tiny presets on this device (measure_noise.py, one seed)",
              (Command("measure_noise.py", (py, "scripts/measure_noise.py", "--device", device, "--seeds", "0",
-                                           "--skip-bugs", "--jsonl", str(work / "noise/comparisons.jsonl"))),)),
-        Step("timings", 60, "replay vs eager prefill per bucket, side by side (bf16)",
-             (measure("timings", "timings", "timings/rows.jsonl"),), dry_limit_s=45),
-        Step("memory", 30, "the DeepStack slot's bytes against the formula, and the captured graphs' peak",
-             (measure("memory", "memory", "memory/rows.jsonl"),)),
+                                           "--skip-bugs", "--jsonl", str(work / "noise/comparisons.jsonl"))),),
+             dry_limit_s=20),
     ]
+
+
+@dataclass
+class _Running:
+    command: Command
+    process: subprocess.Popen
+    handle: object
+    log: Path
+    started: float
+
+
+def _start(name: str, command: Command, logs: Path, index: int) -> _Running:
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}-{index}.log"
+    handle = log.open("w")
+    process = subprocess.Popen(command.argv, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # its own group: a cut stops its children too
+    return _Running(command, process, handle, log, time.monotonic())
+
+
+def _finish(running: _Running, deadline: float) -> Outcome:
+    """Wait for a command until `deadline` (monotonic), then cut it."""
+    try:
+        code = running.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        os.killpg(running.process.pid, signal.SIGKILL)
+        running.process.wait()
+        code = None
+    running.handle.close()
+    text = running.log.read_text(errors="replace")
+    status = "cut" if code is None else "ok" if code in running.command.ok_exit else "unexpected"
+    return Outcome(running.command.label, code, round(time.monotonic() - running.started, 1), status,
+                   "\n".join(text.strip().splitlines()[-15:]))
 
 
 def _run_step(step: Step, limit: float, logs: Path) -> StepResult:
     result = StepResult(step.name, step.what, limit)
     began = time.monotonic()
-    logs.mkdir(parents=True, exist_ok=True)
     batches = [step.commands] if step.parallel else [(c,) for c in step.commands]
     for batch in batches:
-        _run_batch(step.name, batch, began, limit, logs, result)
+        running = [_start(step.name, c, logs, len(result.outcomes) + i) for i, c in enumerate(batch)]
+        result.outcomes += [_finish(r, began + limit) for r in running]
     result.seconds = round(time.monotonic() - began, 1)
     return result
-
-
-def _run_batch(name: str, batch: tuple[Command, ...], began: float, limit: float, logs: Path,
-               result: StepResult) -> None:
-    running = []
-    for command in batch:
-        log = logs / f"{name}-{len(result.outcomes) + len(running)}.log"
-        handle = log.open("w")
-        process = subprocess.Popen(command.argv, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # its own group: a cut stops its children too
-        running.append((command, process, handle, log, time.monotonic()))
-    for command, process, handle, log, started in running:
-        left = max(0.0, limit - (time.monotonic() - began))
-        try:
-            code = process.wait(timeout=left)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            code = None
-        handle.close()
-        text = log.read_text(errors="replace")
-        status = "cut" if code is None else "ok" if code in command.ok_exit else "unexpected"
-        result.outcomes.append(Outcome(command.label, code, round(time.monotonic() - started, 1), status,
-                                       "\n".join(text.strip().splitlines()[-15:])))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -171,9 +202,13 @@ def _tables(work: Path, results: list[StepResult]) -> dict:
                               "device": doc["environment"].get("device"), "gpu": doc["environment"].get("gpu")}
     matrix = [row for path in sorted((work / "matrix").glob("*.jsonl")) for row in _rows(path)]
     departures = work / "replay-check/table.md"
-    return {"defaults": defaults, "matrix": matrix, "timings": _rows(work / "timings/rows.jsonl"),
-            "memory": _rows(work / "memory/rows.jsonl"),
-            "departures": departures.read_text() if departures.exists() else ""}
+    shape_runs = {}
+    for found in sorted([*(work / "shape-runs").glob("*/results.json"), *(work / "shape-checkpoint").glob("*/results.json")]):
+        doc = json.loads(found.read_text())
+        shape_runs[found.parent.name] = {"model": doc["config"]["model"], "verdict": doc["verdict"]["code"],
+                                         "timings": doc.get("timings")}
+    return {"defaults": defaults, "matrix": matrix, "shapes": _rows(work / "shapes/rows.jsonl"),
+            "shape_runs": shape_runs, "departures": departures.read_text() if departures.exists() else ""}
 
 
 def _pytest_line(tail: str) -> str:
@@ -205,17 +240,39 @@ def _markdown(header: str, results: list[StepResult], tables: dict) -> str:
     if tables["departures"]:
         lines += ["\n## The replay check: each planted bug's departure, a correct replay's bound\n",
                   tables["departures"]]
-    if tables["timings"]:
-        lines += ["\n## Replay vs eager prefill (bf16)\n", "| preset | bucket | eager ms | replay ms | speed-up | max abs diff |",
-                  "|---|---|---|---|---|---|"]
+    built = [r for r in tables["shapes"] if r.get("what") in ("build", "error")]
+    if built:
+        lines += ["\n## Shape presets (bf16): build, capture, memory\n",
+                  "| preset | built s | weights GiB (formula) | capture s | graphs' peak GiB | slot MiB (formula) | error |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['preset']} | {r.get('build_s')} | {_gib(r.get('weights_bytes'))} ({_gib(r.get('weights_formula_bytes'))}) | "
+                  f"{r.get('capture_s')} | {_gib(r.get('capture_peak_bytes'))} | {_mib(r.get('slot_bytes'))} "
+                  f"({_mib(r.get('slot_formula_bytes'))}) | {r.get('error', '')} |" for r in built]
+    buckets = [r for r in tables["shapes"] if r.get("what") == "bucket"]
+    if buckets:
+        lines += ["\n## Shape presets: replay vs eager per bucket, a correct replay's noise (bf16)\n",
+                  "| preset | bucket | eager ms | replay ms | speed-up | vs padded eager | padded eager's repeat | vs eager | hidden rms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['preset']} | {r['bucket']} | {r['eager_ms']:.3f} | {r['replay_ms']:.3f} | {r['speedup']:.2f}× | "
-                  f"{r['max_abs_diff']:.3g} |" for r in tables["timings"]]
-    if tables["memory"]:
-        lines += ["\n## DeepStack slot memory\n", "| preset | dtype | slot bytes | formula | ok | capture peak bytes |",
-                  "|---|---|---|---|---|---|"]
-        lines += [f"| {r['preset']} | {r['dtype']} | {r['slot_bytes']} | {r['formula_bytes']} | "
-                  f"{'✅' if r['ok'] else '❌'} | {r['capture_peak_bytes']} |" for r in tables["memory"]]
+                  f"{r['vs_padded_eager_max_abs']:.3g} | {r['padded_eager_repeat_max_abs']:.3g} | "
+                  f"{r['vs_unpadded_eager_max_abs']:.3g} | {r['hidden_rms']:.3g} |"
+                  for r in buckets]
+    if tables["shape_runs"]:
+        lines += ["\n## Shape presets: the four arms (s)\n",
+                  "| run | model | verdict | load | capture | eager session | graph session | total |", "|---|---|---|---|---|---|---|---|"]
+        for name, r in tables["shape_runs"].items():
+            t = r["timings"] or {}
+            lines.append(f"| {name} | {r['model']} | {r['verdict']} | {t.get('load_s')} | {t.get('capture_s')} | "
+                         f"{t.get('eager_s')} | {t.get('bcg_s')} | {t.get('total_s')} |")
     return "\n".join(lines) + "\n"
+
+
+def _gib(count: int | None) -> str:
+    return "—" if count is None else f"{count / 2**30:.2f}"
+
+
+def _mib(count: int | None) -> str:
+    return "—" if count is None else f"{count / 2**20:.1f}"
 
 
 def _write(out: Path, work: Path, header: str, results: list[StepResult]) -> None:
@@ -239,6 +296,12 @@ def _header(device: str) -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} · --device {device} · {found.stdout.strip()}"
 
 
+def _report(result: StepResult) -> None:
+    for outcome in result.outcomes:
+        print(f"   {result.name} · {outcome.label}: {outcome.status} (exit {outcome.exit_code}, {outcome.seconds} s)",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -254,16 +317,34 @@ def main() -> None:
     plan = steps(args.device, work)
     chosen = set(args.only.split(",")) if args.only else {s.name for s in plan}
     results = [StepResult(s.name, s.what, s.limit_s, [Outcome(c.label) for c in s.commands]) for s in plan]
+    background: dict[int, tuple[list[_Running], float]] = {}  # step index -> (its commands, its deadline)
+
+    def collect(wait: bool) -> None:
+        for i, (running, deadline) in list(background.items()):
+            if wait or all(r.process.poll() is not None for r in running):
+                started = running[0].started
+                results[i].outcomes = [_finish(r, deadline) for r in running]
+                results[i].seconds = round(time.monotonic() - started, 1)
+                _report(results[i])
+                del background[i]
+                _write(args.out, work, header, results)
+
     for i, step in enumerate(plan):
+        collect(wait=False)
         left = args.budget - (time.monotonic() - began)
         if step.name not in chosen or left < 5:
             continue
-        print(f"== {step.name}: {step.what}", flush=True)
-        limit = step.limit_s if args.device == "cuda" else step.dry_limit_s
-        results[i] = _run_step(step, min(limit, left), work / "logs")
-        for outcome in results[i].outcomes:
-            print(f"   {outcome.label}: {outcome.status} (exit {outcome.exit_code}, {outcome.seconds} s)", flush=True)
+        print(f"== {step.name}: {step.what}{' (in the background)' if step.background else ''}", flush=True)
+        limit = min(step.limit_s if args.device == "cuda" else step.dry_limit_s, left)
+        if step.background:
+            background[i] = ([_start(step.name, c, work / "logs", k) for k, c in enumerate(step.commands)],
+                             time.monotonic() + limit)
+            results[i].limit_s = limit
+            continue
+        results[i] = _run_step(step, limit, work / "logs")
+        _report(results[i])
         _write(args.out, work, header, results)
+    collect(wait=True)
     _write(args.out, work, header, results)
     unexpected = [o for r in results for o in r.outcomes if o.status in ("unexpected", "cut")]
     print(f"done in {time.monotonic() - began:.0f} s; {len(unexpected)} command(s) unexpected or cut; "

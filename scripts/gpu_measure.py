@@ -8,7 +8,13 @@ lines file as it is made (a step cut by its time limit keeps the rows it finishe
         replay vs eager prefill per bucket, side by side in one process (bf16);
     python scripts/gpu_measure.py memory --device cuda --out rows.jsonl
         the DeepStack slot's bytes against max_tokens x hidden x n x dtype size, and the peak memory
-        of the captured graphs.
+        of the captured graphs;
+    python scripts/gpu_measure.py shapes --device cuda --out rows.jsonl
+        the shape presets (Qwen3-VL-8B, -30B-A3B; on the CPU their -scaled variants) in bf16, one at
+        a time: build time and weights' memory against the formula, every bucket 16 ... 8192 captured
+        (time, graphs' peak memory, the slot against max_tokens x hidden x 3 x 2 bytes), then per
+        bucket replay vs eager side by side, and the noise of a correct replay at full depth: against
+        eager over its own padded inputs (the replay check's reference) and against the unpadded prompt.
 
 `--device cpu` runs the same code on the emulated graph (a dry run: no timing worth reading).
 """
@@ -180,10 +186,89 @@ def memory(args) -> None:
             runner.close()
 
 
+SHAPE_PRESETS = {"cuda": ("shape-qwen3-vl-8b", "shape-qwen3-vl-30b-a3b"),
+                 "cpu": ("shape-qwen3-vl-8b-scaled", "shape-qwen3-vl-30b-a3b-scaled")}
+SHAPE_BUCKETS = {"cuda": (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192), "cpu": (16, 32, 64, 128, 256)}
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def shapes(args) -> None:
+    import gc
+
+    from parity.models import shapes as shape_presets
+
+    cuda = args.device == "cuda"
+    buckets = SHAPE_BUCKETS[args.device]
+    for preset in SHAPE_PRESETS[args.device]:
+        row = {"preset": preset, "dtype": "bfloat16"}
+        try:
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            adapter = load_model(preset, device=args.device, dtype="bfloat16").adapter
+            row["build_s"] = round(time.perf_counter() - start, 2)
+            formula = shape_presets.parameter_count(preset) * 2
+            row.update(weights_formula_bytes=formula,
+                       weights_bytes=sum(p.numel() * p.element_size() for p in adapter.model.parameters()),
+                       allocated_after_build=(torch.cuda.memory_allocated() - base) if cuda else None)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+            start = time.perf_counter()
+            runner = _runner(adapter, args.device, buckets)
+            slot_formula = max(buckets) * adapter.hidden_size * adapter.deepstack_count * adapter.dtype.itemsize
+            row.update(capture_s=round(time.perf_counter() - start, 2), buckets=list(buckets),
+                       capture_peak_bytes=(torch.cuda.max_memory_allocated() - before) if cuda else None,
+                       slot_bytes=runner.deepstack_slot_bytes, slot_formula_bytes=slot_formula,
+                       slot_ok=runner.deepstack_slot_bytes == slot_formula)
+            print(f"{preset}: built in {row['build_s']} s ({row['weights_bytes'] / 2**30:.1f} GiB, formula "
+                  f"{formula / 2**30:.1f}), {len(buckets)} buckets captured in {row['capture_s']} s, slot "
+                  f"{runner.deepstack_slot_bytes / 2**20:.0f} MiB (formula {slot_formula / 2**20:.0f})", flush=True)
+            _append(args.out, {"what": "build", **row})
+            generator = torch.Generator(device=adapter.device).manual_seed(0)
+            for bucket in buckets:
+                tokens = bucket - bucket // 8  # a prompt that pads up to the bucket
+                inputs = _random_inputs(adapter, tokens, generator)
+                with torch.inference_mode():
+                    replayed = runner.replay(*inputs)[0]
+                    padded_inputs = runner.padded_inputs(*inputs)[:3]
+                    padded = adapter.body(*padded_inputs)[0][:tokens]
+                    repeat = adapter.body(*padded_inputs)[0][:tokens]  # the bound: eager against itself
+                    unpadded = adapter.body(*inputs)[0]
+                    iters = args.iters if bucket <= 1024 else max(3, args.iters // 6)
+                    for _ in range(2):
+                        adapter.body(*inputs)
+                        runner.replay(*inputs)
+                    eager_s = _median_seconds(lambda: adapter.body(*inputs), adapter.device, iters)
+                    replay_s = _median_seconds(lambda: runner.replay(*inputs), adapter.device, iters)
+                timing = {"what": "bucket", "preset": preset, "bucket": bucket, "tokens": tokens,
+                          "eager_ms": eager_s * 1e3, "replay_ms": replay_s * 1e3, "speedup": eager_s / replay_s,
+                          "vs_padded_eager_max_abs": _max_abs(replayed, padded),
+                          "padded_eager_repeat_max_abs": _max_abs(padded, repeat),
+                          "vs_unpadded_eager_max_abs": _max_abs(replayed, unpadded),
+                          "hidden_rms": float(unpadded.float().pow(2).mean().sqrt())}
+                _append(args.out, timing)
+                print(f"{preset} bucket {bucket:5}: eager {eager_s * 1e3:9.3f} ms  replay {replay_s * 1e3:9.3f} ms  "
+                      f"x{eager_s / replay_s:5.2f}  |replay-padded eager| {timing['vs_padded_eager_max_abs']:.3g}  "
+                      f"|replay-eager| {timing['vs_unpadded_eager_max_abs']:.3g}", flush=True)
+            runner.close()
+        except Exception as err:  # a shape that cannot be built or captured here is a finding, not the end
+            traceback.print_exc()
+            _append(args.out, {"what": "error", **row, "error": f"{err.__class__.__name__}: {err}"})
+        adapter = runner = None
+        gc.collect()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    for name in ("matrix", "timings", "memory"):
+    for name in ("matrix", "timings", "memory", "shapes"):
         cmd = sub.add_parser(name)
         cmd.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
         cmd.add_argument("--out", type=Path, required=True, help="JSON lines, one row per measurement")
@@ -191,10 +276,10 @@ def main() -> None:
             cmd.add_argument("--preset", required=True)
             cmd.add_argument("--dtype", required=True)
             cmd.add_argument("--runs", help="write each run's results.json and report.md under this folder")
-        if name == "timings":
-            cmd.add_argument("--iters", type=int, default=30)
+        if name in ("timings", "shapes"):
+            cmd.add_argument("--iters", type=int, default=30 if name == "timings" else 12)
     args = parser.parse_args()
-    {"matrix": matrix, "timings": timings, "memory": memory}[args.what](args)
+    {"matrix": matrix, "timings": timings, "memory": memory, "shapes": shapes}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import torch
 
 from parity.errors import UsageError
 from parity.model_identity import PRESET, ModelIdentity, of_checkpoint, weights_sha256
+from parity.models import shapes
 from parity.models.checkpoint import SUPPORTED_MODEL_TYPES, check_architecture, load_checkpoint
 from parity.models.qwen3_vl import Qwen3VLAdapter
 from parity.presets import DEFAULT_MODEL, OMNI_THINKER, PRESETS
@@ -63,8 +64,13 @@ def load_model(
     embedded = name in PRESETS
     if seed is not None and not embedded:
         raise UsageError(f"a seed builds an embedded preset ({', '.join(PRESETS)}); {name!r} is a checkpoint")
-    torch_dtype = resolve_dtype(dtype, torch_device, embedded)
-    if embedded:
+    shape = embedded and PRESETS[name].shape is not None  # a released size: built as a checkpoint would load
+    torch_dtype = resolve_dtype(dtype, torch_device, embedded and not shape)
+    if shape:
+        seed = PRESETS[name].seed if seed is None else seed
+        model, processor = shapes.build(dataclasses.replace(PRESETS[name], seed=seed), torch_device, torch_dtype)
+        identity = shapes.identity(name, seed, torch_device, torch_dtype)
+    elif embedded:
         seed = PRESETS[name].seed if seed is None else seed
         model, processor = _build_preset(name, seed)
         identity = preset_identity(name, seed)
@@ -73,9 +79,9 @@ def load_model(
         identity = of_checkpoint(name)
     model = model.to(device=torch_device, dtype=torch_dtype).eval()
     if model.config.model_type in ("qwen3_vl_moe", OMNI_THINKER):
-        # Batched expert matmuls have no data-dependent shapes or host syncs, so a CUDA graph can
-        # capture the body; eager arms use the same kernels, so the comparison stays fair.
-        model.set_experts_implementation("batched_mm")
+        # Expert matmuls with no data-dependent shapes or host syncs, so a CUDA graph can capture
+        # the body; eager arms use the same kernels, so the comparison stays fair.
+        model.set_experts_implementation(shapes.experts_implementation(torch_device, tiny=embedded and not shape))
     return LoadedModel(name, Qwen3VLAdapter(model, processor), embedded, identity, seed)
 
 
@@ -109,6 +115,8 @@ def _built_preset(name: str, seed: int):
     """Built once per process and seed: the tokenizer training and processor set-up dominate a tiny run."""
     from parity.models.tiny import build_model, build_processor, build_tokenizer
 
+    if PRESETS[name].shape is not None:  # a server loads it from a saved folder: built here, in float32
+        shapes.check_memory(name, torch.device("cpu"), torch.float32)
     preset = dataclasses.replace(PRESETS[name], seed=seed)
     tokenizer = build_tokenizer(preset)
     return build_model(preset, tokenizer), build_processor(tokenizer, preset)

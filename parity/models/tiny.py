@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from parity.models.qwen3_vl import vision_language_core
-from parity.presets import OMNI_THINKER as OMNI, TinyPreset
+from parity.presets import OMNI_THINKER as OMNI, ReleasedShape, TinyPreset
 
 # Qwen's special tokens, in Qwen's order; the processor and config refer to them by name.
 SPECIAL_TOKENS = (
@@ -121,6 +121,8 @@ def build_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if preset.model_type == "qwen3_5":
         return _qwen3_5_config(preset, len(tokenizer), ids)
+    if preset.shape is not None:
+        return _shape_config(preset.shape, ids)
     hidden = preset.hidden_size
     heads = max(4, hidden // 64)
     head_dim = hidden // heads
@@ -174,6 +176,30 @@ def build_config(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
     )
 
 
+def _shape_config(shape: ReleasedShape, ids: dict[str, int]):
+    """A released checkpoint's config, dimension for dimension, with the presets' tokenizer's ids
+    (its vocabulary stays the released one: the rows past the tokenizer are never a token)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": shape.rope_theta, "mrope_section": list(shape.mrope_section),
+            "mrope_interleaved": True}
+    text = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                head_dim=shape.head_dim, max_position_embeddings=shape.max_positions, rms_norm_eps=1e-6,
+                rope_scaling=rope, rope_parameters=rope, tie_word_embeddings=False)
+    if shape.experts:
+        text.update(num_experts=shape.experts, num_experts_per_tok=shape.experts_per_token,
+                    moe_intermediate_size=shape.moe_intermediate, decoder_sparse_step=1)
+    vision = dict(depth=shape.vision_depth, hidden_size=shape.vision_hidden, intermediate_size=shape.vision_intermediate,
+                  num_heads=shape.vision_heads, patch_size=shape.patch, spatial_merge_size=shape.merge,
+                  temporal_patch_size=shape.temporal_patch, out_hidden_size=shape.hidden,
+                  num_position_embeddings=shape.vision_positions, deepstack_visual_indexes=list(shape.deepstack_indexes))
+    cls = Qwen3VLMoeConfig if shape.experts else Qwen3VLConfig
+    return cls(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+               video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+               vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+
+
 def _qwen3_5_config(preset: TinyPreset, vocab: int, ids: dict[str, int]):
     """A Qwen3.5 config at the preset's size with an empty deepstack_visual_indexes, as released
     Qwen3.5 checkpoints ship it (transformers' Qwen3.5 vision config has no such field at all)."""
@@ -193,17 +219,24 @@ def _qwen3_5_config(preset: TinyPreset, vocab: int, ids: dict[str, int]):
     return config
 
 
-def build_model(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast):
-    """Random weights from the preset's seed; special and non-printable tokens can never win argmax."""
+def model_class(preset: TinyPreset):
     from transformers import (Qwen3OmniMoeThinkerForConditionalGeneration, Qwen3VLForConditionalGeneration,
                               Qwen3VLMoeForConditionalGeneration)
 
+    return (Qwen3OmniMoeThinkerForConditionalGeneration if preset.model_type == OMNI else
+            Qwen3VLMoeForConditionalGeneration if preset.moe else Qwen3VLForConditionalGeneration)
+
+
+def build_model(preset: TinyPreset, tokenizer: PreTrainedTokenizerFast, device: torch.device | None = None,
+                dtype: torch.dtype = torch.float32):
+    """Random weights from the preset's seed, drawn where the model will run (the CPU unless
+    `device` says otherwise: a shape preset is built on its GPU, never copied through the host);
+    special and non-printable tokens can never win argmax."""
     config = build_config(preset, tokenizer)
-    cls = (Qwen3OmniMoeThinkerForConditionalGeneration if preset.model_type == OMNI else
-           Qwen3VLMoeForConditionalGeneration if preset.moe else Qwen3VLForConditionalGeneration)
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device("cpu") if device is None else device
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(preset.seed)
-        model = cls._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        model = model_class(preset)._from_config(config, attn_implementation="sdpa", dtype=dtype)
         _scale_up_init(model)
     _route_deepstack_through_a_channel(model)
     _make_layout_matter(model)
@@ -349,7 +382,8 @@ def _silence_unprintable_tokens(model, tokenizer) -> None:
     """
     head = model.get_output_embeddings().weight
     special = set(tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)))
-    for token_id in range(head.shape[0]):
-        text = tokenizer.decode([token_id]) if token_id < len(tokenizer) else ""
+    head[len(tokenizer):].zero_()  # a released vocabulary's rows past the presets' tokenizer: never a token
+    for token_id in range(min(head.shape[0], len(tokenizer))):
+        text = tokenizer.decode([token_id])
         if token_id in special or not text or not (text.isascii() and text.isprintable()):
             head[token_id].zero_()
