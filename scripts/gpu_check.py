@@ -123,7 +123,7 @@ def steps(device: str, work: Path) -> list[Step]:
         Step("shapes", 110, f"{shape} and {shape_moe} in bf16: build, capture of buckets 16 ... 8192 (time, "
                             "memory, the slot against its formula), replay vs eager per bucket, a correct replay's "
                             "noise at full depth",
-             (measure("shapes", "shapes", "shapes/rows.jsonl"),), dry_limit_s=45),
+             (measure("shapes", "shapes", "shapes/rows.jsonl"),), dry_limit_s=90),  # the scaled ones to the end
         Step("shape-runs", 70, f"`parity run --model {shape}` and `{shape_moe}`: the four arms at a released size, "
                                "load, capture and each session timed",
              (run(shape, f"shape-runs/{shape}", "--model", shape),
@@ -205,7 +205,7 @@ def _tables(work: Path, results: list[StepResult]) -> dict:
     shape_runs = {}
     for found in sorted([*(work / "shape-runs").glob("*/results.json"), *(work / "shape-checkpoint").glob("*/results.json")]):
         doc = json.loads(found.read_text())
-        shape_runs[found.parent.name] = {"model": doc["config"]["model"], "verdict": doc["verdict"]["code"],
+        shape_runs[f"{found.parent.parent.name}/{found.parent.name}"] = {"model": doc["config"]["model"], "verdict": doc["verdict"]["code"],
                                          "timings": doc.get("timings")}
     return {"defaults": defaults, "matrix": matrix, "shapes": _rows(work / "shapes/rows.jsonl"),
             "shape_runs": shape_runs, "departures": departures.read_text() if departures.exists() else ""}
