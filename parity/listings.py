@@ -52,8 +52,7 @@ def models(ctx: click.Context) -> None:
     and the memory its weights and a run need in bfloat16."""
     if ctx.invoked_subcommand is not None:
         return
-    from parity.models.shapes import gib
-    from parity.presets import PRESETS
+    from parity.presets import PRESETS, gib
 
     for preset in PRESETS.values():
         size = ""
@@ -75,7 +74,7 @@ def models(ctx: click.Context) -> None:
 def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | None) -> None:
     """Save preset NAME as a checkpoint folder (config, safetensors shards, tokenizer, processor), for
     `parity run --model FOLDER`: the path a user's own checkpoint takes."""
-    from parity.presets import PRESETS
+    from parity.presets import PRESETS, gib
     from parity.run_command import check_writable
 
     if name not in PRESETS:
@@ -84,7 +83,7 @@ def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | Non
     if folder.exists() and any(folder.iterdir()):
         raise UsageError(f"FOLDER {folder}: is not empty; give a new or empty folder (nothing is overwritten)")
     from parity.models import resolve_device, resolve_dtype
-    from parity.models.shapes import gib, save
+    from parity.models.shapes import save
 
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, PRESETS[name].shape is None)

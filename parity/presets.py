@@ -18,6 +18,11 @@ WORKSPACE_FRACTION = 0.10
 WORKSPACE_FLOOR = 2 * 2**30
 
 
+def gib(count: int) -> str:
+    """Bytes as parity states a memory figure (listings, refusals)."""
+    return f"{count / 2**30:.1f} GiB"
+
+
 @dataclass(frozen=True)
 class ReleasedShape:
     """A released Qwen3-VL checkpoint's dimensions, as its config.json gives them, without its weights."""

@@ -28,7 +28,7 @@ import torch
 
 from parity.errors import ModelUnavailableError
 from parity.model_identity import PRESET, ModelIdentity
-from parity.presets import PRESETS, SCALE, TinyPreset
+from parity.presets import PRESETS, SCALE, TinyPreset, gib
 
 _RECIPE_SOURCES = ("tiny.py", "shapes.py", "../presets.py")
 
@@ -63,10 +63,6 @@ def free_memory(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
-
-
-def gib(count: int) -> str:
-    return f"{count / 2**30:.1f} GiB"
 
 
 def check_memory(name: str, device: torch.device, dtype: torch.dtype) -> None:
