@@ -39,7 +39,7 @@ BUGS = (("legacy", RunnerVariant.LEGACY, PrefillGraphRunner, "four-arm"),
         *((name, RunnerVariant(name), PrefillGraphRunner, scenario) for name, (scenario, _) in PLANTED_BUGS.items()),
         ("mutant SkipsCopyWhenShapeRepeats", RunnerVariant.FIXED, mutants.SkipsCopyWhenShapeRepeats, "stream"),
         ("mutant RefreshesAfterReplay", RunnerVariant.FIXED, mutants.RefreshesAfterReplay, "stream"),
-        ("mutant NudgesEveryReplay", RunnerVariant.FIXED, mutants.NudgesEveryReplay, "four-arm"))
+        ("mutant NudgesEveryReplayInBf16", RunnerVariant.FIXED, mutants.NudgesEveryReplayInBf16, "four-arm"))
 
 
 def run(loaded, variant, runner_class, scenarios, max_new_tokens=12):
