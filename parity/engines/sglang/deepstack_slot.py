@@ -25,11 +25,12 @@ there: it binds nothing, and records that the engine's own slot was found and th
 bodies read it. The run then judges the engine's slot, and its report says so.
 
 It is off unless `PARITY_SGLANG_FIX` names a variant, and it refuses any SGLang release it was not
-validated on or that carries no slot of its own (versions.py). `deepstack-slot-no-clear` is a test-only variant that never clears (the
-stale-state bug the `stream` scenario must catch), and `deepstack-slot-skip-same-shape` one that
-skips the refresh when two batches in a row carry DeepStack of one shape (what the stream's
-normal and zeroed requests of one image reach, back to back). Nothing here depends on the device: with real
-CUDA graphs on a GPU the same hooks bind the same slot.
+validated on or that carries no slot of its own (versions.py). `deepstack-slot-no-clear` is a
+test-only variant that never clears (the stale-state bug the `stream` scenario must catch), and
+`deepstack-slot-skip-same-shape` one that skips the refresh when two batches in a row carry
+DeepStack of one shape (what the stream's normal and zeroed requests of one image reach, back to
+back). Nothing here depends on the device: with real CUDA graphs on a GPU the same hooks bind the
+same slot.
 """
 
 from __future__ import annotations
