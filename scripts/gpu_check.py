@@ -119,7 +119,8 @@ def steps(device: str, work: Path) -> list[Step]:
                            "--runs", str(work / "matrix" / "runs")) for p, d in MATRIX_RUNS),
              dry_limit_s=40),
         # Real sizes without weights (shape presets, parity/models/shapes.py); --device cpu: their -scaled
-        # variants. The shapes step supersedes the tiny presets' `gpu_measure.py timings` and `memory`.
+        # variants. It replaces the tiny presets' replay timings and slot memory: at tiny size a GPU
+        # measures overheads only.
         Step("shapes", 110, f"{shape} and {shape_moe} in bf16: build, capture of buckets 16 ... 8192 (time, "
                             "memory, the slot against its formula), replay vs eager per bucket, a correct replay's "
                             "noise at full depth",

@@ -4,11 +4,6 @@ lines file as it is made (a step cut by its time limit keeps the rows it finishe
     python scripts/gpu_measure.py matrix --preset P --dtype D --device cuda --out rows.jsonl [--runs DIR]
         each runner variant x scenario on one preset and dtype, against the verdict a correct
         harness gives (docs/scenarios.md); failing cases localized on the device;
-    python scripts/gpu_measure.py timings --device cuda --out rows.jsonl
-        replay vs eager prefill per bucket, side by side in one process (bf16);
-    python scripts/gpu_measure.py memory --device cuda --out rows.jsonl
-        the DeepStack slot's bytes against max_tokens x hidden x n x dtype size, and the peak memory
-        of the captured graphs;
     python scripts/gpu_measure.py shapes --device cuda --out rows.jsonl
         the shape presets (Qwen3-VL-8B, -30B-A3B; on the CPU their -scaled variants) in bf16, one at
         a time: build time and weights' memory against the formula, every bucket 16 ... 8192 captured
@@ -54,8 +49,6 @@ FAMILY_RUNS = tuple(("fixed", s) for s in FAMILY_SCENARIOS) + tuple((v, s) for v
 PLANTED_VERDICTS = {"chunk-misaligned": "FAIL_GRAPH_DIVERGES", "prefix-offset": "FAIL_GRAPH_DIVERGES",
                     "growth-rebind": "FAIL_STALE_STATE", "warmup-specialized": "FAIL_DEEPSTACK_DROPPED",
                     "layout-keyed": "FAIL_GRAPH_DIVERGES", "clears-own-rows": "FAIL_STALE_STATE"}
-TIMED_PRESETS = ("tiny-qwen3-vl", "mid-qwen3-vl")
-BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
 def expected_verdict(preset: str, runner: str, scenario: str) -> str:
@@ -128,7 +121,7 @@ def _median_seconds(fn, device: torch.device, iters: int) -> float:
     return statistics.median(times)
 
 
-def _runner(adapter, device: str, buckets=BUCKETS) -> PrefillGraphRunner:
+def _runner(adapter, device: str, buckets) -> PrefillGraphRunner:
     return PrefillGraphRunner(adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
                               buckets=buckets, graph_backend=GraphBackend(_graph_backend(device)))
 
@@ -139,51 +132,6 @@ def _random_inputs(adapter, tokens: int, generator: torch.Generator):
     deepstack = torch.randn(tokens, adapter.hidden_size * adapter.deepstack_count, generator=generator,
                             device=adapter.device, dtype=adapter.dtype)
     return embeds, positions, deepstack
-
-
-def timings(args) -> None:
-    for preset in TIMED_PRESETS:
-        adapter = load_model(preset, device=args.device, dtype="bfloat16").adapter
-        start = time.perf_counter()
-        runner = _runner(adapter, args.device)
-        capture_s = time.perf_counter() - start
-        generator = torch.Generator(device=adapter.device).manual_seed(0)
-        for bucket in BUCKETS:
-            inputs = _random_inputs(adapter, bucket, generator)
-            with torch.inference_mode():
-                eager_out = adapter.body(*inputs)[0]
-                replay_out = runner.replay(*inputs)[0]
-                for _ in range(3):  # warm-up both paths
-                    adapter.body(*inputs)
-                    runner.replay(*inputs)
-                eager_s = _median_seconds(lambda: adapter.body(*inputs), adapter.device, args.iters)
-                replay_s = _median_seconds(lambda: runner.replay(*inputs), adapter.device, args.iters)
-            _append(args.out, {"preset": preset, "bucket": bucket, "eager_ms": eager_s * 1e3, "replay_ms": replay_s * 1e3,
-                               "speedup": eager_s / replay_s, "capture_s": capture_s,
-                               "max_abs_diff": float((eager_out.float() - replay_out.float()).abs().max())})
-            print(f"{preset:16} bucket {bucket:4}: eager {eager_s * 1e3:8.3f} ms  replay {replay_s * 1e3:8.3f} ms  "
-                  f"x{eager_s / replay_s:5.2f}", flush=True)
-        runner.close()
-
-
-def memory(args) -> None:
-    cuda = args.device == "cuda"
-    for preset in ("tiny-qwen3-vl", "tiny-qwen3-vl-nodeepstack"):
-        for dtype in ("float32", "bfloat16"):
-            adapter = load_model(preset, device=args.device, dtype=dtype).adapter
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            runner = _runner(adapter, args.device)
-            graphs = (torch.cuda.max_memory_allocated() - before) if cuda else None
-            formula = max(BUCKETS) * adapter.hidden_size * adapter.deepstack_count * adapter.dtype.itemsize
-            _append(args.out, {"preset": preset, "dtype": dtype, "slot_bytes": runner.deepstack_slot_bytes,
-                               "formula_bytes": formula, "ok": runner.deepstack_slot_bytes == formula,
-                               "capture_peak_bytes": graphs})
-            print(f"{preset:26} {dtype:9} DeepStack slot {runner.deepstack_slot_bytes:9} B (formula {formula})"
-                  f"{'' if graphs is None else f', capture peak {graphs} B'}", flush=True)
-            runner.close()
 
 
 SHAPE_PRESETS = {"cuda": ("shape-qwen3-vl-8b", "shape-qwen3-vl-30b-a3b"),
@@ -268,7 +216,7 @@ def shapes(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
-    for name in ("matrix", "timings", "memory", "shapes"):
+    for name in ("matrix", "shapes"):
         cmd = sub.add_parser(name)
         cmd.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
         cmd.add_argument("--out", type=Path, required=True, help="JSON lines, one row per measurement")
@@ -276,10 +224,10 @@ def main() -> None:
             cmd.add_argument("--preset", required=True)
             cmd.add_argument("--dtype", required=True)
             cmd.add_argument("--runs", help="write each run's results.json and report.md under this folder")
-        if name in ("timings", "shapes"):
-            cmd.add_argument("--iters", type=int, default=30 if name == "timings" else 12)
+        if name == "shapes":
+            cmd.add_argument("--iters", type=int, default=12)
     args = parser.parse_args()
-    {"matrix": matrix, "timings": timings, "memory": memory, "shapes": shapes}[args.what](args)
+    {"matrix": matrix, "shapes": shapes}[args.what](args)
 
 
 if __name__ == "__main__":

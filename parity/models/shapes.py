@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -41,11 +41,6 @@ def experts_implementation(device: torch.device, tiny: bool) -> str:
     to the tokens. (On a CPU, grouped_mm's fp32 results move by ~1e-4 with its operands' alignment,
     past the teacher-forcing floor: measured on shape-qwen3-vl-30b-a3b-scaled.)"""
     return "grouped_mm" if device.type == "cuda" and not tiny else "batched_mm"
-
-
-def is_shape(name: str) -> bool:
-    preset = PRESETS.get(name)
-    return preset is not None and preset.shape is not None
 
 
 def parameter_count(name: str) -> int:
@@ -107,8 +102,6 @@ def save(name: str, folder: Path, device: torch.device, dtype: torch.dtype, seed
     tokenizer and processor."""
     preset = PRESETS[name]
     if seed is not None:
-        from dataclasses import replace
-
         preset = replace(preset, seed=seed)
     model, processor = build(preset, device, dtype)
     from transformers.utils import logging as hf_logging
