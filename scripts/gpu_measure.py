@@ -6,7 +6,8 @@ lines file as it is made (a step cut by its time limit keeps the rows it finishe
         harness gives (docs/scenarios.md); failing cases localized on the device;
     python scripts/gpu_measure.py shapes --device cuda --out rows.jsonl
         the shape presets (Qwen3-VL-8B, -30B-A3B; on the CPU their -scaled variants) in bf16, one at
-        a time: build time and weights' memory against the formula, every bucket 16 ... 8192 captured
+        a time, each skipped (saying why) where the device's free memory cannot hold it: build time and
+        weights' memory against the formula, every bucket 16 ... 8192 captured
         (time, graphs' peak memory, the slot against max_tokens x hidden x 3 x 2 bytes), then per
         bucket replay vs eager side by side, and the noise of a correct replay at full depth: against
         eager over its own padded inputs (the replay check's reference) and against the unpadded prompt.
@@ -31,6 +32,7 @@ import torch  # noqa: E402
 
 from parity.arms import select_arms  # noqa: E402
 from parity.backends.transformers_backend import TransformersBackend  # noqa: E402
+from parity.errors import ModelUnavailableError  # noqa: E402
 from parity.design import FAMILY_SCENARIOS, PLANTED_BUGS  # noqa: E402
 from parity.judge.metrics import tuple_text  # noqa: E402
 from parity.media.catalog import builtin_fixture  # noqa: E402
@@ -38,7 +40,7 @@ from parity.media.fixtures import default_prompts  # noqa: E402
 from parity.models import load_model  # noqa: E402
 from parity.reporting.report import localization_sentence, render_markdown  # noqa: E402
 from parity.results import write_results  # noqa: E402
-from parity.run.experiment import run_experiment  # noqa: E402
+from parity.run.experiment import RunInterrupted, run_experiment  # noqa: E402
 from parity.run.planning import CaseSpec, RunSpec  # noqa: E402
 from parity.runner.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant  # noqa: E402
 
@@ -79,7 +81,11 @@ def matrix(args) -> None:
     loaded = load_model(args.preset, device=args.device, dtype=args.dtype)
     fixture = builtin_fixture("rgb-stripes")
     case = CaseSpec(fixture, default_prompts(fixture)[0])
-    runs = [(r, s) for r in ("fixed", "legacy", "no-clear") for s in CORE] + list(FAMILY_RUNS)
+    # The planted variants first (their departures are what reduced precision on a GPU can hide), the
+    # fixed runner last: a run stopped at its time limit has written the rows that matter most.
+    core = [(r, s) for r in ("legacy", "no-clear", "fixed") for s in CORE]
+    runs = sorted(FAMILY_RUNS, key=lambda run: (run[0] == "fixed", run[0] not in ("layout-keyed", "clears-own-rows")))
+    runs += core
     for runner, scenario in runs:
         want = expected_verdict(args.preset, runner, scenario)
         name = f"{args.preset}-{args.dtype}-{runner}-{scenario}"
@@ -99,6 +105,8 @@ def matrix(args) -> None:
                 folder.mkdir(parents=True, exist_ok=True)
                 write_results(run, folder / "results.json")
                 (folder / "report.md").write_text(render_markdown(run))
+        except RunInterrupted:  # stopped at the step's time limit: the rows so far are written
+            raise
         except Exception as err:  # a check that crashes is a finding, not the end of the matrix
             got, reason, graph_vs_eager = "CRASH", f"{err.__class__.__name__}: {err}", "—"
             traceback.print_exc()
@@ -152,6 +160,12 @@ def shapes(args) -> None:
     buckets = SHAPE_BUCKETS[args.device]
     for preset in SHAPE_PRESETS[args.device]:
         row = {"preset": preset, "dtype": "bfloat16"}
+        try:
+            shape_presets.check_memory(preset, torch.device(args.device), torch.bfloat16)
+        except ModelUnavailableError as refused:  # an H100 holds less than an H200: say what was skipped, and why
+            print(f"{preset}: skipped: {refused}", flush=True)
+            _append(args.out, {"what": "skipped", **row, "reason": str(refused)})
+            continue
         try:
             if cuda:
                 torch.cuda.empty_cache()

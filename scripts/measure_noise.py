@@ -15,7 +15,7 @@ comparisons that a correct runtime would match.
     python scripts/measure_noise.py [--seeds 0 1] [--dtypes float32 bfloat16]
         [--max-new-tokens 64] [--device cpu|cuda] [--jsonl OUT.jsonl]
 
-Prints one summary block per dtype; `--jsonl` keeps every comparison's figures.
+Prints one summary block per dtype; `--jsonl` keeps every comparison's figures, written as they are made.
 """
 
 from __future__ import annotations
@@ -121,6 +121,24 @@ class Figures:
                      "flip_delta": flip.flip, "forced": flip.forced})
 
 
+class JsonLines(list):
+    """The comparisons' rows, each also appended to `path` as it is made: a sweep stopped at a time
+    limit keeps what it measured."""
+
+    def __init__(self, path: Path | None):
+        super().__init__()
+        self.path = path
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
 def must_match(run):
     for case in run.cases:
         for group, check in checks_for(case):
@@ -203,11 +221,9 @@ def main() -> None:
     parser.add_argument("--skip-bugs", action="store_true", help="only the noise sweep")
     args = parser.parse_args()
     torch.set_num_threads(PRESET_THREADS)
-    rows: list[dict] = []
+    rows = JsonLines(args.jsonl)
     figures = noise(args, rows)
     effects = {} if args.skip_bugs else bug_effects(args)
-    if args.jsonl:
-        args.jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"sweep: {len(args.presets)} presets x {len(args.seeds)} seeds x ({len(cases(False))} four-arm + "
           f"{len(cases(True))} stream cases) x {args.max_new_tokens} new tokens, device {args.device}")
     for dtype, fig in figures.items():

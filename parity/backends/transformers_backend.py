@@ -284,6 +284,8 @@ class TransformersBackend:
         return {
             "device": device.type,
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            # Read as the arms end: the most the run's tensors held on the GPU at once (None on a CPU).
+            "gpu_peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
             "machine": platform.machine(),
             "threads": torch.get_num_threads(),
         }
