@@ -173,6 +173,7 @@ def start_server(spec: ServerSpec) -> ServerProcess:
         raise ArmFailure(f"{spec.name} server: cannot start {argv[0]!r}: {err}") from None
     server = ServerProcess(spec, process, port, log)
     _LIVE.add(server)
+    _STARTED.append(server.pid)
     _install_sigterm_handler()
     return server
 
@@ -211,7 +212,14 @@ def wait_ready(servers: Sequence[ServerProcess], timeout: float, poll: float = P
 # --- nothing left running ----------------------------------------------------------------------------
 
 _LIVE: set[ServerProcess] = set()
+_STARTED: list[int] = []  # every server's process group this process started, stopped or not
 _previous_sigterm: signal.Handlers | None = None
+
+
+def groups_left_running() -> list[int]:
+    """The process groups of servers this process started that still run: what a caller checks to
+    know it left nothing behind, blind to servers another process (a neighbour's job) runs."""
+    return [pgid for pgid in _STARTED if group_alive(pgid)]
 
 
 def stop_all() -> None:

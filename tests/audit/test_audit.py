@@ -75,6 +75,27 @@ class Qwen3OmniMoeForConditionalGeneration(PreTrainedModel):
 
 EntryClass = Qwen3OmniMoeForConditionalGeneration
 ''',
+    "countless.py": '''
+from .qwen3_vl import Qwen3LLMModel
+
+class CountlessVLForConditionalGeneration(nn.Module):
+    def __init__(self, config):
+        self.model = Qwen3LLMModel(config)
+        self.use_deepstack = {"image": True}
+
+EntryClass = CountlessVLForConditionalGeneration
+''',
+    "draft_mtp.py": '''
+from .qwen3_vl import Qwen3LLMModel
+
+class DraftForCausalLMMTP(nn.Module):
+    def __init__(self, config):
+        self.model = Qwen3LLMModel(config)
+    def forward(self, input_ids, positions, forward_batch):
+        return self.model(input_ids, positions, forward_batch, None)
+
+EntryClass = DraftForCausalLMMTP
+''',
     "vision_only.py": '''
 class VisionOnlyForConditionalGeneration(nn.Module):
     def __init__(self, config):
@@ -178,9 +199,17 @@ def test_sglang_a_runner_that_binds_no_deepstack_drops_it_wherever_a_prefill_rep
     assert report.outcomes("listed", "GatedVLForConditionalGeneration") == {
         "breakable (default)": EAGER, "breakable (explicit)": EAGER, "full (explicit)": DROPPED}
     assert report.exit_code == 1
-    # The fix's slot covers what sets num_deepstack_embeddings, not a wrapper whose sub-model does.
+    # The fix's slot is sized through what sets num_deepstack_embeddings: the model, or the sub-model a
+    # wrapper serves through (Qwen3-Omni's thinker); a model that sets it nowhere is refused at capture.
     assert set(report.outcomes("qwen3_vl", with_fix=True).values()) == {EAGER, COVERED}
-    assert report.outcomes("wrapped", with_fix=True)["full (explicit)"] == DROPPED
+    assert report.outcomes("wrapped", with_fix=True)["full (explicit)"] == COVERED
+    assert "on its thinker (Qwen3VLForConditionalGeneration" in report.row("wrapped").method
+    assert report.outcomes("countless", with_fix=True)["full (explicit)"] == DROPPED
+    assert "refuses it at capture" in report.row("countless").method
+    # A draft head reuses a DeepStack body and never passes DeepStack to it: nothing to carry, said why.
+    draft = report.row("draft_mtp")
+    assert set(report.outcomes("draft_mtp", with_fix=True).values()) == {NOT_AN_INPUT}
+    assert "never passed by DraftForCausalLMMTP" in draft.deepstack
     assert set(report.outcomes("vision_only").values()) == {NOT_AN_INPUT}
     assert report.row("plain") is None  # no DeepStack in its code: no row
 

@@ -57,20 +57,47 @@ class Body(torch.nn.Module):
         return input_embeds
 
 
+DEEPSTACK_CONFIG = types.SimpleNamespace(vision_config=types.SimpleNamespace(deepstack_visual_indexes=[1, 2, 3]))
+
+
+class Qwen3VL(torch.nn.Module):
+    """The served model as SGLang's Qwen3-VL is: a vision tower, and how many DeepStack blocks it adds."""
+
+    def __init__(self, blocks: int | None = BLOCKS) -> None:
+        super().__init__()
+        self.visual = torch.nn.Identity()
+        if blocks is not None:
+            self.num_deepstack_embeddings = blocks
+
+
+class OmniWrapper(torch.nn.Module):
+    """SGLang's Qwen3OmniMoeForConditionalGeneration: it serves its thinker's forward, and only the
+    thinker says how many DeepStack blocks it adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thinker = Qwen3VL()
+
+
+class MtpHead(torch.nn.Module):
+    """A draft head (Qwen3_5ForCausalLMMTP): the LM body takes DeepStack, but no tower computes any."""
+
+
 class Runner:
     """Capture -> _run_forward -> layer kwargs -> body, as SGLang 0.5.23 calls them through its hook
     registry. `engine`: the runner registers and binds its own slot (PR #33726); `overrides`: it
     overwrites the body's DeepStack argument after the kwargs are built without registering a slot
     (what a release with another mechanism could do)."""
 
-    def __init__(self, fix: deepstack_slot.DeepStackSlotFix, engine: bool = False, overrides: bool = False) -> None:
+    def __init__(self, fix: deepstack_slot.DeepStackSlotFix, engine: bool = False, overrides: bool = False,
+                 model: torch.nn.Module | None = None) -> None:
         self.fix, self.engine, self.overrides = fix, engine, overrides
         self.buffer_registry = Registry(engine)
         self.layer_model = Body()
-        model = types.SimpleNamespace(**{deepstack_slot.BLOCKS_ATTRIBUTE: BLOCKS})
+        model = Qwen3VL() if model is None else model
         self.model_runner = types.SimpleNamespace(
-            model=model, model_config=types.SimpleNamespace(hidden_size=HIDDEN), dtype=torch.float32,
-            pp_group=types.SimpleNamespace(is_first_rank=True))
+            model=model, model_config=types.SimpleNamespace(hidden_size=HIDDEN, hf_config=DEEPSTACK_CONFIG),
+            dtype=torch.float32, pp_group=types.SimpleNamespace(is_first_rank=True))
         self.prefill_backend_name, self.device = "breakable", "cpu"
         self.max_num_tokens, self.capture_num_tokens = MAX_TOKENS, list(BUCKETS)
 
@@ -119,6 +146,34 @@ def test_the_fix_binds_its_slot_and_proves_every_captured_body_reads_it(tmp_path
     live = torch.ones(5, HIDDEN * BLOCKS)
     runner.replay(live, 8)
     assert torch.equal(slot[:5], live) and not slot[5:].any()
+
+
+def test_the_omni_wrapper_gets_its_thinker_s_slot(tmp_path: Path) -> None:
+    """The seed's warning: a model whose DeepStack count lives on a sub-model got no slot, and its
+    DeepStack was dropped silently. The slot is sized through the thinker that computes DeepStack."""
+    runner, (record,) = captured(tmp_path, model=OmniWrapper())
+    slot = getattr(runner, deepstack_slot.SLOT_ATTRIBUTE).slot
+    assert record.slot == (MAX_TOKENS, HIDDEN * BLOCKS) and "from its Qwen3VL" in record.note
+    assert (record.captures, record.reads) == (len(BUCKETS), len(BUCKETS))
+    live = torch.ones(5, HIDDEN * BLOCKS)
+    runner.replay(live, 8)
+    assert torch.equal(slot[:5], live)
+
+
+def test_a_model_that_computes_deepstack_but_gives_no_width_is_refused_not_given_an_empty_slot(tmp_path: Path):
+    fix = deepstack_slot.DeepStackSlotFix(deepstack_slot.FIX, tmp_path)
+    with pytest.raises(RuntimeError, match="Qwen3VL computes DeepStack .* neither it nor a sub-model says how many "
+                                           "blocks it adds"):
+        Runner(fix, model=Qwen3VL(blocks=None)).capture()
+    (record,) = fix_records.read_records(tmp_path)
+    assert record.refused and record.slot is None and "declares 3 levels" in record.note
+
+
+def test_a_draft_head_that_computes_no_deepstack_gets_no_slot_and_no_refusal(tmp_path: Path) -> None:
+    runner, (record,) = captured(tmp_path, model=MtpHead())
+    assert getattr(runner, deepstack_slot.SLOT_ATTRIBUTE) is None and not record.refused
+    assert "no slot: the model has 0 DeepStack blocks" in record.note
+    assert all(seen is None for seen in runner.layer_model.seen)
 
 
 def test_a_slot_the_captured_graph_does_not_read_is_not_credited(tmp_path: Path) -> None:
@@ -215,3 +270,41 @@ def test_the_sglang_setup_script_and_ci_install_the_newest_release_of_the_table(
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^SGLANG_VERSION=(\S+)$", script, re.M).group(1) == sglang_versions.NEWEST.version
     assert re.search(r"^SGLANG=(\S+)", ci, re.M).group(1) == sglang_versions.NEWEST.version
+
+
+def _vllm_owner_and_server(tmp_path: Path, *wrapped: str):
+    for point in wrapped:
+        fix_records.append_record(tmp_path, fix_records.FixRecord(7, deepstack_clear.FIX, None, None, f"wrapped {point}"))
+    server = types.SimpleNamespace(channel=types.SimpleNamespace(folder=tmp_path),
+                                   process=types.SimpleNamespace(name="bcg"))
+    owner = types.SimpleNamespace(settings=types.SimpleNamespace(fix=deepstack_clear.FIX), _fix_records={})
+    return owner, server
+
+
+@pytest.mark.parametrize("setter", vllm_backend.FIX_SETTERS)
+def test_the_vllm_fix_is_in_place_with_the_step_and_the_served_model_s_setter(tmp_path: Path, setter: str) -> None:
+    """A process wraps the setter of the model it serves (each setter's module is wrapped when it is
+    imported): Qwen3-Omni's thinker serves with its own setter wrapped, not Qwen3-VL's."""
+    assert len(vllm_backend.FIX_SETTERS) == 3 and any("Qwen3OmniMoeThinker" in s for s in vllm_backend.FIX_SETTERS)
+    owner, server = _vllm_owner_and_server(tmp_path, "DefaultModelState.prepare_inputs_embeds", setter)
+    assert vllm_backend.VllmBackend._fix_problem(owner, server) is None
+
+
+def test_the_vllm_fix_without_a_wrapped_setter_is_not_in_place(tmp_path: Path) -> None:
+    owner, server = _vllm_owner_and_server(tmp_path, "DefaultModelState.prepare_inputs_embeds")
+    problem = vllm_backend.VllmBackend._fix_problem(owner, server)
+    assert problem is not None and "did not wrap a DeepStack setter" in problem
+
+
+def test_the_vllm_fix_leaves_a_per_step_attribute_alone(tmp_path: Path) -> None:
+    """MossAudio keeps a new IntermediateTensors under the buffers' name each step: no buffer to zero,
+    and never a crash of the step (it indexed the mapping as a list of levels before)."""
+    fix = deepstack_clear.DeepStackClear(None, capturing=lambda: False)
+    attribute = {"deepstack_input_embeds_0": torch.ones(4, 2)}
+    state = types.SimpleNamespace(model=types.SimpleNamespace(deepstack_input_embeds=attribute))
+    assert fix.step(lambda s: "embeds", state) == "embeds"
+    assert torch.equal(attribute["deepstack_input_embeds_0"], torch.ones(4, 2))
+    buffers = [torch.ones(4, 2)]  # the negative control: real buffers an earlier step left are zeroed
+    state.model = types.SimpleNamespace(deepstack_input_embeds=buffers)
+    fix.step(lambda s: None, state)
+    assert not buffers[0].any()

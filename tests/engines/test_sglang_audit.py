@@ -3,7 +3,8 @@ reads from the real source, and the command's exit code and formats.
 
 What the rows assert was read by hand in the same files (docs/engines/sglang-0.5.23.md §1.2, §6):
 Qwen3-VL is not on the multimodal allowlist, an explicit prefill graph replays it with no DeepStack
-input, and the Omni wrapper the runner serves does not carry `num_deepstack_embeddings` itself.
+input, and the Omni wrapper the runner serves does not carry `num_deepstack_embeddings` itself (its
+thinker does, and parity's slot is sized through it).
 """
 
 from __future__ import annotations
@@ -37,14 +38,20 @@ def test_qwen3_vl_models_drop_deepstack_when_replayed_and_parity_s_slot_covers_t
     assert "num_deepstack_embeddings" in row.method and "present" in row.method
 
 
-def test_the_omni_wrapper_consumes_deepstack_through_its_thinker_and_the_slot_misses_it(report) -> None:
+def test_the_omni_wrapper_consumes_deepstack_through_its_thinker_and_the_slot_is_sized_through_it(report) -> None:
     row = report.row("qwen3_omni_moe")
     assert row.model_class == "Qwen3OmniMoeForConditionalGeneration"
     assert row.side_input and "Qwen3MoeLLMModel" in row.deepstack  # thinker.model, as the runner resolves it
     assert report.outcomes("qwen3_omni_moe") == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
-    # parity's slot reads num_deepstack_embeddings from the served model; only the thinker sets it.
-    assert report.outcomes("qwen3_omni_moe", with_fix=True) == {DEFAULT: EAGER, BREAKABLE: DROPPED, FULL: DROPPED}
-    assert "absent" in row.method and "Thinker" in row.method
+    # Only the thinker sets num_deepstack_embeddings; parity's slot is sized through it (deepstack_holder).
+    assert report.outcomes("qwen3_omni_moe", with_fix=True) == {DEFAULT: EAGER, BREAKABLE: COVERED, FULL: COVERED}
+    assert "on its thinker (Qwen3OmniMoeThinkerForConditionalGeneration" in row.method
+
+
+def test_a_draft_head_that_never_passes_deepstack_has_nothing_to_carry_and_says_why(report) -> None:
+    row = report.row("qwen3_5_mtp")
+    assert not row.side_input and "never passed by Qwen3_5ForCausalLMMTP" in row.deepstack
+    assert set(report.outcomes("qwen3_5_mtp", with_fix=True).values()) == {"n/a"}
 
 
 def test_allowlisted_and_gated_architectures(report) -> None:
@@ -68,6 +75,8 @@ def test_the_command_exits_1_and_says_so_in_every_format() -> None:
     data = json.loads(as_json.stdout)
     assert data["exit_code"] == 1 and data["version"] == SGLANG_VERSION
     assert {"qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe"} <= {r["module"] for r in data["rows"]}
+    fixed = audit("--with-fix")  # parity's fix covers every DeepStack model SGLang registers
+    assert fixed.returncode == 0 and "every DeepStack model's graph modes are covered" in fixed.stdout, fixed.stdout
 
 
 # --- the release that carries SGLang PR #33726 (our port of it onto 0.5.23) ----------------------------

@@ -318,3 +318,18 @@ def test_gpu_memory_reads_the_tightest_of_a_servers_gpus(monkeypatch: pytest.Mon
     assert gpus.gpu_memory((7,), 1) is None
     monkeypatch.setattr(gpus, "nvidia_smi", lambda *_: "")
     assert gpus.gpu_memory(None, 1) is None
+
+
+def test_what_was_left_running_is_what_this_process_started_not_a_neighbour_s(tmp_path: Path) -> None:
+    """The real-server tests check the servers they started, by process group: a server of the same
+    engine that another job runs on the machine is none of theirs (issue 54)."""
+    neighbour = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        spec = launcher.ServerSpec("bcg", (sys.executable, "-c", "import time; time.sleep(60)"), tmp_path / "bcg.log")
+        server = launcher.start_server(spec)
+        assert server.pid in launcher.groups_left_running() and neighbour.pid not in launcher.groups_left_running()
+        server.stop(grace=2.0)
+        assert server.pid not in launcher.groups_left_running()
+    finally:
+        neighbour.kill()
+        neighbour.wait()

@@ -226,8 +226,9 @@ class Engine:
                 ModelState.prepare_inputs_embeds, fix).__get__(self.state)
             self.model._set_deepstack_input_embeds = deepstack_clear.wrap_setter(
                 Model._set_deepstack_input_embeds, fix).__get__(self.model)
+            # What it wrapped: the step and the setter of the one model it serves (Qwen3-VL's, as named).
             for target in plugin.TARGETS:
-                if target.fix_wrapper:
+                if target.fix_wrapper and target.cls in ("DefaultModelState", "Qwen3VLForConditionalGeneration"):
                     fix.installed(f"{target.cls}.{target.method}")
         if hooks is not None:  # what parity's plugin installs in a vLLM model process
             if not args.standin_no_dispatch_hook:

@@ -19,9 +19,13 @@ Read from the installed source (docs/engines/sglang-0.5.23.md §1.2, §3, §6):
   `supports_bcg_deepstack_replay` is True (set on the class or an ancestor). Such a model is
   "carried (engine)" wherever it replays, with parity's fix too (the fix stands aside there); a
   refresh that is defined but never called carries nothing;
-- parity's fix (`deepstack_slot.py`) sizes its slot from the served model's
-  `num_deepstack_embeddings` and binds it as the body's `input_deepstack_embeds`: a class that lacks
-  either gets no slot.
+- parity's fix (`deepstack_slot.py`) sizes its slot from `num_deepstack_embeddings` of the object
+  that computes DeepStack (the served model, or the sub-model it serves through: the Omni wrapper's
+  thinker) and binds it as the body's `input_deepstack_embeds`; a class that computes DeepStack and
+  sets the count nowhere is refused at capture;
+- a class whose body takes `input_deepstack_embeds` but that never passes it and builds no vision
+  tower (`Qwen3_5ForCausalLMMTP`, a draft head fed the target model's hidden states) has nothing to
+  carry.
 DeepStack is a per-batch tensor in SGLang 0.5.23, not a buffer kept across steps: nothing to clear.
 """
 
@@ -132,22 +136,35 @@ def _row(index: SourceIndex, facts: RunnerFacts, qualname: str) -> AuditRow | No
         how = f"LM side input `{DEEPSTACK_KWARG}` ({forward.name}.forward)"
     else:
         how = "not a language-model input (used outside the LM)"
+    # What parity's slot is sized through (deepstack_slot.deepstack_holder): the served class, else
+    # the sub-model it serves through (the Omni wrapper's thinker).
     blocks_from = index.sets(qualname, BLOCKS_ATTRIBUTE)
-    fix_covers = side_input and blocks_from is not None
+    through = None if blocks_from else next(((attr, sub.rsplit(".", 1)[-1], index.sets(sub, BLOCKS_ATTRIBUTE).name)
+                                             for attr, sub in subs.items() if index.sets(sub, BLOCKS_ATTRIBUTE)), None)
+    # A class that reuses a DeepStack body but never passes DeepStack to it, and builds no vision tower
+    # (an MTP draft head: its body gets the target model's hidden states): nothing reaches the LM.
+    never_passed = (side_input and blocks_from is None and through is None and "visual" not in subs
+                    and not index.mentions(qualname, NAMES))
+    fix_covers = side_input and (blocks_from is not None or through is not None)
     opts_in = index.sets(qualname, OPT_IN)
     own_slot = facts.own_slot and opts_in is not None and opts_in.constants.get(OPT_IN) is True
     own = None if not own_slot else (f"{OPT_IN} = True on {opts_in.name}", facts.refresh == "called")
-    if not side_input:
+    if never_passed:
+        how += f", never passed by {name}: it builds no vision tower and computes no DeepStack (a draft head)"
+        method, side_input = "nothing to carry", False
+    elif not side_input:
         method = "nothing to carry"
     elif own is not None:
         method = f"nothing: it stands aside for the engine's own slot ({own[0]})"
     elif blocks_from is not None:
         method = f"`{BLOCKS_ATTRIBUTE}` (set by {blocks_from.name}) and `{DEEPSTACK_KWARG}`: present"
+    elif through is not None:
+        attr, sub, setter = through
+        method = (f"`{BLOCKS_ATTRIBUTE}` on its {attr} ({sub}, set by {setter}), which the slot is sized through, "
+                  f"and `{DEEPSTACK_KWARG}`: present")
     else:
-        method = f"`{BLOCKS_ATTRIBUTE}` on {name}: absent, so no slot"
-        holder = next((s for s in subs.values() if index.sets(s, BLOCKS_ATTRIBUTE)), None)
-        if holder:
-            method += f" (its sub-model {holder.rsplit('.', 1)[-1]} sets it)"
+        method = (f"`{BLOCKS_ATTRIBUTE}` on {name} and its sub-models: absent, so the fix refuses it at capture "
+                  "(no slot can be sized)")
     modes = tuple(_cell(mode, facts, name, side_input, fix_covers, own) for mode in MODES)
     return AuditRow(module, name, (name,), how, side_input, "none (a per-batch tensor)", modes, method)
 

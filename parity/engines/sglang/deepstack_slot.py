@@ -7,8 +7,11 @@ reaches `replay_layer_forward` and is ignored (docs/engines/sglang-0.5.23.md §6
 plugin adds the slot of design §6 to the real runner, through SGLang's own hook registry:
 
 - allocated before capture, next to the runner's other static buffers, `[max_tokens, hidden × n]`
-  (n = the model's `num_deepstack_embeddings`), only when the model consumes DeepStack (n > 0 and
-  the LM body takes `input_deepstack_embeds`) and the backend replays prefill (breakable, full);
+  (n = `num_deepstack_embeddings` of the object that computes DeepStack: the served model, or the
+  sub-model it serves through, as Qwen3-Omni's wrapper serves its thinker), only when the model
+  consumes DeepStack (n > 0 and the LM body takes `input_deepstack_embeds`) and the backend replays
+  prefill (breakable, full); a model that computes DeepStack but says nowhere how many blocks is
+  refused at capture, in one line naming its class, never given a slot of zero width;
 - bound at capture as the body's `input_deepstack_embeds` (its bucket's rows), so the add is in
   the graph;
 - refreshed before every replay, right after SGLang fills its `input_embeds` slot: a fitting live
@@ -135,10 +138,19 @@ class DeepStackSlotFix:
         import torch
 
         model = runner.model_runner.model
-        blocks = int(getattr(model, BLOCKS_ATTRIBUTE, 0) or 0)
+        holder = deepstack_holder(model)
+        blocks = int(getattr(holder, BLOCKS_ATTRIBUTE, 0) or 0)
         layer_model = runner.layer_model
         takes = layer_model is not None and DEEPSTACK_KWARG in inspect.signature(layer_model.forward).parameters
         backend = str(runner.prefill_backend_name)
+        if holder is None and takes and backend in REPLAYING_BACKENDS and _computes_deepstack(runner.model_runner):
+            # Never a slot of zero width: a replay would drop DeepStack as silently as no fix at all.
+            refused = (f"{type(model).__name__} computes DeepStack (its config declares "
+                       f"{_declared_levels(runner.model_runner.model_config)} levels) and its LM body takes "
+                       f"{DEEPSTACK_KWARG}, but neither it nor a sub-model says how many blocks it adds "
+                       f"({BLOCKS_ATTRIBUTE}): parity cannot size a slot for it")
+            append_record(self.records, FixRecord(os.getpid(), self.variant, None, None, refused, refused=True))
+            raise RuntimeError(f"parity {self.variant}: {refused}")
         if blocks <= 0 or not takes or backend not in REPLAYING_BACKENDS:
             why = (f"no slot: the model has {blocks} DeepStack blocks, its LM body "
                    f"{'takes' if takes else 'does not take'} {DEEPSTACK_KWARG}, prefill backend {backend}")
@@ -150,7 +162,8 @@ class DeepStackSlotFix:
             raise RuntimeError(f"parity {self.variant}: {unsupported}")
         width = int(runner.model_runner.model_config.hidden_size) * blocks
         slot = torch.zeros((runner.max_num_tokens, width), dtype=runner.model_runner.dtype, device=runner.device)
-        return _Binding(slot, f"{blocks} DeepStack blocks, buckets {list(runner.capture_num_tokens)}")
+        where = "" if holder is model else f" (from its {type(holder).__name__})"
+        return _Binding(slot, f"{blocks} DeepStack blocks{where}, buckets {list(runner.capture_num_tokens)}")
 
     @staticmethod
     def _unsupported(runner) -> str | None:
@@ -205,6 +218,34 @@ class DeepStackSlotFix:
         HookRegistry.register(TARGETS["run_forward"], self.around_run_forward, HookType.AROUND)
         HookRegistry.register(TARGETS["layer_kwargs"], self.after_layer_kwargs, HookType.AFTER)
         HookRegistry.register(TARGETS["fill"], self.after_fill, HookType.AFTER)
+
+
+def deepstack_holder(model) -> Any | None:
+    """The object that computes DeepStack and says how many blocks it adds: the served model itself
+    (Qwen3-VL and its subclasses), else a direct sub-model (Qwen3-Omni's wrapper serves its thinker's
+    forward, and only the thinker sets `num_deepstack_embeddings`)."""
+    children = model.named_children() if hasattr(model, "named_children") else vars(model).items()
+    return next((m for m in (model, *(child for _, child in children))
+                 if getattr(m, BLOCKS_ATTRIBUTE, None) is not None), None)
+
+
+def _declared_levels(model_config) -> int:
+    """DeepStack levels the checkpoint's config declares, at its top or under `thinker_config`."""
+    config = getattr(model_config, "hf_config", None)
+    for scope in (config, getattr(config, "thinker_config", None)):
+        indexes = getattr(getattr(scope, "vision_config", None), "deepstack_visual_indexes", None)
+        if indexes:
+            return len(indexes)
+    return 0
+
+
+def _computes_deepstack(model_runner) -> bool:
+    """The served model builds a vision tower whose config declares DeepStack (an MTP draft head,
+    which reuses the body but never builds a tower, computes none)."""
+    model = model_runner.model
+    children = dict(model.named_children()) if hasattr(model, "named_children") else vars(model)
+    towers = [m for m in (model, *children.values()) if getattr(m, "visual", None) is not None]
+    return bool(towers) and _declared_levels(model_runner.model_config) > 0
 
 
 def _watch_body(runner, binding: _Binding, num_tokens: int):

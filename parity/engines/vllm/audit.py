@@ -11,15 +11,20 @@ Read from the installed source (docs/engines/vllm-0.33.md §2, §3, vllm-0.34.md
 - NONE runs that `forward`; PIECEWISE runs it between the compiled pieces; FULL and breakable
   graphs replay the whole forward without Python, so the clear never runs there and a later step
   reads rows an earlier one left (a leak, not a drop: the buffers are the graph's own inputs);
-- parity's fix (`deepstack_clear.py`) wraps the setter of the class named in the plugin's targets
-  and the per-step input preparation: it covers a class whose setter *is* that one. A class with a
-  setter of its own is not covered;
+- parity's fix (`deepstack_clear.py`) wraps the setters of the classes named in the plugin's targets
+  (Qwen3-VL's, the Qwen3-Omni thinker's, Cohere Compass's: every class that defines one) and the
+  per-step input preparation: it covers a class whose setter is one of those. A class with a setter
+  of its own that no target names is not covered;
+- DeepStack kept as an attribute that each step's embedding sets to new tensors and the forward
+  reads (MossAudio's audio DeepStack) is no buffer: PIECEWISE passes the step's tensors, FULL and
+  breakable graphs read what the attribute held at capture (None), so they drop it; parity's fix
+  binds no slot in vLLM, so it stays dropped with the fix (docs/engines/vllm-0.34.md);
 - DeepStack that reaches the language model any other way (a per-call tensor) is not analysed.
 """
 
 from __future__ import annotations
 
-from parity.audit.report import COVERED, EAGER, LEAKS, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
+from parity.audit.report import COVERED, DROPPED, EAGER, LEAKS, NOT_AN_INPUT, UNKNOWN, AuditRow, ModeCell
 from parity.audit.source_index import SourceIndex
 from parity.engines.vllm import deepstack_clear, versions
 from parity.engines.vllm.plugin import TARGETS
@@ -34,10 +39,10 @@ MODES = (NONE, PIECEWISE, FULL, BREAKABLE)
 WHOLE_FORWARD = (FULL, BREAKABLE)  # modes that replay the forward without running its Python
 
 
-def _fixed_setter() -> str | None:
-    """`models.qwen3_vl.Qwen3VLForConditionalGeneration`: the class whose setter parity's fix wraps."""
-    target = next((t for t in TARGETS if t.method == SETTER and t.fix_wrapper), None)
-    return None if target is None else f"{target.module.removeprefix(PACKAGE + '.')}.{target.cls}"
+def fixed_setters() -> tuple[str, ...]:
+    """`model_executor.models.qwen3_vl.Qwen3VLForConditionalGeneration`, ...: the classes whose setter
+    parity's fix wraps."""
+    return tuple(f"{t.module.removeprefix(PACKAGE + '.')}.{t.cls}" for t in TARGETS if t.method == SETTER and t.fix_wrapper)
 
 
 def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...]]:
@@ -53,14 +58,14 @@ def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...
                 classes.setdefault(registry_class(*parts), []).append(arch)
     rows = tuple(row for qualname, archs in sorted(classes.items())
                  if (row := _row(index, qualname, tuple(archs))) is not None)
-    fixed = _fixed_setter()
+    fixed = ", ".join(f"{name.rsplit('.', 1)[-1]}.{SETTER}" for name in fixed_setters())
     facts = (
         f"{REGISTRY}: the architectures each class serves",
         f"{SETTER} copies a step's rows into the persistent `{deepstack_clear.BUFFER_ATTR}` buffers; "
         f"{CLEAR} zeroes them from the Python forward, which {NONE} and {PIECEWISE} run and "
         f"{FULL} and {BREAKABLE} graphs replay without",
-        f"parity's fix wraps {fixed}.{SETTER} and DefaultModelState.prepare_inputs_embeds "
-        "(parity/engines/vllm/plugin.py TARGETS): it covers the classes that use that setter",
+        f"parity's fix wraps {fixed} and DefaultModelState.prepare_inputs_embeds "
+        "(parity/engines/vllm/plugin.py TARGETS): it covers the classes that use one of those setters",
     )
     return rows, facts
 
@@ -93,6 +98,11 @@ def _row(index: SourceIndex, qualname: str, archs: tuple[str, ...]) -> AuditRow 
         return _no_input(module, name, archs, "switched off", f"{switch.name} sets use_deepstack = False")
     if setter is None and not index.mentions(qualname, frozenset({deepstack_clear.BUFFER_ATTR})):
         return _no_input(module, name, archs, "not a language-model input", "used outside the LM")
+    if setter is None and _per_step_attribute(index, qualname, forward):
+        cells = tuple(_attribute_cell(m) for m in MODES)
+        return AuditRow(module, name, archs, f"LM side input, a per-step attribute (`self.{deepstack_clear.BUFFER_ATTR}` "
+                        f"set anew each step, read by {forward.name}.forward)", True, "none (a new tensor each step)",
+                        cells, "nothing: no buffer to clear, and no slot parity binds in vLLM")
     if setter is None:
         cells = tuple(ModeCell(m, EAGER, EAGER, "no graph") if m == NONE else
                       ModeCell(m, UNKNOWN, UNKNOWN, "DeepStack reaches the LM as a per-call tensor, not the "
@@ -103,13 +113,32 @@ def _row(index: SourceIndex, qualname: str, archs: tuple[str, ...]) -> AuditRow 
         return _no_input(module, name, archs, "computed, never read by its forward",
                          f"{forward.name if forward else name}.forward never calls {GET}: ignored eagerly too")
     cleared_in_forward = CLEAR in calls
-    fix_covers = setter.qualname == _fixed_setter()
+    fix_covers = setter.qualname in fixed_setters()
     cells = tuple(_cell(m, cleared_in_forward, fix_covers) for m in MODES)
     buffers = f"`{deepstack_clear.BUFFER_ATTR}`, " + (
         f"cleared by {CLEAR} in {forward.name}.forward" if cleared_in_forward else "never cleared")
     method = f"{setter.name}.{SETTER}: " + ("the one the fix wraps" if fix_covers else "its own, not wrapped")
     return AuditRow(module, name, archs, f"LM side input, buffers ({setter.name}.{SETTER})", True, buffers,
                     cells, method)
+
+
+def _per_step_attribute(index: SourceIndex, qualname: str, forward) -> bool:
+    """DeepStack kept as an attribute that the step's embedding sets to new tensors and the forward
+    reads (MossAudio): not a buffer, so a whole-forward graph reads what the attribute held at capture."""
+    holder = index.sets(qualname, deepstack_clear.BUFFER_ATTR)
+    return (holder is not None and forward is not None
+            and deepstack_clear.BUFFER_ATTR in forward.methods["forward"].names
+            and any(deepstack_clear.BUFFER_ATTR in m.names for n, m in holder.methods.items() if n != "__init__"))
+
+
+def _attribute_cell(mode: str) -> ModeCell:
+    if mode == NONE:
+        return ModeCell(mode, EAGER, EAGER, "no graph")
+    if mode not in WHOLE_FORWARD:
+        return ModeCell(mode, COVERED, COVERED, "the Python forward runs every step and passes the step's own tensors")
+    why = ("the whole forward replays without Python: it reads the attribute as it was at capture (None: the "
+           "forward resets it after every step), so a replay never adds this step's DeepStack")
+    return ModeCell(mode, DROPPED, DROPPED, why)
 
 
 def _no_input(module: str, name: str, archs: tuple[str, ...], how: str, why: str) -> AuditRow:

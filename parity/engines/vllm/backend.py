@@ -41,8 +41,10 @@ from parity.presets import PRESETS
 PACKAGE = EnginePackage("vllm", "vLLM", versions.NEWEST.version, "vllm", plugin.ENTRY_POINT_GROUP, plugin.ENTRY_POINT_NAME)
 # vLLM's Qwen3-VL video loader samples at 2 frames a second (0.33 and 0.34) (Qwen3VLVideoBackend.load_bytes).
 VIDEO_FPS = 2.0
-# Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): each must report it in the model process.
+# Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): the model process must report the step
+# and a DeepStack setter (each setter's module is wrapped when it is imported: the served model's is).
 FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
+FIX_SETTERS = tuple(p for p in FIX_POINTS if p.endswith("._set_deepstack_input_embeds"))
 
 
 class VllmBackend(EngineBackend):
@@ -127,7 +129,7 @@ class VllmBackend(EngineBackend):
         return None if problem is None else server.process.failure(problem)
 
     def _fix_problem(self, server: Server) -> str | None:
-        """With --vllm-fix: the model process must have wrapped both of the fix's points."""
+        """With --vllm-fix: the model process must have wrapped the step and a DeepStack setter."""
         fix = self.settings.fix
         if not fix:
             return None
@@ -139,7 +141,9 @@ class VllmBackend(EngineBackend):
         if any(r.stood_aside for r in records):  # the report says so (fix_records.stood_aside_note)
             return None
         wrapped = {r.note for r in records}
-        missing = [t for t in FIX_POINTS if f"wrapped {t}" not in wrapped]
+        missing = [t for t in FIX_POINTS if t not in FIX_SETTERS and f"wrapped {t}" not in wrapped]
+        if not any(f"wrapped {t}" in wrapped for t in FIX_SETTERS):
+            missing.append(f"a DeepStack setter ({', '.join(FIX_SETTERS)})")
         if missing:
             return (f"parity's {fix} fix was asked for but the model process did not wrap {', '.join(missing)}; "
                     "look for 'parity:' lines in the log")

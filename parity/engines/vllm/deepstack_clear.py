@@ -84,15 +84,22 @@ class DeepStackClear:
         append_record(self.records, FixRecord(os.getpid(), FIX, None, None, f"wrapped {where}"))
 
 
+def _buffers(model: Any) -> list | tuple:
+    """The model's persistent DeepStack buffers: a list of tensors, one per level. MossAudio keeps a
+    new IntermediateTensors (or None) under the same name each step: no buffer, nothing to zero."""
+    found = getattr(model, BUFFER_ATTR, None)
+    return found if isinstance(found, (list, tuple)) else ()
+
+
 def _dirty(model: Any) -> int:
-    buffers = getattr(model, BUFFER_ATTR, None) or ()
+    buffers = _buffers(model)
     # Unknown (first step, or a fresh model): every row may be stale.
     default = int(buffers[0].shape[0]) if buffers else 0
     return int(getattr(model, DIRTY_ATTR, default))
 
 
 def _zero_rows(model: Any, start: int, stop: int) -> None:
-    for level in getattr(model, BUFFER_ATTR, None) or ():
+    for level in _buffers(model):
         end = min(stop, int(level.shape[0]))
         if end > start:
             level[start:end].zero_()

@@ -53,8 +53,13 @@ TARGETS = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "capture", "wrap_capture"),
     Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step",
            "wrap_step"),
-    Target("vllm.model_executor.models.qwen3_vl", "Qwen3VLForConditionalGeneration",
-           "_set_deepstack_input_embeds", "wrap_setter", "wrap_setter"),
+    # Every class that defines a DeepStack setter of its own (the audit lists them; the vLLM stage holds
+    # this list to the installed registry): a subclass (Qwen3-VL-MoE, ClefOmni) inherits the wrapped one.
+    *(Target(f"vllm.model_executor.models.{module}", cls, "_set_deepstack_input_embeds", "wrap_setter",
+             "wrap_setter")
+      for module, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                          ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration"),
+                          ("cohere_compass", "CohereCompassForConditionalGeneration"))),
 )
 
 # vLLM's model runners, by module: the tap wraps V2 only, so which one a server built is recorded
