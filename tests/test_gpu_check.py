@@ -84,9 +84,9 @@ def _python(label: str, body: str) -> gpu_check.Command:
     return gpu_check.Command(label, (sys.executable, "-c", textwrap.dedent(body)))
 
 
-def test_a_step_at_its_limit_is_stopped_first_and_killed_only_after_the_grace(tmp_path):
-    marker = tmp_path / "partial.json"
-    stops = _python("writes what finished on Ctrl-C", f"""
+def _stops(marker) -> gpu_check.Command:
+    """A command that, stopped as Ctrl-C stops it, writes what finished (as parity run does) and exits 130."""
+    return _python("writes what finished on Ctrl-C", f"""
         import time
         try:
             time.sleep(60)
@@ -94,6 +94,11 @@ def test_a_step_at_its_limit_is_stopped_first_and_killed_only_after_the_grace(tm
             open({str(marker)!r}, "w").write("{{}}")
             raise SystemExit(130)
     """)
+
+
+def test_a_step_at_its_limit_is_stopped_first_and_killed_only_after_the_grace(tmp_path):
+    marker = tmp_path / "partial.json"
+    stops = _stops(marker)
     deaf = _python("ignores Ctrl-C", """
         import signal, time
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -124,13 +129,7 @@ def test_a_command_started_with_ctrl_c_ignored_is_still_stopped_not_killed(tmp_p
     import signal
 
     marker = tmp_path / "partial.json"
-    stops = _python("writes what finished on Ctrl-C", f"""
-        import time
-        try:
-            time.sleep(60)
-        except KeyboardInterrupt:
-            open({str(marker)!r}, "w").write("{{}}")
-    """)
+    stops = _stops(marker)
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         outcome = gpu_check.run_step(gpu_check.Step("cut", 3, 3, "", (stops,), "a test"), 3.0, tmp_path / "logs")

@@ -177,6 +177,70 @@ def test_the_device_stream_is_the_cpu_stream() -> None:
     assert module.get_current_device_stream_fast() == torch.cpu.current_stream()
 
 
+def _expert_loop(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """moe_forward_native's shape: tokens sorted by expert, each expert's run sized by counts read on the host."""
+    order = ids.argsort()
+    counts = torch.bincount(ids, minlength=weights.shape[0]).tolist()
+    outputs, start = [], 0
+    for expert, count in enumerate(counts):
+        if count:
+            outputs.append(x[order[start:start + count]] @ weights[expert])
+        start += count
+    out = torch.empty_like(x)
+    out[order] = torch.cat(outputs)
+    return out
+
+
+def _gathered(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """fused_moe_forward_native's shape: each token's expert gathered, one einsum."""
+    return torch.einsum("ti,tio->to", x, weights[ids])
+
+
+@pytest.mark.parametrize("moe, replays_right", [(_expert_loop, False), (_gathered, True)])
+def test_a_captured_expert_loop_replays_the_capture_s_routing(moe, replays_right) -> None:
+    """Why MoE runs on SGLang's CPU servers failed their self-check: a graph captured over
+    moe_forward_native keeps the capture's counts per expert, so a replay routes the live tokens by
+    them; SGLang's gathered form has no routing-dependent shape (cpu_patches change 5)."""
+    from parity.runner.emulated_graph import EngineEmulatedGraph, graph
+
+    generator = torch.Generator().manual_seed(0)
+    weights, x = torch.randn(4, 3, 3, generator=generator), torch.randn(6, 3, generator=generator)
+    ids = torch.tensor([0, 0, 1, 1, 2, 3])
+    captured = EngineEmulatedGraph()
+    with graph(captured):
+        out = moe(x, ids, weights)
+    ids.copy_(torch.tensor([3, 3, 3, 0, 0, 2]))  # the next batch routes otherwise: same shapes
+    captured.replay()
+    assert torch.allclose(out, _gathered(x, ids, weights), atol=1e-5) == replays_right
+
+
+def _unquant_module(amx: bool) -> types.ModuleType:
+    module = types.ModuleType(cpu_patches.MOE_METHODS)
+
+    class UnquantizedFusedMoEMethod:
+        def forward_cpu(self, layer, dispatch_output):
+            return "moe_forward_native"
+
+        forward_native = forward_cpu
+
+    module.UnquantizedFusedMoEMethod = UnquantizedFusedMoEMethod
+    module.use_intel_amx_backend = lambda layer: amx
+    return module
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_the_cpu_moe_runs_sglang_s_gathered_form_unless_amx_kernels_serve_it(monkeypatch, amx) -> None:
+    native = types.ModuleType(cpu_patches.MOE_NATIVE)
+    native.fused_moe_forward_native = lambda layer, dispatch_output: "fused_moe_forward_native"
+    monkeypatch.setitem(sys.modules, cpu_patches.MOE_NATIVE, native)
+    module = _unquant_module(amx)
+    cpu_patches.capturable_moe(module)
+    cpu_patches.capturable_moe(module)  # applied twice: wrapped once
+    method = module.UnquantizedFusedMoEMethod()
+    expected = "moe_forward_native" if amx else "fused_moe_forward_native"
+    assert method.forward_cpu(None, None) == method.forward_native(None, None) == expected
+
+
 # --- CPU servers: flags, environment, choices -------------------------------------------------------------
 
 def cpu_settings(tmp_path: Path, *args: str, **kwargs) -> servers.SglangSettings:

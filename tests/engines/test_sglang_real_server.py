@@ -251,6 +251,41 @@ def test_the_fix_passes_every_builtin_video(tmp_path: Path) -> None:
     assert_no_server_left()
 
 
+# --- MoE (issue 54): the CPU's MoE as SGLang's capturable form (cpu_patches change 5) -----------------------
+
+MOE = ("--model", "tiny-qwen3-vl-moe", "--fixture", "rgb-stripes", "--video", "video-bouncing-bar")
+
+
+def assert_self_checks_held(doc: dict) -> None:
+    """No arm failed parity's check of its own results: teacher forcing agreed with generation at the
+    fp32 floor (the capture-time routing of moe_forward_native broke that in every graph arm)."""
+    errors = [a["error"] for c in doc["cases"] for group in (c, *c.get("requests", ()))
+              for a in (group.get("arms") or {}).values() if a.get("error")]
+    assert errors == [], errors[:2]
+
+
+def test_the_released_engine_drops_a_moe_model_s_deepstack_on_images_and_video(tmp_path: Path) -> None:
+    result, doc = parity_run(tmp_path, *MOE)
+    assert result.exit_code == 1, result.output[-3000:]
+    assert_self_checks_held(doc)
+    assert [(c["fixture"]["name"], c["verdict"]["code"]) for c in doc["cases"]] == [
+        ("rgb-stripes", "FAIL_DEEPSTACK_DROPPED"), ("video-bouncing-bar", "FAIL_DEEPSTACK_DROPPED")]
+    assert_no_server_left()
+
+
+def test_the_fix_passes_a_moe_model(tmp_path: Path) -> None:
+    """The core scenarios and the chunked path on the image here; every scenario, and the video's
+    four-arm, were run by hand (docs/scenarios.md)."""
+    result, doc = parity_run(tmp_path, *MOE[:4], "--scenario", "four-arm", "--scenario", "stream", "--scenario",
+                             "chunked", "--sglang-fix", deepstack_slot.FIX)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert_self_checks_held(doc)
+    assert [(c["scenario"], c["verdict"]["code"]) for c in doc["cases"]] == [
+        (s, "PASS") for s in ("four-arm", "stream", "chunked")]
+    assert arms_of(doc["cases"][0])[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
+    assert_no_server_left()
+
+
 # --- SGLang PR #33726's own slot (our port of it onto 0.5.23, tests/engines/sglang_upstream.py) ------------
 
 @contextmanager

@@ -20,6 +20,16 @@ on the CPU:
 4. `get_current_device_stream_fast` returns the CPU stream (a bare `torch.get_device_module()` is
    CUDA on this wheel, with no driver).
 
+And always, in the eager server too (so that both arms compute MoE alike):
+
+5. the unquantized MoE on a CPU without AMX runs SGLang's own `fused_moe_forward_native` (each
+   token's experts gathered, one einsum: no host read, no shape that depends on the routing), the
+   form SGLang installs itself under torch.compile, instead of `moe_forward_native`. That one sorts
+   the tokens by expert and loops over `tokens_per_expert.cpu()`, counts read on the host: an
+   emulated graph (like a real one) records the loop as captured, so a replay routed the live
+   tokens by the capture's counts, and every MoE run on this CPU failed its self-check (0.01-0.02
+   in fp32; docs/engines/sglang-cpu.md, "MoE presets").
+
 A change to a module is applied right after the module executes (parity/engines/after_import.py),
 so a later `from X import f` binds the changed name.
 """
@@ -41,9 +51,11 @@ DEVICE_UTILS = "sglang.srt.utils.common"
 STREAM_FUNCTION = "get_current_device_stream_fast"
 DISABLED = "disabled"
 VIDEO_DECODER = "sglang.srt.utils.video_decoder"
+MOE_METHODS = "sglang.srt.layers.quantization.unquant"
+MOE_NATIVE = "sglang.srt.layers.moe.fused_moe_native"
 
 
-# --- the four changes ----------------------------------------------------------------------------------
+# --- the changes ----------------------------------------------------------------------------------------
 
 def keep_prefill_graph(module: types.ModuleType) -> None:
     """Drop the torch_native declaration that turns a requested prefill graph off (change 1)."""
@@ -78,6 +90,24 @@ def decode_with_decord(module: types.ModuleType) -> None:
         module._BACKEND = "decord"  # read by VideoDecoderWrapper at each construction
 
 
+def capturable_moe(module: types.ModuleType) -> None:
+    """The CPU's unquantized MoE as one gather and einsum, without AMX (change 5)."""
+    import importlib
+
+    methods = module.UnquantizedFusedMoEMethod
+    original = methods.forward_cpu
+    if getattr(original, "__parity_moe__", False):
+        return
+
+    def forward_cpu(self, layer, dispatch_output):
+        if module.use_intel_amx_backend(layer):  # sgl_kernel's fused experts: no host-side loop
+            return original(self, layer, dispatch_output)
+        return importlib.import_module(MOE_NATIVE).fused_moe_forward_native(layer, dispatch_output)
+
+    forward_cpu.__parity_moe__ = True
+    methods.forward_cpu = methods.forward_native = forward_cpu  # the class aliases one to the other
+
+
 def install_emulated_graphs(torch_module: Any) -> None:
     from parity.runner.emulated_graph import EngineEmulatedGraph, graph_pool_handle
 
@@ -94,5 +124,6 @@ def install(environ: Mapping[str, str]) -> None:
 
     install_ops(torch)
     after_import(VIDEO_DECODER, decode_with_decord)
+    after_import(MOE_METHODS, capturable_moe)
     if environ.get(ENV_GRAPH) == GRAPH_EMULATED:
         install_emulated_graphs(torch)
