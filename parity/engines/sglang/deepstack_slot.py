@@ -220,13 +220,16 @@ class DeepStackSlotFix:
         HookRegistry.register(TARGETS["fill"], self.after_fill, HookType.AFTER)
 
 
+def _model_and_children(model) -> tuple:
+    children = model.named_children() if hasattr(model, "named_children") else vars(model).items()
+    return (model, *(child for _, child in children))
+
+
 def deepstack_holder(model) -> Any | None:
     """The object that computes DeepStack and says how many blocks it adds: the served model itself
     (Qwen3-VL and its subclasses), else a direct sub-model (Qwen3-Omni's wrapper serves its thinker's
     forward, and only the thinker sets `num_deepstack_embeddings`)."""
-    children = model.named_children() if hasattr(model, "named_children") else vars(model).items()
-    return next((m for m in (model, *(child for _, child in children))
-                 if getattr(m, BLOCKS_ATTRIBUTE, None) is not None), None)
+    return next((m for m in _model_and_children(model) if getattr(m, BLOCKS_ATTRIBUTE, None) is not None), None)
 
 
 def _declared_levels(model_config) -> int:
@@ -242,9 +245,7 @@ def _declared_levels(model_config) -> int:
 def _computes_deepstack(model_runner) -> bool:
     """The served model builds a vision tower whose config declares DeepStack (an MTP draft head,
     which reuses the body but never builds a tower, computes none)."""
-    model = model_runner.model
-    children = dict(model.named_children()) if hasattr(model, "named_children") else vars(model)
-    towers = [m for m in (model, *children.values()) if getattr(m, "visual", None) is not None]
+    towers = [m for m in _model_and_children(model_runner.model) if getattr(m, "visual", None) is not None]
     return bool(towers) and _declared_levels(model_runner.model_config) > 0
 
 
