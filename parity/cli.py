@@ -19,11 +19,12 @@ from parity import __version__
 from parity.audit.command import audit
 from parity.listings import arms, fixtures, models
 from parity.cli_options import (
-    LOCALIZE_THRESHOLD_HELP, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
+    LOCALIZE_THRESHOLD_HELP, MAX_SEED, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
     tie_margin, warn_ignored,
 )
 from parity import registry
 from parity.errors import NothingToProve, ParityError, UsageError
+from parity.presets import misspelled_preset
 from parity.reporting.text import visible
 from parity.run.interrupts import exit_code_of, signal_of
 from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES
@@ -31,8 +32,6 @@ from parity.results import FOUR_ARM, SCENARIOS
 from parity.trust.loader import MIN_LOGPROB_TOL
 from parity.judge.verdict import USAGE_EXIT, exit_code
 
-# Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
-MAX_SEED = 2**63 - 1
 # What a stop by Ctrl-C (SIGINT) or SIGTERM exits with: 128 + the signal's number.
 STOP_EXITS = (exit_code_of(signal.SIGINT), exit_code_of(signal.SIGTERM))
 # Runs of one arm: past a hundred, a repeat measures nothing more and only multiplies the run.
@@ -49,7 +48,8 @@ class VerdictBeforeRun(click.ClickException):
     """A verdict found before any arm ran (NothingToProve): `<VERDICT>: <reason>`, exit with its code."""
 
     def __init__(self, err: NothingToProve) -> None:
-        super().__init__(visible(f"{err.verdict}: {err}", keep="\n"))
+        written = "" if err.written is None else f"\nresults: {err.written}"  # its files, for CI
+        super().__init__(visible(f"{err.verdict}: {err}{written}", keep="\n"))
         self.exit_code = err.exit_code
 
     def show(self, file=None) -> None:
@@ -160,7 +160,7 @@ def run(**options) -> None:
     from parity.models import check_runnable
     from parity.run_command import (
         OutputOptions, RunStopped, build_cases, check_outputs, check_writable, default_run_dir, execute_run,
-        files_written, plan_note,
+        files_written, plan_note, write_before_run,
     )
     from parity.plan.entries import scenario_case_id
     from parity.plan.sharding import Shard, check_not_empty
@@ -198,39 +198,51 @@ def run(**options) -> None:
         mem_fraction=o["mem_fraction"], engine=MappingProxyType({e.name: o[e.name] for e in registry.own_options()}),
     )
     warn_ignored(click.get_current_context(), backend.name)
-    check_runnable(o["model"])  # a model with nothing to prove is said so before any arm
-    if o["audios"]:
-        from parity.run_command import judge_audio_only
-
-        judge_audio_only(o["audios"], o["prompt_texts"], o["prompts_file"],
-                         bool(o["fixture_names"] or o["images"] or o["videos"]), backend)
-    note = plan_note(spec, o["model"])
-    if note:
-        click.echo(note, err=True)
+    close = misspelled_preset(o["model"])
+    if close is not None:
+        raise UsageError(f"--model {o['model']}: not an embedded preset, a folder, or a Hugging Face id (owner/name); "
+                         f"did you mean {close}? (`parity models` lists the presets)")
     console = _console()
     try:
+        check_runnable(o["model"])  # a model with nothing to prove is said so before any arm
+        if o["audios"]:
+            from parity.run_command import judge_audio_only
+
+            judge_audio_only(o["audios"], o["prompt_texts"], o["prompts_file"],
+                             bool(o["fixture_names"] or o["images"] or o["videos"]), backend)
+        note = plan_note(spec, o["model"])
+        if note:
+            click.echo(note, err=True)
         with first_stop_only():
             run_result = execute_run(spec, backend, output, console)
     except RunStopped as stopped:
         console.print(f"[red]{escape(stopped.message)}[/]", highlight=False)
         sys.exit(stopped.exit_code)
+    except NothingToProve as found:  # a verdict all the same: its files are written for CI, then said
+        write_before_run(spec, backend, output, found, console)
+        raise
     sys.exit(exit_code(run_result.verdict))
 
 
 @cli.command()
 @click.argument("results_file")
-@click.option("--json", "as_json", is_flag=True, help="Print the recomputed results document.")
-def verdict(results_file: str, as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the recomputed verdicts as JSON: the run's and each case's.")
+@click.option("--document", is_flag=True, help="Print the whole recomputed results document (JSON).")
+def verdict(results_file: str, as_json: bool, document: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
-    from parity.reporting.report import render_json
+    from parity.reporting.report import render_json, verdicts_json
     from parity.trust.loader import load_results
     from parity.judge.verdict import judge_run
 
     from parity.plan.sharding import describe as describe_shard
 
+    if as_json and document:
+        raise UsageError("--json prints the verdicts, --document the whole results document: give one")
     run_result = judge_run(load_results(results_file))
-    if as_json:
+    if document:
         click.echo(render_json(run_result))
+    elif as_json:
+        click.echo(verdicts_json(run_result))
     else:
         for case in run_result.cases:
             click.echo(visible(f"{case.id}: {case.verdict.code}: {case.verdict.reason}"))
@@ -246,14 +258,16 @@ def verdict(results_file: str, as_json: bool) -> None:
 @click.option("--format", "fmt", type=click.Choice(["markdown", "json", "table"]), default="markdown", show_default=True)
 @click.option("--no-images", is_flag=True,
               help="Markdown: name the plots instead of linking them (a PR comment or CI summary cannot show them).")
+@click.option("--full", is_flag=True,
+              help="Markdown: every case in full (report-full.md), not fitted to a PR comment (report.md).")
 @click.option("--exit-zero", is_flag=True, help="Exit 0 whatever the verdict (rendering only, not a gate).")
-def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero: bool) -> None:
+def report(results_files: tuple[str, ...], fmt: str, no_images: bool, full: bool, exit_zero: bool) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table; exit with the
     verdict's code, like `verdict` and `merge` (--exit-zero: always 0).
 
     Several files: one matrix report over their experiments (the shards of each are merged); the exit
     code is the matrix verdict's."""
-    from parity.reporting.report import render_json, render_markdown
+    from parity.reporting.report import render_full_markdown, render_json, render_markdown
     from parity.reporting.terminal import print_table
     from parity.trust.loader import load_results
     from parity.judge.verdict import judge_run
@@ -275,8 +289,8 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool, exit_zero:
         if fmt == "table":
             print_table(run_result, _console())
         else:
-            click.echo(render_markdown(run_result, images=not no_images) if fmt == "markdown"
-                       else render_json(run_result))
+            render = render_full_markdown if full else render_markdown
+            click.echo(render(run_result, images=not no_images) if fmt == "markdown" else render_json(run_result))
         verdict = run_result.verdict
     sys.exit(0 if exit_zero else exit_code(verdict))
 

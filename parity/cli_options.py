@@ -14,6 +14,9 @@ from click.core import ParameterSource
 from parity import registry
 from parity.trust.fields import MAX_MAGNITUDE
 
+# Seeds torch.manual_seed takes without wrapping around, and a results file can carry.
+MAX_SEED = 2**63 - 1
+
 def positive(ctx, param, value):
     if value is not None and value <= 0:
         raise click.BadParameter(f"must be > 0, got {value}")

@@ -32,6 +32,11 @@ class NothingToProve(ParityError):
     exit_code = 3
     verdict = "INCONCLUSIVE_NO_POWER"
 
+    def __init__(self, message: str, cause: str = "model") -> None:
+        super().__init__(message)
+        self.cause = cause  # what it rests on: the model's config, or "audio" (the clips carry no DeepStack)
+        self.written: str | None = None  # where its results were written, once they are (`parity run`)
+
 
 class LocalizationError(UsageError):
     """A case that cannot be localized here: no probe on this backend, a prefill that did not replay,

@@ -87,6 +87,8 @@ def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = (), al
     missing shard (unless allowed: then the run records it and cannot pass), shards of other code
     (unless allowed: then the run records it), and shards that disagree on what the same image and
     prompt gave (another seed, checkpoint or dtype)."""
+    if any(f.run.before_run is not None for f in files):
+        return _merged_before_run(files)
     sources = check_one_experiment(files, allow_mixed_code)
     count, plan = files[0].record.count, files[0].record.cases
     holder: dict[int, str] = {}
@@ -126,6 +128,20 @@ def merge_runs(files: Sequence[ShardFile], allow_missing: Sequence[int] = (), al
         source = f"{by_id[case.id][1]}: " if case is not None else ""
         raise UsageError(f"{source}the shards disagree: {err}") from None
     return judge_run(merged)
+
+
+def _merged_before_run(files: Sequence[ShardFile]) -> RunResult:
+    """Shards of a run judged before any arm (design §4c): each shard judged the model, not its cases,
+    so every shard says the same, and the merge is that verdict. A shard whose run went further, or
+    that judged another model, is not a shard of this experiment."""
+    first = files[0]
+    for other in files:
+        if other.run.before_run is None or other.run.config.get("model") != first.run.config.get("model"):
+            raise UsageError(f"{other.path}: not a shard of {first.path}'s run, which was judged before any arm "
+                             f"({first.run.before_run.code if first.run.before_run else 'its arms ran'} for "
+                             f"{first.run.config.get('model')!r})")
+    latest = max(files, key=lambda f: f.run.created).run
+    return judge_run(latest)
 
 
 def _check_allowed(allowed: Sequence[int], holder: dict[int, str], count: int) -> None:
@@ -177,21 +193,24 @@ class MergeOutput:
 
 
 def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> RunResult:
-    """results.json and report.md first (each whole or not at all), the plots last, then both again
-    with the plots linked."""
-    from parity.reporting.report import render_markdown
+    """results.json, report.md and report-full.md first (each whole or not at all), the plots last,
+    then all three again with the plots linked."""
+    from parity.reporting.report import report_files
+
+    def write(run: RunResult) -> None:
+        _write(folder / "results.json", dumps(run) + "\n")
+        for name, text in report_files(run).items():
+            _write(folder / name, text)
 
     # Plots of the shards live in their own folders: drawn anew here, or not linked at all.
     run = dataclasses.replace(run, cases=tuple(dataclasses.replace(c, plot=None, localization_plot=None)
                                                for c in run.cases))
-    _write(folder / "results.json", dumps(run) + "\n")
-    _write(folder / "report.md", render_markdown(run))
+    write(run)
     if plots:
         from parity.reporting.plots import with_plots
 
         run = with_plots(run, folder, warn)
-        _write(folder / "results.json", dumps(run) + "\n")
-        _write(folder / "report.md", render_markdown(run))
+        write(run)
     return run
 
 

@@ -156,9 +156,14 @@ def checkpoint_sha256(folder: str | Path, cache: Path | None = None) -> str:
 
 
 def _file_sha256(path: Path) -> str:
+    from parity.textfiles import NotAFile
+
     digest = hashlib.sha256()
-    for chunk in read_chunks(path, _CHUNK):
-        digest.update(chunk)
+    try:
+        for chunk in read_chunks(path, _CHUNK):
+            digest.update(chunk)
+    except NotAFile as err:  # said with the file it is about
+        raise NotAFile(f"{path.name} {err}") from None
     return digest.hexdigest()
 
 
@@ -217,8 +222,12 @@ def of_checkpoint(name: str) -> ModelIdentity:
     if folder is None:
         raise ModelUnavailableError(f"model {name!r}: its files are not in a local folder or the Hugging Face cache, "
                                     "so parity cannot record which weights it judged")
+    from parity.textfiles import NotAFile, TooLarge
+
     try:
         return ModelIdentity(name, CHECKPOINT, None, checkpoint_sha256(folder))
+    except (NotAFile, TooLarge) as err:  # a link to /proc/kmsg, a device: nothing a checkpoint holds
+        raise ModelUnavailableError(f"model {name!r}: its file {err}, not a checkpoint file") from None
     except OSError as err:
         raise ModelUnavailableError(f"model {name!r}: its files cannot be read to record which weights were "
                                     f"judged ({err.strerror or err})") from None

@@ -23,6 +23,19 @@ def gib(count: int) -> str:
     return f"{count / 2**30:.1f} GiB"
 
 
+# Families that inherit Qwen3-VL's DeepStack contract but whose released checkpoints ship an empty
+# deepstack_visual_indexes: with none, there is nothing for DeepStack to prove (design §3, no power). parity
+# has no adapter for their language models, so one that does add DeepStack is not runnable yet.
+NO_DEEPSTACK_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+NO_DEEPSTACK_REASON = "this model adds no DeepStack (deepstack_visual_indexes is empty)"
+
+
+def no_power_before_any_arm(name: str, model_type: str) -> str:
+    """The reason of the INCONCLUSIVE_NO_POWER said before any arm (design §4c)."""
+    return (f"{name!r} ({model_type}): {NO_DEEPSTACK_REASON}, so no arm could show what DeepStack does under "
+            "graph replay; nothing ran")
+
+
 @dataclass(frozen=True)
 class ReleasedShape:
     """A released Qwen3-VL checkpoint's dimensions, as its config.json gives them, without its weights."""
@@ -173,3 +186,15 @@ PRESETS: dict[str, TinyPreset] = {
                      f"shape-qwen3-vl-30b-a3b's recipe with every width and count / {SCALE}: its code path on a CPU"),
     )
 }
+
+
+def misspelled_preset(name: str) -> str | None:
+    """The preset `name` is close to, when `name` is neither a preset nor a folder nor an owner/name
+    hub id (every Qwen3-VL checkpoint has an owner): said at once, not after a wait for the hub."""
+    import difflib
+    from pathlib import Path
+
+    if name in PRESETS or "/" in name or Path(name).expanduser().exists():
+        return None
+    close = difflib.get_close_matches(name, PRESETS, n=1, cutoff=0.75)
+    return close[0] if close else None

@@ -11,7 +11,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
 
@@ -30,7 +30,7 @@ from parity.media.videos import builtin_video, builtin_videos, is_video_name, vi
 from parity.run.interrupts import deferred_stops, exit_code_of, signal_of
 from parity.reporting.ci_summary import append_step_summary, step_summary_wanted
 from parity.reporting.progress import progress_display
-from parity.reporting.report import render_markdown
+from parity.reporting.report import FULL_REPORT, REPORT, render_markdown, report_files
 from parity.reporting.terminal import print_table
 from parity.results import RunResult, dumps
 from parity.textfiles import NotAFile, TooLarge, described, read_text_capped, write_atomically
@@ -146,12 +146,12 @@ def _check_resolvable(option: str, path: Path) -> None:
 
 
 def files_written(out_dir: Path, case_ids: Sequence[str]) -> list[Path]:
-    """The files a run (or a merged experiment) writes into its folder: results.json, report.md and
-    each case's plots."""
+    """The files a run (or a merged experiment) writes into its folder: results.json, report.md,
+    report-full.md and each case's plots."""
     from parity.reporting.plots import plot_filename
 
     plots = [plot_filename(case_id, suffix) for case_id in case_ids for suffix in ("", "-layers")]
-    return [out_dir / name for name in ("results.json", "report.md", *plots)]
+    return [out_dir / name for name in ("results.json", REPORT, FULL_REPORT, *plots)]
 
 
 def check_outputs(written: Sequence[tuple[str, Path]], inputs: Sequence[str | Path]) -> None:
@@ -237,7 +237,7 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
     names = ", ".join(f"{c.name} ({c.seconds:.1f} s, sha256 {c.sha256[:12]}…)" for c in clips)
     raise NothingToProve(f"{len(clips) * len(prompts)} audio-only case(s), {names}: audio adds no DeepStack in "
                          f"{backend.model} (each prepared request has no DeepStack row), so no arm could show what "
-                         "DeepStack does under graph replay; nothing ran")
+                         "DeepStack does under graph replay; nothing ran", cause="audio")
 
 
 def check_media(spec: RunSpec, backend: str) -> None:
@@ -286,6 +286,29 @@ def execute_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, c
     return result
 
 
+def write_before_run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, found: NothingToProve,
+                     console: Console) -> RunResult:
+    """A verdict found before any arm (design §4c) still reaches CI: results.json (no case), the
+    reports, JUnit and the step summary, as a run's would be."""
+    from parity import __version__
+    from parity.judge.identity import SOURCE_KEY, source_identity
+    from parity.judge.verdict import judge_run
+    from parity.results import Verdict
+
+    config = {"model": spec.model, "backend": backend.name, "dtype": backend.dtype, "scenarios": list(spec.scenarios),
+              "max_new_tokens": spec.max_new_tokens, "cause": found.cause}
+    if spec.shard is not None:
+        config["shard_asked"] = f"{spec.shard.index}/{spec.shard.count}"
+    result = judge_run(RunResult(
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        environment={"parity": __version__, SOURCE_KEY: source_identity(), "device": backend.device},
+        config=config, cases=(), before_run=Verdict(found.verdict, str(found))))
+    with deferred_stops(reraise=False):
+        _write_files(result, output, console)
+    found.written = f"{output.run_dir / 'results.json'}  report: {output.run_dir / REPORT}"
+    return result
+
+
 def _run(spec: RunSpec, backend: BackendOptions, output: OutputOptions, console: Console) -> RunResult:
     started = time.perf_counter()
     engine = create_backend(backend, spec.max_new_tokens, output.run_dir)
@@ -326,7 +349,8 @@ def _nothing_finished(output: OutputOptions, existed: bool) -> str:
 def _write_files(result: RunResult, output: OutputOptions, console: Console) -> None:
     """results.json, report.md, JUnit, the CI step summary: each whole or not at all."""
     _write(output.run_dir / "results.json", dumps(result) + "\n", f"--out {output.run_dir}")
-    _write(output.run_dir / "report.md", render_markdown(result), f"--out {output.run_dir}")
+    for name, text in report_files(result).items():
+        _write(output.run_dir / name, text, f"--out {output.run_dir}")
     if output.junit is not None:
         from parity.reporting.junit import junit_xml
 
@@ -360,7 +384,8 @@ def _plotted(result: RunResult, output: OutputOptions, console: Console) -> RunR
     try:
         with deferred_stops():
             write_atomically(output.run_dir / "results.json", dumps(plotted) + "\n")
-            write_atomically(output.run_dir / "report.md", render_markdown(plotted))
+            for name, text in report_files(plotted).items():
+                write_atomically(output.run_dir / name, text)
     except OSError as err:
         console.print("[yellow]warning:[/] plots drawn but not linked in report.md "
                       f"({escape(err.strerror or str(err))})")

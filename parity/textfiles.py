@@ -126,7 +126,7 @@ def write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, 0o666 & ~current_umask())
         with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as out:
             out.write(text)
         os.replace(tmp, path)
@@ -135,8 +135,17 @@ def write_atomically(path: Path, text: str) -> None:
         raise
 
 
-def _umask() -> int:
+def current_umask() -> int:
     # Reading the umask means setting it; parity writes its files from one thread.
     current = os.umask(0o022)
     os.umask(current)
     return current
+
+
+def readable_as_written(folder: Path) -> None:
+    """Every file under `folder` (a saved checkpoint) gets the mode an ordinary `open` gives (0666 less
+    the umask): safetensors' atomic write leaves 0600, which a server running as another user cannot read."""
+    mode = 0o666 & ~current_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)

@@ -56,3 +56,33 @@ def test_the_readme_package_map_names_every_module() -> None:
     modules = [p.relative_to(ROOT).as_posix() for p in (ROOT / "parity").rglob("*.py")
                if p.name != "__init__.py" and "standin" not in p.parts]
     assert [m for m in modules if f"`{m}`" not in readme and f"`{Path(m).name}`" not in readme] == []
+
+
+# --- numbers and versions the docs state, held to the code ---------------------------------------
+
+_COUNTS = {"seven": 7, "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12}
+
+
+def test_docs_verdicts_counts_the_scenarios_the_code_has() -> None:
+    from parity.results import SCENARIOS
+
+    said = re.search(r"runs all (\w+) scenarios", (ROOT / "docs" / "verdicts.md").read_text(encoding="utf-8"))
+    assert said is not None and _COUNTS.get(said[1]) == len(SCENARIOS), (said and said[1], len(SCENARIOS))
+
+
+def test_the_extras_pin_the_newest_supported_engine_releases() -> None:
+    from parity.engines.sglang import versions as sglang_versions
+    from parity.engines.vllm import versions as vllm_versions
+
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    pins = dict(re.findall(r'^(sglang|vllm) = \["(?:sglang|vllm)==([\d.]+)"\]', pyproject, re.M))
+    assert pins == {"sglang": sglang_versions.NEWEST.version, "vllm": vllm_versions.NEWEST.version}
+
+
+def test_the_readme_names_the_supported_vllm_releases_and_the_report_budget() -> None:
+    from parity.engines.vllm.versions import supported
+    from parity.reporting.report import REPORT_BUDGET
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"`parity/engines/vllm/versions.py`: {supported()})" in readme
+    assert f"fits {REPORT_BUDGET:,} characters" in readme

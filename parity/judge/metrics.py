@@ -195,9 +195,21 @@ def format_delta(value: float, tol: float) -> str:
     return text
 
 
+def delta_text(c: Comparison, tol: float) -> str:
+    """The tuple's delta, measuring what it seems to. Where the tokens agree: the largest |Δ logprob|
+    over the steps. Where they differ, the generated logprobs at the divergence belong to two different
+    tokens, so the delta that measures the difference is the teacher-forced one (`tf`: both arms
+    scoring the reference's tokens); without it, the tuple says its delta is across unlike tokens."""
+    if c.token_match:
+        return format_delta(c.logprob_delta, tol)
+    if c.tf_delta is not None:
+        return f"tf {format_delta(c.tf_delta, tol)}"
+    return f"{format_delta(c.logprob_delta, tol)} across unlike tokens"
+
+
 def tuple_text(c: Comparison, tol: float, extras: bool = True) -> str:
-    """`(divergence char, token match, logprob delta)`, with tie and tf delta when they matter."""
-    text = f"({c.divergence_char}, {c.token_match}, {format_delta(c.logprob_delta, tol)})"
+    """`(divergence char, token match, logprob delta)` (`delta_text`), with a tie's details."""
+    text = f"({c.divergence_char}, {c.token_match}, {delta_text(c, tol)})"
     if not extras:
         return text
     notes = []
@@ -205,8 +217,6 @@ def tuple_text(c: Comparison, tol: float, extras: bool = True) -> str:
         notes.append("tie")
     if c.flip_delta is not None:
         notes.append(f"flip Δ {format_delta(c.flip_delta, tol)}")
-    if c.tf_delta is not None and not c.token_match:
-        notes.append(f"tf Δ {format_delta(c.tf_delta, tol)}")
     if c.tie_unscored:
         notes.append("tie not scored")
     if c.replay_departure is not None:

@@ -15,13 +15,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from parity.errors import ModelUnavailableError, NothingToProve
+from parity.presets import NO_DEEPSTACK_MODEL_TYPES, NO_DEEPSTACK_REASON, no_power_before_any_arm  # noqa: F401
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-# Families that inherit Qwen3-VL's DeepStack contract but whose released checkpoints ship an empty
-# deepstack_visual_indexes: with none, there is nothing for DeepStack to prove (design §3, no power). parity
-# has no adapter for their language models, so one that does add DeepStack is not runnable yet.
-NO_DEEPSTACK_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-NO_DEEPSTACK_REASON = "this model adds no DeepStack (deepstack_visual_indexes is empty)"
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -91,8 +87,7 @@ def check_architecture(name: str, config) -> None:
         return
     indexes = getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None)
     if config.model_type in NO_DEEPSTACK_MODEL_TYPES and not indexes:
-        raise NothingToProve(f"{name!r} ({config.model_type}): {NO_DEEPSTACK_REASON}, so no arm could show "
-                             "what DeepStack does under graph replay; nothing ran")
+        raise NothingToProve(no_power_before_any_arm(name, config.model_type))
     with_deepstack = " with DeepStack" if config.model_type in NO_DEEPSTACK_MODEL_TYPES else ""
     raise ModelUnavailableError(f"model {name!r} is a {config.model_type!r} checkpoint{with_deepstack}; parity drives "
                                 f"Qwen3-VL ({', '.join(SUPPORTED_MODEL_TYPES)}), says "
@@ -104,8 +99,12 @@ def load_checkpoint(name: str, dtype):
     """(model, processor) of a Qwen3-VL checkpoint; `ModelUnavailableError` when it cannot be used."""
     from transformers import AutoModelForImageTextToText
 
+    from parity.model_identity import checkpoint_folder
+    from parity.models.sizing import check_checkpoint_size
+
     source = CheckpointSource.of(name)
-    _, processor = load_config_and_processor(source)
+    config, processor = load_config_and_processor(source)
+    check_checkpoint_size(name, checkpoint_folder(source.path), config, dtype.itemsize)  # before it allocates
     model = source.load("weights", AutoModelForImageTextToText, dtype=dtype, attn_implementation="sdpa")
     return model, processor
 

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from parity.presets import PRESETS
+from parity.textfiles import readable_as_written
 
 _RECIPE = ("tiny.py", "tiny_omni.py", "../presets.py")  # the sources that decide a preset's weights, beside this file
 # The layout written: released MoE checkpoints store fused experts as [experts, in, out] (SGLang's
@@ -59,6 +60,7 @@ def saved_preset(name: str, seed: int | None = None, root: Path | None = None) -
             model.save_pretrained(staging)
             processor.save_pretrained(staging)
             _released_expert_layout(staging)
+            readable_as_written(staging)
         finally:
             hf_logging.enable_progress_bar()
         try:

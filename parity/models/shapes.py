@@ -29,6 +29,8 @@ import torch
 from parity.errors import ModelUnavailableError
 from parity.model_identity import PRESET, ModelIdentity
 from parity.presets import PRESETS, SCALE, TinyPreset, gib
+from parity.models.sizing import host_available
+from parity.textfiles import readable_as_written
 
 _RECIPE_SOURCES = ("tiny.py", "shapes.py", "../presets.py")
 
@@ -48,31 +50,30 @@ def parameter_count(name: str) -> int:
 
 
 def free_memory(device: torch.device) -> int | None:
-    """Bytes free on the device now (a GPU's free memory; the host's available memory), or None."""
+    """Bytes free on the device now (a GPU's free memory; what this process may still take of the
+    host's, `sizing.host_available`), or None."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return host_available()  # the process's own limits (ulimit -v, its cgroup) included
 
 
-def check_memory(name: str, device: torch.device, dtype: torch.dtype) -> None:
-    """One line, before anything is built, when the device cannot hold the preset."""
+def check_memory(name: str, device: torch.device, dtype: torch.dtype, named: str | None = None) -> None:
+    """One line, before anything is built, when the device cannot hold the preset. `named`: how the
+    command the user typed names it (`--model X` for a run, `NAME X` for `models save`)."""
     weights, needed = PRESETS[name].shape.memory(dtype.itemsize)
     free = free_memory(device)
     if free is None or free >= needed:
         return
     dtype_name = str(dtype).removeprefix("torch.")
     smaller = f"{name}-scaled" if f"{name}-scaled" in PRESETS else None
+    half = PRESETS[name].shape.memory(2)[1]
+    ways = ["run it on a larger device"]
+    ways += [f"give --dtype bfloat16 (a run needs {gib(half)})"] if dtype.itemsize > 2 and half <= free else []
+    ways += [f"run {smaller} (the same recipe / {SCALE})"] if smaller else []
     raise ModelUnavailableError(
-        f"--model {name} needs {gib(needed)} of {device.type} memory ({parameter_count(name) / 1e9:.2f} B parameters "
-        f"in {dtype_name}: {gib(weights)}, and a workspace), and this {device.type} has {gib(free)} free: "
-        + (f"run it on a larger device, or run {smaller} (the same recipe / {SCALE})" if smaller else
-           "run it on a larger device"))
+        f"{named or f'--model {name}'} needs {gib(needed)} of {device.type} memory ({parameter_count(name) / 1e9:.2f} "
+        f"B parameters in {dtype_name}: {gib(weights)}, and a workspace), and this {device.type} has {gib(free)} free: "
+        + ", or ".join(ways))
 
 
 def identity(name: str, seed: int, device: torch.device, dtype: torch.dtype) -> ModelIdentity:
@@ -86,13 +87,13 @@ def identity(name: str, seed: int, device: torch.device, dtype: torch.dtype) -> 
     return ModelIdentity(name, PRESET, seed, digest.hexdigest())
 
 
-def build(preset: TinyPreset, device: torch.device, dtype: torch.dtype):
+def build(preset: TinyPreset, device: torch.device, dtype: torch.dtype, named: str | None = None):
     """(model, processor): the preset's model drawn on `device` in `dtype`, a shape preset's after
-    the memory check."""
+    the memory check (`named`: as `check_memory`)."""
     from parity.models.tiny import build_model, build_processor, build_tokenizer
 
     if preset.shape is not None:  # a tiny preset saved as a folder fits anywhere
-        check_memory(preset.name, device, dtype)
+        check_memory(preset.name, device, dtype, named)
     tokenizer = build_tokenizer(preset)
     return build_model(preset, tokenizer, device=device, dtype=dtype), build_processor(tokenizer, preset)
 
@@ -103,7 +104,7 @@ def save(name: str, folder: Path, device: torch.device, dtype: torch.dtype, seed
     preset = PRESETS[name]
     if seed is not None:
         preset = replace(preset, seed=seed)
-    model, processor = build(preset, device, dtype)
+    model, processor = build(preset, device, dtype, named=f"NAME {name}")
     from transformers.utils import logging as hf_logging
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -113,4 +114,5 @@ def save(name: str, folder: Path, device: torch.device, dtype: torch.dtype, seed
         processor.save_pretrained(folder)
     finally:
         hf_logging.enable_progress_bar()
+    readable_as_written(folder)
     return folder

@@ -29,7 +29,7 @@ from typing import Sequence
 from parity.results import CaseResult, RunResult, Verdict
 from parity.textfiles import write_atomically
 from parity.judge.metrics import tuple_text
-from parity.reporting.report import arm_evidence_text, arms_with_labels, check_label, rows
+from parity.reporting.report import arm_evidence_text, arms_with_labels, check_label, placement, rows
 from parity.judge.verdict import ERROR, PASS, judged
 
 SUITE_PREFIX = "parity"
@@ -130,8 +130,10 @@ def _timestamp(created: str) -> str | None:
 
 def _add_properties(suite: ET.Element, run: RunResult) -> None:
     props = ET.SubElement(suite, "properties")
-    values = {key: run.config.get(key) for key in ("model", "backend", "dtype", "max_new_tokens")}
-    values["logprob_tol"] = run.logprob_tol
+    values = {key: run.config.get(key) for key in ("model", "backend", "dtype", "runner", "max_new_tokens")}
+    values["ran_on"] = placement(run)  # the graph backend (emulated or CUDA graphs) and the device
+    values["device"] = run.environment.get("gpu") or run.environment.get("device")
+    values["logprob_tol"] = None if run.before_run else run.logprob_tol
     values["overall_verdict"] = run.verdict.code
     for key, value in values.items():
         if value is not None:

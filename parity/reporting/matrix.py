@@ -16,8 +16,7 @@ from typing import Sequence
 from parity import registry
 from parity.judge.identity import difference_path, first_difference, identity, shown
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
-from parity.reporting.report import _md_case as case_markdown
-from parity.reporting.report import _md_environment as environment_markdown
+from parity.reporting.report import case_markdown, environment_markdown
 from parity.reporting.text import md_code, md_text
 from parity.results import SCENARIOS, CaseResult, RunResult, Verdict
 from parity.plan.sharding import describe as describe_shard

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 from parity import registry
 from parity.engines.fix_records import stood_aside_note
 from parity.evidence import Evidence, ReplayCheck, ServingEvidence
 from parity.run.localization import not_available, target_of
 from parity.judge.metrics import format_delta, tuple_text
-from parity.reporting.ci_summary import MAX_COMMENT_CHARS, clip_text
+from parity.reporting.ci_summary import clip_text
 from parity.reporting.text import encodable, md_code, md_text, visible
 from parity.judge.identity import SOURCE_KEY, model_of
 from parity.plan.sharding import describe as describe_shard
@@ -20,6 +22,8 @@ from parity.judge.verdict import PASS, REPEAT_TOL, Check, Group, checks_for, sel
 
 FORMATS = ("markdown", "json", "table")
 _ARM_TEXT_LIMIT = 4000  # per arm in report.md; the whole report must fit a PR comment
+REPORT_BUDGET = 60_000  # a PR comment holds 65,536 characters; the rest is room for a bot's own header
+REPORT, FULL_REPORT = "report.md", "report-full.md"
 _BACKTICKS = re.compile(r"`+")
 
 
@@ -50,9 +54,10 @@ def arms_with_labels(case: CaseResult) -> Iterator[tuple[str, ArmResult]]:
             yield f"{i}. {arm.name}", arm
 
 
-def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
+def evidence_text(evidence: Evidence | None, mode: str = "bcg", forced: int | None = None) -> str:
     """One line a reviewer reads to know whether the path under test really ran. Capitals only
-    where something is wrong: a graph arm that did not replay, an eager arm that did."""
+    where something is wrong: a graph arm that did not replay, an eager arm that did. `forced`: the
+    arm's teacher-forced scorings, each one more LM entry than its generation's."""
     if evidence is None:
         return "no execution evidence recorded"
     if mode == "eager":
@@ -70,8 +75,9 @@ def evidence_text(evidence: Evidence | None, mode: str = "bcg") -> str:
                     for r in evidence.ranks)
     serving = "" if evidence.serving is None else serving_text(evidence.serving)
     checked = "" if evidence.replay_check is None else replay_check_text(evidence.replay_check)
-    return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed "
-            f"(buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}{serving}"
+    counted = "" if forced is None else f"generation steps and {forced} teacher-forced scoring(s); "
+    return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed ({counted}"
+            f"buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}{serving}"
             f"{checked}")
 
 
@@ -108,7 +114,7 @@ def serving_text(serving: ServingEvidence) -> str:
 
 
 def arm_evidence_text(arm: ArmResult) -> str:
-    return evidence_text(arm.evidence, arm.mode)
+    return evidence_text(arm.evidence, arm.mode, len(arm.forced))
 
 
 def run_notes(run: RunResult) -> list[str]:
@@ -118,7 +124,8 @@ def run_notes(run: RunResult) -> list[str]:
     if shard:
         notes.append(shard)
     backend = registry.BACKENDS.get(str(run.config.get("backend")))
-    fixes = run.config.get(backend.fix_records_key or "") if backend is not None else None
+    asked = backend is not None and run.config.get(f"{backend.name}_fix") is not None  # no fix, no fix's note
+    fixes = run.config.get(backend.fix_records_key or "") if asked else None
     aside = stood_aside_note(r for rs in fixes.values() if isinstance(rs, list) for r in rs) \
         if isinstance(fixes, dict) else None
     notes += [aside] if aside else []
@@ -158,33 +165,151 @@ def held(run: RunResult) -> tuple[CaseResult, ...]:
     return tuple(case for case in run.cases if not case.absent)
 
 
-def render_markdown(run: RunResult, images: bool = True) -> str:
-    """report.md; `images=False` for where relative links to the run folder's plots cannot show
-    (a CI step summary, a PR comment): the plots are then named, not linked."""
+def render_full_markdown(run: RunResult, images: bool = True) -> str:
+    """report-full.md: every case's section, expanded, whatever its length."""
     absent = absent_note(run)
-
-    def render(with_texts: bool) -> str:
-        return "\n".join([_md_header(run), _md_summary(run)] + ([f"_{md_text(absent)}_\n"] if absent else [])
-                         + [_md_case(case, run, with_texts, images) for case in held(run)] + [_md_environment(run)])
-
-    text = render(True)
-    if len(text) > MAX_COMMENT_CHARS:  # drop arm texts wholesale rather than exceed a PR comment
-        text = render(False) + "\n_Arm texts were left out to fit a PR comment; see results.json._\n"
-    return clip_text(text, MAX_COMMENT_CHARS)
+    return "\n".join([_md_header(run), _md_summary(run)] + ([f"_{md_text(absent)}_\n"] if absent else [])
+                     + [case_markdown(case, run, True, images) for case in held(run)] + [environment_markdown(run)])
 
 
-def _md_header(run: RunResult) -> str:
+def render_markdown(run: RunResult, images: bool = True, budget: int = REPORT_BUDGET) -> str:
+    """report.md, built for pasting: the full report when it fits `budget`; else the cases grouped by
+    outcome (`outcome_groups`), each group's first case in full and the others a line each, and the
+    first screen says so and where the full report is. `images=False` for where relative links to the
+    run folder's plots cannot show (a CI step summary, a PR comment): the plots are then named."""
+    return report_files(run, images, budget)[REPORT]
+
+
+def report_files(run: RunResult, images: bool = True, budget: int = REPORT_BUDGET) -> dict[str, str]:
+    """The run folder's two reports by file name: report.md (fitted) and report-full.md (everything)."""
+    full = render_full_markdown(run, images)
+    fitted = full if len(full) <= budget else _fitted(run, images, budget, len(full))
+    return {REPORT: fitted, FULL_REPORT: full}
+
+
+@dataclass(frozen=True)
+class OutcomeGroup:
+    """The cases of one scenario that share a verdict code: one section in a fitted report."""
+
+    scenario: str
+    code: str
+    cases: tuple[CaseResult, ...]
+
+
+def outcome_groups(cases: Sequence[CaseResult]) -> list[OutcomeGroup]:
+    """Cases grouped by (scenario, verdict code), in plan order, what did not pass first: a group's
+    first case shows the scenario's detail (a leak witness, a localization, a departure) once."""
+    by_key: dict[tuple[str, str], list[CaseResult]] = {}
+    for case in cases:
+        by_key.setdefault((case.scenario, case.verdict.code), []).append(case)
+    groups = [OutcomeGroup(scenario, code, tuple(members)) for (scenario, code), members in by_key.items()]
+    return sorted(groups, key=lambda g: g.code == PASS)
+
+
+# How a fitted report shrinks, in turn, until it fits: arm texts go, then each group lists its first
+# cases only (the full report lists them all). Past that, a group that does not fit in full is its
+# list alone, and one whose list does not fit either is named on the first screen.
+_FITTINGS = ((True, None), (False, None), (False, 10))
+_NOTE_ROOM = 1500  # the first screen's note of what was left out
+
+
+def _fitted(run: RunResult, images: bool, budget: int, full_chars: int) -> str:
+    groups = outcome_groups(held(run))
+    absent = absent_note(run)
+    extras = ([f"_{md_text(absent)}_\n"] if absent else []) + [environment_markdown(run)]
+    room = budget - len(_md_header(run)) - _NOTE_ROOM - sum(len(e) + 1 for e in extras)
+    for with_texts, listed in _FITTINGS:
+        sections, listed_only, cut = [], [], []
+        left = room
+        for group in groups:  # what did not pass first, so it is what stays
+            full = _md_group(group, run, with_texts, images, listed)
+            short = _md_group(group, run, with_texts, images, listed, expand=False)
+            section = full if len(full) < left else short if len(short) < left else None
+            if section is None:
+                cut.append(group)
+                continue
+            if section is short and short != full:
+                listed_only.append(group)
+            sections.append(section)
+            left -= len(section) + 1
+        if not (listed_only or cut):
+            break
+    note = _fitted_note(run, groups, full_chars, with_texts, listed, listed_only, cut)
+    return clip_text("\n".join([_md_header(run, note), *sections, *extras]), budget)
+
+
+def _named(groups: list[OutcomeGroup]) -> str:
+    return ", ".join(f"{g.scenario} {g.code} ×{len(g.cases)}" for g in groups)
+
+
+def _fitted_note(run: RunResult, groups: list[OutcomeGroup], full_chars: int, with_texts: bool,
+                 listed: int | None, listed_only: list[OutcomeGroup], cut: list[OutcomeGroup]) -> str:
+    left = [] if with_texts else ["arm texts"]
+    left += [] if listed is None else [f"all but the first {listed} cases of a group"]
+    note = (f"this report is fitted to a PR comment: {len(held(run))} cases in {len(groups)} groups of one scenario "
+            "and verdict; each group that did not pass shows its first case in full and lists every case with its "
+            "reason, a PASS takes one line")
+    note += f"; left out here: {' and '.join(left)}" if left else ""
+    note += f"; listed without their first case in full: {_named(listed_only)}" if listed_only else ""
+    note += f"; did not fit at all: {_named(cut)}" if cut else ""
+    return (f"{note}. The whole report ({full_chars:,} characters) is {FULL_REPORT} beside this file, and "
+            "parity report --full prints it from results.json")
+
+
+def _md_group(group: OutcomeGroup, run: RunResult, with_texts: bool, images: bool, listed: int | None,
+              expand: bool = True) -> str:
+    icon = "✅" if group.code == PASS else "❌"
+    shown = group.cases if listed is None else group.cases[:listed]
+    lines = [f"### {icon} `{group.code}` · {md_text(group.scenario)} · {len(group.cases)} case(s)", ""]
+    lines += [f"- {md_code(c.id)}: {md_text(c.verdict.reason)}" for c in shown]
+    if len(shown) < len(group.cases):
+        lines.append(f"- … and {len(group.cases) - len(shown)} more, in {FULL_REPORT}")
+    if group.code != PASS and expand:
+        lines += ["", f"The first, {md_code(group.cases[0].id)}, in full:" if len(group.cases) > 1 else "", "",
+                  case_markdown(group.cases[0], run, with_texts, images, heading="####")]
+    return "\n".join(lines) + "\n"
+
+
+def _md_header(run: RunResult, fitted: str | None = None) -> str:
     icon = "✅" if run.verdict.code == PASS else "❌"
     interrupted = "**Interrupted: only the arms that finished are reported.**\n\n" if run.interrupted else ""
-    notes = "".join(f"> **Note:** {md_text(note)}\n\n" for note in run_notes(run))
+    notes = "".join(f"> **Note:** {md_text(note)}\n\n" for note in ([fitted] if fitted else []) + run_notes(run))
+    if run.before_run is not None:
+        return (f"## parity: {icon} `{run.verdict.code}` · {md_text(placement(run))}\n\n{md_text(run.verdict.reason)}"
+                f"\n\n{notes}Model {md_code(str(run.config.get('model')))}\n")
     tie = "" if run.tie_margin is None else (f"; a near-tie flip (margin ≤ {run.tie_margin:g}) matches when the "
                                              f"teacher-forced delta is within it too")
     return (
-        f"## parity: {icon} `{run.verdict.code}`\n\n{interrupted}{md_text(run.verdict.reason)}\n\n{notes}"
+        f"## parity: {icon} `{run.verdict.code}` · {md_text(placement(run))}\n\n{interrupted}"
+        f"{md_text(run.verdict.reason)}\n\n{notes}"
         f"Model {md_code(model_of(run))} · backend {md_code(str(run.config.get('backend')))} · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
-        f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}\n"
+        f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}; where the tokens differ, "
+        f"the delta is the teacher-forced one (`tf`: both arms scoring the reference's tokens)\n"
     )
+
+
+_GRAPH_BACKENDS = {"emulated": "emulated graph", "cuda": "CUDA graphs"}
+
+
+def placement(run: RunResult) -> str:
+    """Where the graph ran, for the first line a reader sees: `emulated graph · cpu · float32 · runner
+    fixed`, or `CUDA graphs · cuda (NVIDIA H100 80GB HBM3) · bfloat16 · sglang prefill graph breakable`.
+    An emulated PASS pasted into a GPU pull request must not read as a CUDA-graph PASS."""
+    config, env = run.config, run.environment
+    backend = str(config.get("backend", "?"))
+    if run.before_run is not None:
+        return f"no arm ran ({backend}, judged before any arm)"
+    graph = config.get("graph_backend") or config.get(f"{backend}_graph_backend")
+    device = env.get("device") or "device not recorded"
+    parts = [_GRAPH_BACKENDS.get(str(graph), f"graph backend {graph}" if graph else "graph backend not recorded"),
+             f"{device} ({env['gpu']})" if env.get("gpu") else str(device),
+             str(config.get("dtype") or "dtype not recorded")]
+    if config.get("runner"):
+        parts.append(f"runner {config['runner']}")
+    label = config.get("graph_mode") or registry.of_run(config).graph_label(config)
+    parts.append(f"{backend} {label}" if label else backend)
+    return " · ".join(parts)
 
 
 def _mean_rule(run: RunResult) -> str:
@@ -203,12 +328,11 @@ def _md_summary(run: RunResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True, images: bool = True) -> str:
+def case_markdown(case: CaseResult, run: RunResult, with_texts: bool = True, images: bool = True,
+                  heading: str = "###") -> str:
     tol = run.logprob_tol
-    fixture = "text only" if case.fixture is None else (
-        f"{'video' if case.fixture.frames else 'fixture'} {md_code(case.fixture.name)} {case.fixture.dimensions}, "
-        f"sha256 `{case.fixture.sha256}`")
-    lines = [f"### {md_code(case.id)}: `{case.verdict.code}`\n", f"{md_text(case.verdict.reason)}\n",
+    fixture = "text only" if case.fixture is None else media_text(case)
+    lines = [f"{heading} {md_code(case.id)}: `{case.verdict.code}`\n", f"{md_text(case.verdict.reason)}\n",
              f"Scenario `{case.scenario}` · {fixture} · prompt: {md_code(case.prompt)}\n"]
     if case.localization is not None:
         lines.append(f"**{md_text(localization_sentence(case))}**\n")
@@ -249,6 +373,33 @@ def _md_case(case: CaseResult, run: RunResult, with_texts: bool = True, images: 
     return "\n".join(lines)
 
 
+def media_text(case: CaseResult) -> str:
+    """The case's image or video as a reader needs it: a built-in fixture by name; a user's file as
+    given, and how many image tokens the model saw of it (the processor resizes every image to its
+    pixel budget, a large photo to a small fraction of its pixels)."""
+    info = case.fixture
+    kind = info.kind
+    if is_builtin(info):
+        return f"{'video' if info.frames else 'fixture'} {md_code(info.name)} {info.dimensions}, sha256 `{info.sha256}`"
+    seen = next((a.deepstack_record.nonzero_rows for a in case.all_arms()
+                 if a.deepstack == "normal" and a.mode == "eager" and a.deepstack_record is not None), None)
+    tokens = "" if seen is None else (f"; the model saw {seen} {kind} token(s) of it (the processor scales "
+                                      f"every {kind} to its pixel budget)")
+    return f"user {kind} {md_code(info.name)}, {info.dimensions} as given{tokens}, sha256 `{info.sha256}`"
+
+
+@functools.lru_cache(maxsize=None)
+def _builtin_sha256(name: str) -> str | None:
+    from parity.media.catalog import builtin_fixture, builtin_names
+
+    return builtin_fixture(name).sha256 if name in builtin_names(twins=True, videos=True) else None
+
+
+def is_builtin(info) -> bool:
+    """A built-in fixture: its name and its pixels both (a user's `rgb-stripes.png` is not one)."""
+    return _builtin_sha256(info.name) == info.sha256
+
+
 def _md_repeats(case: CaseResult) -> list[str]:
     if not any(a.repeats for a in case.all_arms()):
         return []
@@ -277,12 +428,32 @@ def localization_sentence(case: CaseResult) -> str:
         return (f"no layer of {loc.arm} leaves {loc.reference} by more than {loc.threshold:g} (relative error): "
                 "the divergence starts after the prefill (decode) or is below the threshold")
     where = "" if loc.request is None else f" (request {loc.request + 1})"
+    upstream = _upstream_departure(case)
+    if upstream is not None:  # one place for one divergence: where the replay check saw it first
+        return (f"first divergent{where}: {_UPSTREAM[upstream.point]}, before decoder layer 0 (the replay check: "
+                f"row {upstream.position}, {upstream.tensor} Δ {upstream.delta:.3g} > {upstream.bound:.3g}); every "
+                f"layer from {point.layer} inherits it (relative error {point.rel_error:.3g} > {loc.threshold:g})")
     if point.deepstack_block is None:
         detail = "" if _added_before(loc, point.layer) else ", before any DeepStack add"
         text = f"first divergent layer{where}: {point.layer}{detail}"
     else:
         text = f"first divergent layer{where}: {point.layer}, after DeepStack block {point.deepstack_block} is added"
     return f"{text} (relative error {point.rel_error:.3g} > {loc.threshold:g})"
+
+
+# Where a replay check can see a departure that no decoder-layer probe reaches. (Its "embeddings" point
+# is layer 0's keys and values, which the probe's layer 0 sees too: not upstream.)
+_UPSTREAM = {"encoder": "the vision encoder's output"}
+
+
+def _upstream_departure(case: CaseResult):
+    """The localized arm's replay-check departure when it lies before the decoder layers (in the
+    vision encoder), where a per-layer probe cannot look; else None."""
+    loc = case.localization
+    arm = case.arm(loc.arm, loc.request) if loc.request is None or loc.request < len(case.requests) else None
+    check = None if arm is None or arm.evidence is None else arm.evidence.replay_check
+    departure = None if check is None else check.departure
+    return departure if departure is not None and departure.point in _UPSTREAM else None
 
 
 def _added_before(loc, layer: int) -> bool:
@@ -326,7 +497,7 @@ def localization_json(cases: list[CaseResult]) -> str:
     return json.dumps(doc, indent=2, allow_nan=False)
 
 
-def _md_environment(run: RunResult) -> str:
+def environment_markdown(run: RunResult) -> str:
     env = " · ".join(f"{md_text(str(k))} {md_code(str(v))}" for k, v in run.environment.items())
     # The plan and the shard map list every case: results.json holds them, the report says how many.
     config = " · ".join(f"{md_text(str(k))} {md_code(_config_value(k, v))}" for k, v in run.config.items())
@@ -352,6 +523,17 @@ def _config_value(key: str, value: object) -> str:
     if key == "shard" and isinstance(value, dict):
         return str({k: v for k, v in value.items() if k != "cases"})
     return str(value)
+
+
+def verdicts_json(run: RunResult) -> str:
+    """`parity verdict --json`: the run's verdict, its exit code and each case's verdict."""
+    from parity.judge.verdict import exit_code
+
+    verdict = {"code": run.verdict.code, "reason": run.verdict.reason}
+    doc = {"verdict": verdict, "exit_code": exit_code(run.verdict), "ran_on": placement(run),
+           "cases": [{"id": c.id, "scenario": c.scenario, "code": c.verdict.code, "reason": c.verdict.reason}
+                     for c in run.cases]}
+    return encodable(json.dumps(doc, indent=2, ensure_ascii=False))
 
 
 def render_json(run: RunResult) -> str:

@@ -13,7 +13,7 @@ from rich.table import Table
 from parity.judge.metrics import tuple_text
 from parity.reporting.report import (
     absent_note, arm_evidence_text, arms_with_labels, check_label, held, localization_sentence, not_localized_note,
-    rows, run_notes,
+    placement, rows, run_notes,
 )
 from parity.reporting.text import terminal
 from parity.results import CaseResult, RunResult
@@ -35,6 +35,7 @@ def print_table(run: RunResult, console: Console) -> None:
             console.print(f"  {terminal(not_localized_note(case, run))}", highlight=False)
     for note in [*run_notes(run), *filter(None, [absent_note(run)])]:
         console.print(f"[yellow]note:[/] {terminal(note)}", highlight=False)
+    console.print(f"ran on: {terminal(placement(run))}", highlight=False)
     style = "green" if run.verdict.code == PASS else "red"
     console.print(f"[bold {style}]{run.verdict.code}[/]: {terminal(run.verdict.reason)}", highlight=False)
 

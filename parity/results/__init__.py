@@ -222,10 +222,14 @@ class RunResult:
     schema: str = field(default=SCHEMA)
     interrupted: bool = False  # Ctrl-C: what finished is kept, the rest is INCOMPLETE
     timings: Timings | None = None  # None: a merge, or a file written before parity recorded them
+    # A verdict found before any arm ran (a model without DeepStack): the file holds no case, and its
+    # shard of a CI gate is still there (`run_command.write_before_run`, design §4c).
+    before_run: Verdict | None = None
 
     @property
     def logprob_tol(self) -> float:
-        return float(self.config["logprob_tol"])
+        """The run's bound; 0 for a verdict before any arm, which compared nothing."""
+        return float(self.config.get("logprob_tol", 0.0))
 
     @property
     def logprob_mean_tol(self) -> float | None:
@@ -339,6 +343,8 @@ def _head_json(run: RunResult) -> dict:
         out["interrupted"] = True
     if run.timings is not None:
         out["timings"] = run.timings.to_json()
+    if run.before_run is not None:
+        out["before_run"] = _verdict_json(run.before_run)
     return out
 
 

@@ -87,6 +87,29 @@ def _check_backend_fields(config: dict) -> None:
         if foreign and other is not backend:
             raise Invalid(f"config.{foreign[0]} is a {other.name} run's field, but config.backend is {backend.name!r}: "
                           "a file relabelled from another backend")
+    if backend.fix_records_key is not None:
+        _check_fix_records(config.get(backend.fix_records_key), f"config.{backend.fix_records_key}")
+
+
+def _check_fix_records(raw: object, where: str) -> None:
+    """Each server's records of parity's fix, of the types a run writes them (`fix_records.FixRecord`),
+    so a report never meets a record that is not one (an edited `"captures": "many"`)."""
+    if raw is None:
+        return
+    if not isinstance(raw, dict):
+        raise Invalid(f"{where} must be an object of mode -> records")
+    for mode, records in raw.items():
+        if not isinstance(records, list):
+            raise Invalid(f"{where}.{mode} must be a list of fix records")
+        for i, record in enumerate(records):
+            if not isinstance(record, dict):
+                raise Invalid(f"{where}.{mode}[{i}] must be an object")
+            for key, kinds in (("pid", int), ("variant", str), ("captures", int), ("reads", int), ("note", str),
+                               ("refused", bool), ("stood_aside", bool), ("dtype", str)):
+                get(record, key, kinds, f"{where}.{mode}[{i}]", optional=key not in ("pid", "variant"))
+            slot = get(record, "slot", list, f"{where}.{mode}[{i}]", optional=True)
+            if slot is not None and len(ints(slot, f"{where}.{mode}[{i}].slot")) != 2:
+                raise Invalid(f"{where}.{mode}[{i}].slot must be [max tokens, width]")
 
 
 def _check_identity(config: dict, environment: dict) -> None:

@@ -24,6 +24,7 @@ from parity.results import (
     TIMING_KEYS, LayerError, Localization, RequestResult, RunResult, Timings,
 )
 from parity.trust.arms import read_arms, read_fixture
+from parity.trust.before_run import BEFORE_RUN_KEY, read_before_run
 from parity.trust.config import MIN_LOGPROB_TOL, config_from_json  # noqa: F401 (the CLI's floor too)
 from parity.trust.consistency import Contradiction
 from parity.trust.fields import Invalid, get, non_negative_int, number, parse_unique_keys, positive
@@ -172,6 +173,8 @@ def run_from_json(doc: Any, source: str, consume: bool = False) -> RunResult:
             raise Invalid(f"schema is {schema!r}, expected {SCHEMA!r} or {SCHEMA_V1!r}")
         v2 = schema == SCHEMA
         environment = get(doc, "environment", dict, "document")
+        if v2 and BEFORE_RUN_KEY in doc:
+            return read_before_run(doc, environment)
         raw_config = get(doc, "config", dict, "document")
         cases_raw = get(doc, "cases", list, "document")
         if not v2:

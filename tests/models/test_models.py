@@ -180,7 +180,7 @@ def _config_only(folder, config) -> str:
 
 def test_a_qwen3_5_without_deepstack_is_no_power_before_any_arm(parity_cli, tmp_path):
     """The preset and a Qwen3.5 checkpoint folder alike: the config says there is nothing to prove;
-    nothing is built, no server starts, no results are written."""
+    nothing is built and no server starts, but the verdict's files are written for CI (no case)."""
     from parity.models.checkpoint import NO_DEEPSTACK_REASON
     from parity.models.tiny import build_config, build_tokenizer
     from parity.presets import PRESETS
@@ -188,7 +188,8 @@ def test_a_qwen3_5_without_deepstack_is_no_power_before_any_arm(parity_cli, tmp_
     result, doc, out = parity_cli.run("--model", "tiny-qwen3.5")
     assert result.exit_code == 3, result.output
     assert f"INCONCLUSIVE_NO_POWER: 'tiny-qwen3.5' (qwen3_5): {NO_DEEPSTACK_REASON}" in result.output
-    assert "Error" not in result.output and doc is None and not out.exists()
+    assert "Error" not in result.output and doc["cases"] == [] and doc["before_run"]["code"] == "INCONCLUSIVE_NO_POWER"
+    assert sorted(p.name for p in out.iterdir()) == ["report-full.md", "report.md", "results.json"]
     for backend in ("sglang", "vllm"):  # said before any engine is looked for
         result, _, _ = parity_cli.run("--model", "tiny-qwen3.5", "--backend", backend, "--device", "cpu")
         assert result.exit_code == 3 and NO_DEEPSTACK_REASON in result.output, result.output
@@ -196,7 +197,8 @@ def test_a_qwen3_5_without_deepstack_is_no_power_before_any_arm(parity_cli, tmp_
     assert config.model_type == "qwen3_5" and config.vision_config.deepstack_visual_indexes == []
     folder = _config_only(tmp_path / "qwen3_5", config)
     result, doc, _ = parity_cli.run("--model", folder)
-    assert result.exit_code == 3 and NO_DEEPSTACK_REASON in result.output and doc is None, result.output
+    assert result.exit_code == 3 and NO_DEEPSTACK_REASON in result.output, result.output
+    assert doc["cases"] == [] and doc["config"]["cause"] == "model"
 
 
 def test_an_architecture_parity_does_not_run_is_a_usage_error_naming_those_it_runs(parity_cli, tmp_path):

@@ -4,6 +4,7 @@ whose only media is audio judged INCONCLUSIVE_NO_POWER before any arm."""
 
 from __future__ import annotations
 
+import json
 import wave
 
 import numpy as np
@@ -53,7 +54,9 @@ def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path
     assert result.exit_code == 3, result.output
     assert result.output.startswith("INCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone")
     assert "audio adds no DeepStack" in result.output and "nothing ran" in result.output
-    assert not (out / "results.json").exists()
+    doc = json.loads((out / "results.json").read_text())  # written all the same, for CI (design §4c)
+    assert doc["cases"] == [] and doc["config"]["cause"] == "audio"
+    assert parity_cli("verdict", str(out / "results.json")).exit_code == 3
 
 
 @pytest.mark.parametrize("args, message", [

@@ -100,7 +100,8 @@ def test_a_shape_that_does_not_fit_is_refused_in_one_line_before_anything_is_bui
     assert result.exit_code == 2 and doc is None, result.output
     (line,) = [line for line in result.output.splitlines() if line.strip()]
     assert line == ("Error: --model shape-qwen3-vl-8b needs 35.9 GiB of cpu memory (8.77 B parameters in float32: "
-                    "32.7 GiB, and a workspace), and this cpu has 24.0 GiB free: run it on a larger device, or run "
+                    "32.7 GiB, and a workspace), and this cpu has 24.0 GiB free: run it on a larger device, or give "
+                    "--dtype bfloat16 (a run needs 18.3 GiB), or run "
                     f"shape-qwen3-vl-8b-scaled (the same recipe / {SCALE})")
     # The negative control: the scaled variant fits the same 24 GiB, and is built.
     monkeypatch.undo()
@@ -124,8 +125,8 @@ def test_a_saved_shape_runs_as_a_user_s_checkpoint_folder(parity_cli, tmp_path) 
 
 def test_parity_models_lists_the_shapes_with_their_parameters_and_memory(parity_cli) -> None:
     listed = {line.split()[0]: line for line in parity_cli("models").output.splitlines()}
-    assert "8.77 B params, 16.3 GiB in bfloat16 (a run needs 18.3 GiB)" in listed["shape-qwen3-vl-8b"]
-    assert "31.07 B params, 57.9 GiB in bfloat16" in listed["shape-qwen3-vl-30b-a3b"]
+    assert "8.77 B params; a run needs 35.9 GiB in float32, 18.3 GiB in bfloat16" in listed["shape-qwen3-vl-8b"]
+    assert "31.07 B params; a run needs 127.3 GiB in float32, 63.7 GiB in bfloat16" in listed["shape-qwen3-vl-30b-a3b"]
     assert set(SHAPES) <= set(listed) and "params" not in listed["tiny-qwen3-vl"]
 
 
@@ -134,5 +135,5 @@ def test_any_preset_saves_and_an_unknown_one_is_refused(parity_cli, tmp_path) ->
     assert saved.exit_code == 0 and (tmp_path / "tiny" / "model.safetensors").is_file(), saved.output
     assert json.loads((tmp_path / "tiny" / "config.json").read_text())["model_type"] == "qwen3_vl"
     unknown = parity_cli("models", "save", "qwen3-vl-9000b", str(tmp_path / "other"))
-    assert unknown.exit_code == 2 and "'qwen3-vl-9000b' is not an embedded preset" in unknown.output
+    assert unknown.exit_code == 2 and "NAME qwen3-vl-9000b: not an embedded preset" in unknown.output
     assert not (tmp_path / "other").exists()

@@ -58,9 +58,9 @@ def test_markdown_table_and_verdict_row():
     md = render_markdown(_compare(*_legacy_and_fixed()))
     assert "| case | comparison | expected | before fix | after fix |" in md
     assert ("| rgb-stripes/describe | bcg_normal vs bcg_zero_deepstack | differ | "
-            "(19, True, 0.000) ✗ | (1, False, 0.000) [tf Δ 1.900] |") in md
+            "(19, True, 0.000) ✗ | (1, False, tf 1.900) |") in md
     assert ("| rgb-stripes/describe | bcg_normal vs eager_normal | match | "
-            "(1, False, 0.000) [tf Δ 1.900] ✗ | (19, True, 0.000) |") in md
+            "(1, False, tf 1.900) ✗ | (19, True, 0.000) |") in md
     assert "before: FAIL_DEEPSTACK_DROPPED → after: PASS" in md
     assert "WARNING" not in md
 

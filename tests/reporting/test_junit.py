@@ -73,7 +73,7 @@ def test_inconclusive_is_a_failure():
 def test_system_out_lists_comparison_tuples():
     _, _, cases = _parse(make_run([make_case(legacy_arms())]))
     out = cases["rgb-stripes/describe"].find("system-out").text
-    assert "bcg_normal vs eager_normal (1, False, 0.000)" in out
+    assert "bcg_normal vs eager_normal (1, False, tf 1.900)" in out  # the delta that measures a flip
     assert "bcg_normal vs bcg_zero_deepstack (19, True, 0.000) match=True expected differ [UNEXPECTED]" in out
 
 

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from parity.cli import cli
 from parity.reporting.ci_summary import MAX_COMMENT_CHARS
 from parity.reporting.matrix import experiments, render_matrix
-from parity.reporting.report import render_markdown
+from parity.reporting.report import render_full_markdown
 from parity.results import SCENARIOS
 from tests.helpers_runs import fixed_arms, legacy_arms, make_case, make_run, stream_case
 
@@ -151,7 +151,7 @@ def _experiment(model: str, failing: int = -1, n: int = 40, **kwargs):
 
 def test_matrix_stays_under_a_pr_comment_by_folding_what_passed():
     runs = [_experiment("model-a"), _experiment("model-b", failing=7), _experiment("model-c")]
-    assert sum(len(render_markdown(r)) for r in runs) > MAX_COMMENT_CHARS  # the reports, one after another
+    assert sum(len(render_full_markdown(r)) for r in runs) > MAX_COMMENT_CHARS  # the reports, one after another
     markdown = render_matrix(runs)
     assert len(markdown) <= MAX_COMMENT_CHARS
     table = cells(markdown)

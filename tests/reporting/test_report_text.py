@@ -80,8 +80,9 @@ def test_case_ids_and_prompts_cannot_break_report_md():
 def test_terminal_shows_strings_as_text_and_the_tuple_notes():
     text = _terminal(_hostile_run(), width=120)
     assert "[red]w[/]" in text and "\\x1b[31m" in text and "\x1b" not in text and "\\n# injected" in text
-    # A decisive flip shows more than its tuple: the teacher-forced delta (rich took `[...]` as markup).
-    assert re.search(r"\(\d+, False, [0-9.e-]+\) \[tf Δ [0-9.e-]+\]", text), text
+    # A decisive flip's delta is the teacher-forced one, which measures it, not the logprobs of two
+    # different tokens; labelled so (rich would take a bracketed note as markup).
+    assert re.search(r"\(\d+, False, tf [0-9.e-]+\)", text), text
 
 
 def test_near_tie_note_reaches_the_terminal():
@@ -109,7 +110,7 @@ def test_the_table_is_readable_at_80_columns():
     assert table and max(len(ln) for ln in table) <= 80
     for word in ("bcg_zero_deepstack", "eager_zero_deepstack", "FAIL_STALE_STATE", "match", "differ"):
         assert word in text, word
-    assert re.search(r"\(\d+, False, [0-9.]+\)", text)
+    assert re.search(r"\(\d+, False, tf [0-9.]+\)", text)
 
 
 def test_summary_table_lists_every_case_when_there_are_several():

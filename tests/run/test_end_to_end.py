@@ -166,8 +166,11 @@ def test_verdict_recomputes_from_arms_alone(parity_cli, tmp_path):
     forged.write_text(json.dumps(doc))
     result = parity_cli("verdict", str(forged))
     assert result.exit_code == 1 and "FAIL_DEEPSTACK_DROPPED" in result.output
-    recomputed = json.loads(parity_cli("verdict", str(forged), "--json").output)
+    recomputed = json.loads(parity_cli("verdict", str(forged), "--document").output)
     assert recomputed["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED" and len(recomputed["cases"][0]["comparisons"]) == 4
+    verdicts = json.loads(parity_cli("verdict", str(forged), "--json").output)  # the verdicts, not the document
+    assert verdicts["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED" and verdicts["exit_code"] == 1
+    assert [c["code"] for c in verdicts["cases"]] == ["FAIL_DEEPSTACK_DROPPED"] and "comparisons" not in verdicts["cases"][0]
     # A tolerance large enough to hide every logprob difference cannot hide a token mismatch.
     doc["config"].update(logprob_tol=100.0, logprob_tol_source="user")
     forged.write_text(json.dumps(doc))

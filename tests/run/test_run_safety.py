@@ -248,7 +248,7 @@ def _phase(monkeypatch, phase: str, stop) -> None:
         _stop_on_call(monkeypatch, 3, stop)
         return
     module, name = {"load": (parity.run_command, "create_backend"), "tables": (parity.run_command, "print_table"),
-                    "writes": (parity.run_command, "render_markdown"),
+                    "writes": (parity.run_command, "report_files"),
                     "plots": (parity.reporting.plots, "plot_case")}[phase]
     real = getattr(module, name)
     fired = {"n": 0}
