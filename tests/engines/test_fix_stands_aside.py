@@ -254,7 +254,7 @@ def test_the_report_says_the_fix_stood_aside_and_that_the_engine_was_judged(back
 
     run = make_run([make_case(fixed_arms())], backend=backend)
     aside = fix_records.FixRecord(7, "f", None, None, "stood aside: the engine's own slot", stood_aside=True)
-    marked = replace(run, config=MappingProxyType({**run.config, key: {"bcg": [aside.to_json()]}}))
+    marked = replace(run, config=MappingProxyType({**run.config, key: {"bcg": [aside.to_json()]}, f"{backend}_fix": "f"}))
     assert "parity's f fix stood aside: the engine's own slot. This run judges the engine's own mechanism" in \
         render_markdown(marked)
     assert "stood aside" not in render_markdown(run)  # the negative control: a fix that bound
