@@ -274,14 +274,14 @@ def _md_header(run: RunResult, fitted: str | None = None) -> str:
     icon = "✅" if run.verdict.code == PASS else "❌"
     interrupted = "**Interrupted: only the arms that finished are reported.**\n\n" if run.interrupted else ""
     notes = "".join(f"> **Note:** {md_text(note)}\n\n" for note in ([fitted] if fitted else []) + run_notes(run))
-    if run.before_run is not None:
-        return (f"## parity: {icon} `{run.verdict.code}` · {md_text(placement(run))}\n\n{md_text(run.verdict.reason)}"
-                f"\n\n{notes}Model {md_code(str(run.config.get('model')))}\n")
+    opening = (f"## parity: {icon} `{run.verdict.code}` · {md_text(placement(run))}\n\n{interrupted}"
+               f"{md_text(run.verdict.reason)}\n\n{notes}")
+    if run.before_run is not None:  # nothing was compared: no tuples to explain
+        return f"{opening}Model {md_code(str(run.config.get('model')))}\n"
     tie = "" if run.tie_margin is None else (f"; a near-tie flip (margin ≤ {run.tie_margin:g}) matches when the "
                                              f"teacher-forced delta is within it too")
     return (
-        f"## parity: {icon} `{run.verdict.code}` · {md_text(placement(run))}\n\n{interrupted}"
-        f"{md_text(run.verdict.reason)}\n\n{notes}"
+        f"{opening}"
         f"Model {md_code(model_of(run))} · backend {md_code(str(run.config.get('backend')))} · "
         f"{len(run.cases)} case(s) · tuples are `(divergence char, token match, logprob delta)`, "
         f"match = token match and delta ≤ {run.logprob_tol:g}{_mean_rule(run)}{tie}; where the tokens differ, "
