@@ -4,8 +4,9 @@ verdict recomputed where parity can.
 Such a run compared nothing, so its file holds no case, and its verdict is never PASS. It exists so
 that a CI gate finds every shard's file, report and JUnit. What decides it is anchored where it can be:
 for an embedded preset the loader judges its definition again (a family without DeepStack, and no
-DeepStack block: what `parity.models.check_runnable` finds) and keeps that reason, not the file's; for a checkpoint it cannot load here, and for audio-only cases (which need the model and
-the clips), it trusts the stored reason, which can only ever say INCONCLUSIVE.
+DeepStack block: what `parity.models.check_runnable` finds) and keeps that reason, not the file's.
+For a checkpoint, which it cannot load here, and for audio-only cases (which need the model and the
+clips), it trusts the stored reason, which can only ever say INCONCLUSIVE.
 """
 
 from __future__ import annotations
