@@ -28,6 +28,8 @@ class CheckpointFacts:
 
     @classmethod
     def of(cls, config: Any) -> "CheckpointFacts":
+        # A whole Qwen3-Omni nests the model that sees and reads (its thinker) in `thinker_config`.
+        config = getattr(config, "thinker_config", None) or config
         vision = getattr(config, "vision_config", None)
         indexes = getattr(vision, "deepstack_visual_indexes", None)
         if indexes is None:

@@ -19,11 +19,20 @@ from pathlib import Path
 from parity.presets import PRESETS
 from parity.textfiles import readable_as_written
 
-_RECIPE = ("tiny.py", "tiny_omni.py", "../presets.py")  # the sources that decide a preset's weights, beside this file
+_RECIPE = ("tiny.py", "tiny_omni.py", "../presets.py", "preset_checkpoint.py")  # the sources that decide a saved preset, beside this file
 # The layout written: released MoE checkpoints store fused experts as [experts, in, out] (SGLang's
 # loader transposes them on load); transformers 5 keeps [experts, out, in] in memory and saves that.
 _FORMAT = "released-expert-layout-1"
 _FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+# Fields released MoE configs carry that transformers neither needs nor writes, and engines read.
+# transformers' Qwen3-VL-MoE and Qwen3-Omni routers always renormalize the routed top-k weights;
+# vLLM's Qwen3-MoE layers read that from `norm_topk_prob` and fail to build without it.
+_MOE_TEXT_FIELDS = {"norm_topk_prob": True}
+# Qwen3-Omni is released, and served by both engines, as the whole model: the thinker's config nested
+# in `thinker_config` and its weights under `thinker.`; no talker (docs/engines/sglang-cpu.md).
+OMNI_THINKER = "Qwen3OmniMoeThinkerForConditionalGeneration"
+OMNI_WHOLE = {"architectures": ["Qwen3OmniMoeForConditionalGeneration"], "model_type": "qwen3_omni_moe",
+              "enable_audio_output": False}
 
 
 def cache_root() -> Path:
@@ -60,6 +69,8 @@ def saved_preset(name: str, seed: int | None = None, root: Path | None = None) -
             model.save_pretrained(staging)
             processor.save_pretrained(staging)
             _released_expert_layout(staging)
+            _released_moe_fields(staging)
+            _whole_omni_model(staging)
             readable_as_written(staging)
         finally:
             hf_logging.enable_progress_bar()
@@ -85,3 +96,46 @@ def _released_expert_layout(folder: Path) -> None:
             for key in fused:
                 tensors[key] = tensors[key].transpose(-1, -2).contiguous()
             save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _released_moe_fields(folder: Path) -> None:
+    """Add `_MOE_TEXT_FIELDS` to every MoE text config of `config.json` (one that routes tokens)."""
+    import json
+
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+
+    def add(node) -> bool:
+        if not isinstance(node, dict):
+            return False
+        changed = False
+        if "num_experts_per_tok" in node:
+            for key, value in _MOE_TEXT_FIELDS.items():
+                if key not in node:
+                    node[key] = value
+                    changed = True
+        return any([add(child) for child in node.values()]) or changed
+
+    if add(config):
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _whole_omni_model(folder: Path) -> None:
+    """A Qwen3-Omni thinker saved alone, rewritten as the whole model the engines serve."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "config.json"
+    thinker = json.loads(path.read_text())
+    if thinker.get("architectures") != [OMNI_THINKER]:
+        return
+    whole = {**OMNI_WHOLE, "thinker_config": thinker, "transformers_version": thinker.get("transformers_version")}
+    path.write_text(json.dumps(whole, indent=2, sort_keys=True) + "\n")
+    for shard in folder.glob("*.safetensors"):
+        save_file({f"thinker.{k}": v for k, v in load_file(shard).items()}, shard, metadata={"format": "pt"})
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = {f"thinker.{k}": v for k, v in doc["weight_map"].items()}
+        index.write_text(json.dumps(doc, indent=2) + "\n")

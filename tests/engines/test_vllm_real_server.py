@@ -267,3 +267,39 @@ def test_the_fix_passes_a_video_and_a_hit_over_all_its_rows(tmp_path_factory) ->
         for request in case["requests"]:
             assert all(a["evidence"].get("leak") is None for a in request["arms"].values()), request["label"]
     assert_no_server_left()
+
+
+# --- MoE (issue 54): vLLM's CPU experts through parity's stand-ins (cpu_ops, docs/engines/vllm-cpu.md §8) ----
+
+MOE = ("--model", "tiny-qwen3-vl-moe", "--graph-mode", "full", "--fixture", "rgb-stripes", "--video",
+       "video-bouncing-bar", "--scenario", "four-arm", "--scenario", "stream")
+
+
+def assert_self_checks_held(doc: dict) -> None:
+    """No arm failed parity's check of its own results: teacher forcing agreed with generation at the
+    fp32 floor (the stand-in experts read no count on the host, so a replay routes its own rows)."""
+    errors = [a["error"] for c in doc["cases"] for group in (c, *c.get("requests", ()))
+              for a in (group.get("arms") or {}).values() if a.get("error")]
+    assert errors == [], errors[:2]
+
+
+def test_released_leaks_a_moe_model_s_deepstack_on_images_and_video(tmp_path: Path) -> None:
+    result, doc = parity_run(tmp_path, *MOE)
+    assert result.exit_code == 1, result.output[-3000:]
+    assert_self_checks_held(doc)
+    codes = {(c["scenario"], c["fixture"]["name"]): c["verdict"]["code"] for c in doc["cases"]}
+    # The four-arm pair serves one image each way, so nothing earlier can leak into it; the stream can.
+    assert codes == {("four-arm", "rgb-stripes"): "PASS", ("four-arm", "video-bouncing-bar"): "PASS",
+                     ("stream", "rgb-stripes"): "FAIL_STALE_STATE",
+                     ("stream", "video-bouncing-bar"): "FAIL_STALE_STATE"}, codes
+    assert_no_server_left()
+
+
+def test_the_fix_passes_a_moe_model_on_images_and_video(tmp_path: Path) -> None:
+    result, doc = parity_run(tmp_path, *MOE, "--vllm-fix", deepstack_clear.FIX)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert_self_checks_held(doc)
+    assert [c["verdict"]["code"] for c in doc["cases"]] == ["PASS"] * 4, doc["verdict"]
+    assert all(a["evidence"].get("leak") is None for c in doc["cases"] for r in c.get("requests", ())
+               for a in r["arms"].values())
+    assert_no_server_left()

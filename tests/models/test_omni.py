@@ -105,3 +105,36 @@ def test_moe_checkpoints_are_saved_in_the_released_expert_layout(tmp_path):
         assert torch.equal(saved[key], model[key].transpose(-1, -2)), key
     dense = [k for k in saved if k not in fused and k in model]
     assert dense and all(torch.equal(saved[k], model[k]) for k in dense)
+    # transformers' router always renormalizes the routed weights; vLLM builds its layers from the field.
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    assert text["norm_topk_prob"] is True
+    dense_text = json.loads((saved_preset("tiny-qwen3-vl", root=tmp_path) / "config.json").read_text())["text_config"]
+    assert "norm_topk_prob" not in dense_text  # a dense model routes nothing
+
+
+def test_omni_is_saved_as_the_whole_model_the_engines_serve(tmp_path):
+    """Both engines serve Qwen3-Omni as released: the thinker's config under `thinker_config`, its
+    weights under `thinker.`, no talker; parity reads the facts it needs from the nested config."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from parity.engines.prompts import CheckpointFacts
+    from parity.models import load_model
+    from parity.models.preset_checkpoint import saved_preset
+
+    folder = saved_preset("tiny-qwen3-omni", root=tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3OmniMoeForConditionalGeneration"]
+    assert config["enable_audio_output"] is False and "talker_config" not in config
+    assert config["thinker_config"]["architectures"] == ["Qwen3OmniMoeThinkerForConditionalGeneration"]
+    assert config["thinker_config"]["text_config"]["norm_topk_prob"] is True
+    saved = {k: v for path in folder.glob("*.safetensors") for k, v in load_file(path).items()}
+    load_model("tiny-qwen3-omni", device="cpu").adapter.model.save_pretrained(tmp_path / "thinker")
+    alone = {k: v for path in (tmp_path / "thinker").glob("*.safetensors") for k, v in load_file(path).items()}
+    assert saved.keys() == {f"thinker.{k}" for k in alone}
+    fused = ("experts.gate_up_proj", "experts.down_proj")
+    for name, value in alone.items():
+        expected = value.transpose(-1, -2) if name.endswith(fused) else value
+        assert torch.equal(saved[f"thinker.{name}"], expected), name
+    facts = CheckpointFacts.of(AutoConfig.from_pretrained(folder))
+    assert facts.deepstack_layers == len(config["thinker_config"]["vision_config"]["deepstack_visual_indexes"]) > 0

@@ -1,7 +1,7 @@
 """Torch-native stand-ins for the compiled ops of vLLM's CPU build, for the servers parity starts on a CPU.
 
 The PyPI vLLM wheel is the CUDA build: its CPU extension (`vllm._C` with the CPU kernels) is absent,
-yet the CPU worker and CPU attention call five of its ops (docs/engines/vllm-cpu.md §2-3). They are
+yet the CPU worker, CPU attention and CPU MoE call seven of its ops (docs/engines/vllm-cpu.md §2-3). They are
 registered here, with `torch.library`, in the `_C` namespace of the server processes only (parity's
 start-up hook, `standin/sitecustomize.py`); nothing is installed over vLLM.
 
@@ -12,6 +12,10 @@ start-up hook, `standin/sitecustomize.py`); nothing is installed over vLLM.
   bound (`query_start_loc`, `seq_lens`, `block_table`, `slot_mapping`) from its tensors when it
   runs. Recorded whole by an emulated graph and re-run at replay, it sees each replay's refreshed
   metadata, as a graph-capable attention kernel (FA3) does on a GPU.
+- `prepack_moe_weight`, `cpu_fused_moe`: the unquantized experts of `CPUUnquantizedExperts` (every
+  ISA class: `vec`, `amx`, `neon`, `vsx`). The stand-in keeps vLLM's layout as it is (the "packing"
+  is a copy) and computes each token's routed experts from `topk_ids` and `topk_weights` when it
+  runs, with no count read on the host: a replay recomputes the routing of the replayed rows.
 
 What the stand-in attention cannot compute faithfully (ALiBi, soft-capping, sinks, sliding windows,
 a bidirectional mask given as a tensor, a quantized KV cache) is never approximated: such a call is
@@ -47,7 +51,13 @@ SCHEMAS = {
         "Tensor query_start_loc, Tensor seq_lens, float scale, bool causal, Tensor? alibi_slopes, int sliding_window, "
         "Tensor block_table, float softcap, Tensor scheduler_metadata, Tensor? s_aux, Tensor? dynamic_causal, "
         "float k_scale, float v_scale, str kv_cache_dtype) -> ()"),
+    "prepack_moe_weight": "prepack_moe_weight(Tensor weight, Tensor(a!) packed, str isa) -> ()",
+    "cpu_fused_moe": (
+        "cpu_fused_moe(Tensor(a!) output, Tensor input, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
+        "Tensor topk_weights, Tensor topk_ids, bool skip_weighted, str act, str isa) -> ()"),
 }
+# The gated activations of `MoEActivation` (gate = the first half of w13's rows, as vLLM lays it out).
+MOE_ACTIVATIONS = {"silu": ("silu", {}), "gelu": ("gelu", {}), "gelu_tanh": ("gelu", {"approximate": "tanh"})}
 OPS = tuple(SCHEMAS)
 
 _LIBRARY = None  # kept alive: dropping a torch.library.Library deregisters its ops
@@ -133,6 +143,39 @@ def cpu_attention_with_kv_cache(query, key_cache, value_cache, output, query_sta
             scores = scores.masked_fill(torch.arange(seq_len).unsqueeze(0) > positions, float("-inf"))
         attended = torch.matmul(torch.softmax(scores, dim=-1), values).transpose(0, 1)
         output[start:end].copy_(attended.reshape(output[start:end].shape).to(output.dtype))
+
+
+def prepack_moe_weight(weight, packed, isa: str) -> None:
+    packed.copy_(weight)
+
+
+def cpu_fused_moe(output, input, w13, w2, w13_bias, w2_bias, topk_weights, topk_ids, skip_weighted: bool, act: str,
+                  isa: str) -> None:
+    """output[t] = sum over k of weight[t, k] * expert(topk_ids[t, k])(input[t]), each expert a gated MLP
+    (w13: experts x 2I x H, w2: experts x H x I), accumulated in float32. Every expert's rows are
+    computed densely and masked by the routing, so nothing depends on a count read on the host."""
+    import torch
+    import torch.nn.functional as F
+
+    if act not in MOE_ACTIVATIONS:
+        unfaithful("cpu_fused_moe", f"activation {act!r}")
+    name, kwargs = MOE_ACTIVATIONS[act]
+    x = input.float()
+    inter = w13.shape[1] // 2
+    total = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    weights = torch.ones_like(topk_weights, dtype=torch.float32) if skip_weighted else topk_weights.float()
+    for expert in range(w13.shape[0]):
+        # Each token's weight for this expert (0 where it is not routed there).
+        routed = ((topk_ids.long() == expert) * weights).sum(dim=-1, keepdim=True)
+        gate_up = x @ w13[expert].float().t()
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[expert].float()
+        hidden = getattr(F, name)(gate_up[:, :inter], **kwargs) * gate_up[:, inter:]
+        down = hidden @ w2[expert].float().t()
+        if w2_bias is not None:
+            down = down + w2_bias[expert].float()
+        total += routed * down
+    output[:x.shape[0]].copy_(total.to(output.dtype))
 
 
 def install(torch_module: Any) -> None:
