@@ -18,6 +18,9 @@ from parity.errors import ModelUnavailableError, NothingToProve
 from parity.presets import NO_DEEPSTACK_MODEL_TYPES, NO_DEEPSTACK_REASON, no_power_before_any_arm  # noqa: F401
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# What the server backends also take: the engines serve Qwen3-Omni as the whole model, its thinker
+# (the part that sees and reads) nested in `thinker_config` (parity's in-process path runs the thinker).
+SERVED_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, "qwen3_omni_moe")
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -69,28 +72,28 @@ class CheckpointSource:
             raise ModelUnavailableError(_cannot_load(self.name, what, err, self.local, self.cached_only)) from None
 
 
-def load_config_and_processor(source: CheckpointSource):
-    """The checkpoint's config and processor, checked to be a Qwen3-VL with a working tokenizer."""
+def load_config_and_processor(source: CheckpointSource, model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES):
+    """The checkpoint's config and processor, checked to be one of `model_types` with a working tokenizer."""
     from transformers import AutoConfig, AutoProcessor
 
     config = source.load("config", AutoConfig)
-    check_architecture(source.name, config)
+    check_architecture(source.name, config, model_types)
     processor = source.load("processor and tokenizer", AutoProcessor)
-    _check_tokenizer(source.name, processor, config)
+    _check_tokenizer(source.name, processor, getattr(config, "thinker_config", None) or config)
     return config, processor
 
 
-def check_architecture(name: str, config) -> None:
+def check_architecture(name: str, config, model_types: tuple[str, ...] = SUPPORTED_MODEL_TYPES) -> None:
     """A Qwen3-VL passes; a model of a DeepStack family without DeepStack is INCONCLUSIVE_NO_POWER
     before any arm runs (NothingToProve, exit 3); anything else is a usage error naming what parity runs."""
-    if config.model_type in SUPPORTED_MODEL_TYPES:
+    if config.model_type in model_types:
         return
     indexes = getattr(getattr(config, "vision_config", None), "deepstack_visual_indexes", None)
     if config.model_type in NO_DEEPSTACK_MODEL_TYPES and not indexes:
         raise NothingToProve(no_power_before_any_arm(name, config.model_type))
     with_deepstack = " with DeepStack" if config.model_type in NO_DEEPSTACK_MODEL_TYPES else ""
     raise ModelUnavailableError(f"model {name!r} is a {config.model_type!r} checkpoint{with_deepstack}; parity drives "
-                                f"Qwen3-VL ({', '.join(SUPPORTED_MODEL_TYPES)}), says "
+                                f"{', '.join(model_types)} checkpoints here, says "
                                 f"INCONCLUSIVE_NO_POWER for {' and '.join(NO_DEEPSTACK_MODEL_TYPES)} checkpoints "
                                 "without DeepStack, and runs the embedded presets (`parity models`)")
 

@@ -26,7 +26,8 @@ _FORMAT = "released-expert-layout-1"
 _FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 # Fields released MoE configs carry that transformers neither needs nor writes, and engines read.
 # transformers' Qwen3-VL-MoE and Qwen3-Omni routers always renormalize the routed top-k weights;
-# vLLM's Qwen3-MoE layers read that from `norm_topk_prob` and fail to build without it.
+# vLLM's Qwen3-MoE layers read that from `norm_topk_prob` and fail to build without it
+# (`_released_config_fields`).
 _MOE_TEXT_FIELDS = {"norm_topk_prob": True}
 # Qwen3-Omni is released, and served by both engines, as the whole model: the thinker's config nested
 # in `thinker_config` and its weights under `thinker.`; no talker (docs/engines/sglang-cpu.md).
@@ -69,7 +70,7 @@ def saved_preset(name: str, seed: int | None = None, root: Path | None = None) -
             model.save_pretrained(staging)
             processor.save_pretrained(staging)
             _released_expert_layout(staging)
-            _released_moe_fields(staging)
+            _released_config_fields(staging)
             _whole_omni_model(staging)
             readable_as_written(staging)
         finally:
@@ -98,25 +99,34 @@ def _released_expert_layout(folder: Path) -> None:
             save_file(tensors, path, metadata={"format": "pt"})
 
 
-def _released_moe_fields(folder: Path) -> None:
-    """Add `_MOE_TEXT_FIELDS` to every MoE text config of `config.json` (one that routes tokens)."""
+def _released_config_fields(folder: Path) -> None:
+    """Add what released configs carry and engines read, wherever `config.json` nests the config it
+    belongs to: `_MOE_TEXT_FIELDS` to a text config that routes tokens, and to a Qwen3-Omni vision
+    config the square image its absolute position table covers."""
     import json
+    import math
 
     path = folder / "config.json"
     config = json.loads(path.read_text())
 
-    def add(node) -> bool:
+    def add(node) -> None:
         if not isinstance(node, dict):
-            return False
-        changed = False
+            return
         if "num_experts_per_tok" in node:
             for key, value in _MOE_TEXT_FIELDS.items():
-                if key not in node:
-                    node[key] = value
-                    changed = True
-        return any([add(child) for child in node.values()]) or changed
+                node.setdefault(key, value)
+        if node.get("model_type") == "qwen3_omni_moe_vision_encoder":
+            # vLLM builds the table from image_size // patch_size per side; transformers from
+            # num_position_embeddings (a square); the released config has both, and says it is used.
+            side = math.isqrt(node["num_position_embeddings"])
+            node.setdefault("image_size", side * node["patch_size"])
+            node.setdefault("apply_vit_abs_pos_embed", True)
+        for child in node.values():
+            add(child)
 
-    if add(config):
+    before = json.dumps(config, sort_keys=True)
+    add(config)
+    if json.dumps(config, sort_keys=True) != before:
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

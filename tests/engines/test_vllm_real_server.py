@@ -7,7 +7,7 @@ them in its vLLM stage, in an environment outside the repository. Each run start
 servers, one after the other (about 40 s each to start on 2 cores): the released runner in both
 graph modes (the leak), parity's `deepstack-clear` fix in both, vLLM's default mode with its
 piecewise compile, a configuration the stand-in attention cannot compute (an `ERROR` naming the
-op), and a server forced onto the V1 runner.
+op), a server forced onto the V1 runner, and the MoE and Qwen3-Omni presets, released and fixed.
 """
 
 from __future__ import annotations
@@ -269,10 +269,12 @@ def test_the_fix_passes_a_video_and_a_hit_over_all_its_rows(tmp_path_factory) ->
     assert_no_server_left()
 
 
-# --- MoE (issue 54): vLLM's CPU experts through parity's stand-ins (cpu_ops, docs/engines/vllm-cpu.md §8) ----
+# --- MoE and Qwen3-Omni (issue 54): vLLM's CPU experts through parity's stand-ins (cpu_ops,
+# docs/engines/vllm-cpu.md §8); Qwen3-Omni saved as the whole model vLLM serves (its thinker inside) ---------
 
-MOE = ("--model", "tiny-qwen3-vl-moe", "--graph-mode", "full", "--fixture", "rgb-stripes", "--video",
-       "video-bouncing-bar", "--scenario", "four-arm", "--scenario", "stream")
+MEDIA = ("--graph-mode", "full", "--fixture", "rgb-stripes", "--video", "video-bouncing-bar", "--scenario",
+         "four-arm", "--scenario", "reuse")
+MODELS = ("tiny-qwen3-vl-moe", "tiny-qwen3-omni")
 
 
 def assert_self_checks_held(doc: dict) -> None:
@@ -283,20 +285,23 @@ def assert_self_checks_held(doc: dict) -> None:
     assert errors == [], errors[:2]
 
 
-def test_released_leaks_a_moe_model_s_deepstack_on_images_and_video(tmp_path: Path) -> None:
-    result, doc = parity_run(tmp_path, *MOE)
+@pytest.mark.parametrize("model", MODELS)
+def test_released_leaks_a_moe_model_s_deepstack_on_images_and_video(tmp_path: Path, model: str) -> None:
+    result, doc = parity_run(tmp_path, "--model", model, *MEDIA)
     assert result.exit_code == 1, result.output[-3000:]
     assert_self_checks_held(doc)
     codes = {(c["scenario"], c["fixture"]["name"]): c["verdict"]["code"] for c in doc["cases"]}
-    # The four-arm pair serves one image each way, so nothing earlier can leak into it; the stream can.
+    # A four-arm case serves one image per server, so nothing earlier can leak into it; reuse's text
+    # follow-up reads the rows its image request left.
     assert codes == {("four-arm", "rgb-stripes"): "PASS", ("four-arm", "video-bouncing-bar"): "PASS",
-                     ("stream", "rgb-stripes"): "FAIL_STALE_STATE",
-                     ("stream", "video-bouncing-bar"): "FAIL_STALE_STATE"}, codes
+                     ("reuse", "rgb-stripes"): "FAIL_STALE_STATE",
+                     ("reuse", "video-bouncing-bar"): "FAIL_STALE_STATE"}, codes
     assert_no_server_left()
 
 
-def test_the_fix_passes_a_moe_model_on_images_and_video(tmp_path: Path) -> None:
-    result, doc = parity_run(tmp_path, *MOE, "--vllm-fix", deepstack_clear.FIX)
+@pytest.mark.parametrize("model", MODELS)
+def test_the_fix_passes_a_moe_model_on_images_and_video(tmp_path: Path, model: str) -> None:
+    result, doc = parity_run(tmp_path, "--model", model, *MEDIA, "--vllm-fix", deepstack_clear.FIX)
     assert result.exit_code == 0, result.output[-3000:]
     assert_self_checks_held(doc)
     assert [c["verdict"]["code"] for c in doc["cases"]] == ["PASS"] * 4, doc["verdict"]

@@ -128,6 +128,10 @@ def test_omni_is_saved_as_the_whole_model_the_engines_serve(tmp_path):
     assert config["enable_audio_output"] is False and "talker_config" not in config
     assert config["thinker_config"]["architectures"] == ["Qwen3OmniMoeThinkerForConditionalGeneration"]
     assert config["thinker_config"]["text_config"]["norm_topk_prob"] is True
+    # vLLM sizes the vision tower's position table from image_size // patch_size per side
+    vision = config["thinker_config"]["vision_config"]
+    assert (vision["image_size"] // vision["patch_size"]) ** 2 == vision["num_position_embeddings"]
+    assert vision["apply_vit_abs_pos_embed"] is True
     saved = {k: v for path in folder.glob("*.safetensors") for k, v in load_file(path).items()}
     load_model("tiny-qwen3-omni", device="cpu").adapter.model.save_pretrained(tmp_path / "thinker")
     alone = {k: v for path in (tmp_path / "thinker").glob("*.safetensors") for k, v in load_file(path).items()}
