@@ -20,7 +20,7 @@ from parity.audit.command import audit
 from parity.listings import arms, fixtures, models
 from parity.cli_options import (
     LOCALIZE_THRESHOLD_HELP, MAX_SEED, arm_selection, auto_or_number, engine_options, int_list, not_empty, positive, threads,
-    tie_margin, warn_ignored,
+    require_signed_option, tie_margin, warn_ignored,
 )
 from parity import registry
 from parity.errors import NothingToProve, ParityError, UsageError
@@ -189,7 +189,10 @@ def run(**options) -> None:
     case_ids = [scenario_case_id(scenario, case.id) for scenario in spec.scenarios for case in spec.cases]
     check_outputs([("--out", path) for path in files_written(run_dir, case_ids)]
                   + ([("--junit", junit)] if junit else []), inputs)
-    output = OutputOptions(run_dir=run_dir, junit=junit, plots=not o["no_plot"])
+    from parity.results.signing import signing_key
+
+    # Read before anything runs: a key file that cannot be used is refused now, not after the run.
+    output = OutputOptions(run_dir=run_dir, junit=junit, plots=not o["no_plot"], signing_key=signing_key())
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
         threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
@@ -228,7 +231,8 @@ def run(**options) -> None:
 @click.argument("results_file")
 @click.option("--json", "as_json", is_flag=True, help="Print the recomputed verdicts as JSON: the run's and each case's.")
 @click.option("--document", is_flag=True, help="Print the whole recomputed results document (JSON).")
-def verdict(results_file: str, as_json: bool, document: bool) -> None:
+@require_signed_option
+def verdict(results_file: str, as_json: bool, document: bool, require_signed: bool) -> None:
     """Recompute comparisons and verdicts of a results file from its arms; exit with the verdict's code."""
     from parity.reporting.report import render_json, verdicts_json
     from parity.trust.loader import load_results
@@ -238,7 +242,7 @@ def verdict(results_file: str, as_json: bool, document: bool) -> None:
 
     if as_json and document:
         raise UsageError("--json prints the verdicts, --document the whole results document: give one")
-    run_result = judge_run(load_results(results_file))
+    run_result = judge_run(load_results(results_file, require_signed))
     if document:
         click.echo(render_json(run_result))
     elif as_json:
@@ -261,7 +265,9 @@ def verdict(results_file: str, as_json: bool, document: bool) -> None:
 @click.option("--full", is_flag=True,
               help="Markdown: every case in full (report-full.md), not fitted to a PR comment (report.md).")
 @click.option("--exit-zero", is_flag=True, help="Exit 0 whatever the verdict (rendering only, not a gate).")
-def report(results_files: tuple[str, ...], fmt: str, no_images: bool, full: bool, exit_zero: bool) -> None:
+@require_signed_option
+def report(results_files: tuple[str, ...], fmt: str, no_images: bool, full: bool, exit_zero: bool,
+           require_signed: bool) -> None:
     """Render a results file (verdicts recomputed) as markdown, JSON or a terminal table; exit with the
     verdict's code, like `verdict` and `merge` (--exit-zero: always 0).
 
@@ -278,14 +284,14 @@ def report(results_files: tuple[str, ...], fmt: str, no_images: bool, full: bool
 
         from parity.reporting.matrix import experiments, matrix_verdict
 
-        runs = merge_matrix(load_files(results_files))
+        runs = merge_matrix(load_files(results_files, require_signed))
         if fmt == "table":
             print_matrix(runs, _console())
         else:
             click.echo(render_matrix(runs) if fmt == "markdown" else matrix_json(runs))
         verdict = matrix_verdict(experiments(runs))
     else:
-        run_result = judge_run(load_results(results_files[0]))
+        run_result = judge_run(load_results(results_files[0], require_signed))
         if fmt == "table":
             print_table(run_result, _console())
         else:
@@ -344,8 +350,9 @@ def localize(results_file: str, case_id: str | None, images: tuple[str, ...], vi
 @click.option("--allow-mixed-code", is_flag=True,
               help="Merge shards written by different parity sources (environment.parity_source); the report "
                    "says so.")
+@require_signed_option
 def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, no_plot: bool,
-          allow_missing: tuple[int, ...], matrix: bool, allow_mixed_code: bool) -> None:
+          allow_missing: tuple[int, ...], matrix: bool, allow_mixed_code: bool, require_signed: bool) -> None:
     """Join the shards of a sharded run (`parity run --shard K/N`) into one judged run; exit with its verdict's code.
 
     Refuses (exit 2) files of different experiments, a shard given twice and a missing shard."""
@@ -354,13 +361,15 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 
     out = check_writable("--out", Path(out_dir), True)
     junit = check_writable("--junit", Path(junit_path), False) if junit_path else None
-    output = MergeOutput(out, junit, not no_plot)
+    from parity.results.signing import signing_key
+
+    output = MergeOutput(out, junit, not no_plot, signing_key())
     from parity.run.interrupts import first_stop_only
 
     with first_stop_only():  # SIGTERM unwinds like Ctrl-C: no temporary file is left behind
         merged, written = run_merge(results_files, output, allow_missing, matrix,
                                     warn=lambda message: click.echo(f"warning: {message}", err=True),
-                                    allow_mixed_code=allow_mixed_code)
+                                    allow_mixed_code=allow_mixed_code, require_signed=require_signed)
     click.echo(f"{merged.code}: {merged.reason}")
     click.echo(f"report: {written}")
     sys.exit(exit_code(merged))
@@ -370,14 +379,16 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 @click.argument("before_file")
 @click.argument("after_file")
 @click.option("--format", "fmt", type=click.Choice(["markdown", "table"]), default="markdown", show_default=True)
-def compare(before_file: str, after_file: str, fmt: str) -> None:
+@require_signed_option
+def compare(before_file: str, after_file: str, fmt: str, require_signed: bool) -> None:
     """Before/after table of two results files (e.g. before and after a fix); exit with AFTER's verdict code."""
     from parity.reporting.before_after import compare_runs, render_markdown, render_table
     from parity.trust.loader import load_results
     from parity.judge.verdict import judge_run
 
     # Judged here, where the files are loaded: what they store about themselves is not trusted.
-    result = compare_runs(judge_run(load_results(before_file)), judge_run(load_results(after_file)))
+    result = compare_runs(judge_run(load_results(before_file, require_signed)),
+                          judge_run(load_results(after_file, require_signed)))
     if fmt == "table":
         render_table(result, _console())
     else:

@@ -93,6 +93,13 @@ def int_list(ctx, param, value):
     return numbers
 
 
+# design §4d: files that travel between machines are verified whenever a key is set; this refuses unsigned ones.
+require_signed_option = click.option(
+    "--require-signed", is_flag=True,
+    help="Refuse a results file that is not signed with the key of PARITY_SIGNING_KEY or PARITY_SIGNING_KEY_FILE "
+         "(exit 2); a signed file is verified whenever a key is set, with or without this.")
+
+
 def engine_options(command):
     """Add the options only one backend has (each engine's `entry`), before the common ones in --help."""
     for option in reversed(registry.own_options()):

@@ -26,6 +26,7 @@ from parity.model_identity import CONFIG_KEY as IDENTITY_KEY
 from parity.model_identity import read_identity, same_model
 from parity.run.localization import localize_run, target_of
 from parity.results import CaseResult, FixtureInfo, RunResult, write_results
+from parity.results.signing import signing_key
 from parity.trust.loader import load_results
 from parity.judge.verdict import judge_run
 
@@ -190,7 +191,8 @@ def _written(run: RunResult, ids: tuple[str, ...], path: Path) -> Localized:
                 case = dataclasses.replace(case, localization_plot=plot.name)
             cases.append(case)
         run = dataclasses.replace(run, cases=tuple(cases))
-        write_results(run, Path(path))
+        # Rewritten in place: signed again with the environment's key (the loader verified it with the same).
+        write_results(run, Path(path), signing_key())
     except OSError as err:  # a full disk, a folder made read-only: the file as it was stays
         raise UsageError(f"--write: cannot write beside {path} ({err.strerror or err}); the results file is "
                          "unchanged") from None

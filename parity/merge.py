@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -40,18 +40,18 @@ class ShardFile:
     record: ShardRecord
 
     @classmethod
-    def load(cls, path: str) -> "ShardFile":
-        run = load_results(path)
+    def load(cls, path: str, require_signed: bool = False) -> "ShardFile":
+        run = load_results(path, require_signed)
         record = read_shard(run.config)  # validated by the loader
         if record is None:  # an unsharded run is the one shard of a run in one shard
             record = ShardRecord(1, {c.id: 1 for c in run.cases}, index=1)
         return cls(path, run, record)
 
 
-def load_files(paths: Sequence[str]) -> list[ShardFile]:
+def load_files(paths: Sequence[str], require_signed: bool = False) -> list[ShardFile]:
     if not paths:
         raise UsageError("give at least one results file")
-    return [ShardFile.load(p) for p in paths]
+    return [ShardFile.load(p, require_signed) for p in paths]
 
 
 # --- one experiment ------------------------------------------------------------------------------
@@ -190,15 +190,16 @@ class MergeOutput:
     out_dir: Path
     junit: Path | None = None
     plots: bool = True
+    signing_key: bytes | None = field(default=None, repr=False)  # signs each results.json (design §4d)
 
 
-def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn) -> RunResult:
-    """results.json, report.md and report-full.md first (each whole or not at all), the plots last,
-    then all three again with the plots linked."""
+def write_run_folder(run: RunResult, folder: Path, plots: bool, warn: Warn, key: bytes | None = None) -> RunResult:
+    """results.json (signed with `key`), report.md and report-full.md first (each whole or not at
+    all), the plots last, then all three again with the plots linked."""
     from parity.reporting.report import report_files
 
     def write(run: RunResult) -> None:
-        _write(folder / "results.json", dumps(run) + "\n")
+        _write(folder / "results.json", dumps(run, key) + "\n")
         for name, text in report_files(run).items():
             _write(folder / name, text)
 
@@ -256,7 +257,7 @@ def experiment_folder(index: int, run: RunResult) -> str:
 
 
 def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence[int] = (), matrix: bool = False,
-              warn: Warn = print, allow_mixed_code: bool = False) -> tuple[Verdict, Path]:
+              warn: Warn = print, allow_mixed_code: bool = False, require_signed: bool = False) -> tuple[Verdict, Path]:
     """Load, merge, judge and write; (the verdict to exit with, the report written).
 
     One experiment: `out_dir` holds its results.json, report.md and plots. `matrix`: one folder per
@@ -271,19 +272,19 @@ def run_merge(paths: Sequence[str], output: MergeOutput, allow_missing: Sequence
         raise UsageError("--allow-missing names a shard of one experiment; merge that experiment alone "
                          "(without --matrix) to go without one of its shards")
     _check_out_holds_no_input(paths, output.out_dir)
-    files = load_files(paths)
+    files = load_files(paths, require_signed)
     if matrix:
         merged = [(output.out_dir / experiment_folder(i, run), run)
                   for i, run in enumerate(merge_matrix(files, allow_mixed_code), 1)]
         _check_written(merged, output, paths, own_report=True)
-        runs = [write_run_folder(run, folder, output.plots, warn) for folder, run in merged]
+        runs = [write_run_folder(run, folder, output.plots, warn, output.signing_key) for folder, run in merged]
         markdown = render_matrix(runs)
         _write(output.out_dir / "report.md", markdown)
         verdict = matrix_verdict(experiments(runs))
     else:
         merged = [(output.out_dir, merge_runs(files, allow_missing, allow_mixed_code))]
         _check_written(merged, output, paths)
-        runs = [write_run_folder(merged[0][1], output.out_dir, output.plots, warn)]
+        runs = [write_run_folder(merged[0][1], output.out_dir, output.plots, warn, output.signing_key)]
         # A summary cannot show the folder's plots; rendered only for a CI that asks for one.
         markdown = render_markdown(runs[0], images=False) if step_summary_wanted() else ""
         verdict = runs[0].verdict

@@ -10,7 +10,7 @@ import dataclasses
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Sequence
@@ -47,6 +47,7 @@ class OutputOptions:
     run_dir: Path
     junit: Path | None = None
     plots: bool = True
+    signing_key: bytes | None = field(default=None, repr=False)  # signs results.json (design §4d)
 
 
 def build_cases(fixture_names: Sequence[str], images: Sequence[str], prompt_texts: Sequence[str],
@@ -348,7 +349,7 @@ def _nothing_finished(output: OutputOptions, existed: bool) -> str:
 
 def _write_files(result: RunResult, output: OutputOptions, console: Console) -> None:
     """results.json, report.md, JUnit, the CI step summary: each whole or not at all."""
-    _write(output.run_dir / "results.json", dumps(result) + "\n", f"--out {output.run_dir}")
+    _write(output.run_dir / "results.json", dumps(result, output.signing_key) + "\n", f"--out {output.run_dir}")
     for name, text in report_files(result).items():
         _write(output.run_dir / name, text, f"--out {output.run_dir}")
     if output.junit is not None:
@@ -383,7 +384,7 @@ def _plotted(result: RunResult, output: OutputOptions, console: Console) -> RunR
                                           f"written in {output.run_dir}; the plots are not linked") from None
     try:
         with deferred_stops():
-            write_atomically(output.run_dir / "results.json", dumps(plotted) + "\n")
+            write_atomically(output.run_dir / "results.json", dumps(plotted, output.signing_key) + "\n")
             for name, text in report_files(plotted).items():
                 write_atomically(output.run_dir / name, text)
     except OSError as err:

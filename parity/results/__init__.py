@@ -17,6 +17,7 @@ from parity.design import (  # noqa: F401  (the scenario names, read by every mo
     CASE_IMAGE, FOUR_ARM, REUSE, SCENARIOS, SEQUENCE_REQUESTS, SEQUENCE_SCENARIOS, STREAM, TWIN_IMAGE, RequestSpec,
 )
 from parity.evidence import DeepStackRecord, Evidence
+from parity.results.signing import signed_head
 from parity.textfiles import write_atomically
 
 SCHEMA = "parity.results/2"
@@ -352,16 +353,17 @@ def run_to_json(run: RunResult) -> dict:
     return {**_head_json(run), "cases": [case_to_json(c) for c in run.cases if not c.absent]}
 
 
-def dumps(run: RunResult) -> str:
+def dumps(run: RunResult, key: bytes | None = None) -> str:
     """The results document: one line per case, each case compact, built one case at a time. A
     sweep of thousands of cases stays a file the loader reads back (design §4b); indenting every
     logprob pair made it 4x larger. allow_nan=False: a bare NaN is not JSON, and no reader should
-    have to guess what it meant."""
-    head = json.dumps(_head_json(run), ensure_ascii=False, allow_nan=False)
-    body = ",\n".join(json.dumps(case_to_json(case), ensure_ascii=False, allow_nan=False)
-                      for case in run.cases if not case.absent)
+    have to guess what it meant. With a `key`, signed (design §4d)."""
+    kept = [case for case in run.cases if not case.absent]
+    head = json.dumps(signed_head(_head_json(run), (case_to_json(c) for c in kept), key), ensure_ascii=False,
+                      allow_nan=False)
+    body = ",\n".join(json.dumps(case_to_json(case), ensure_ascii=False, allow_nan=False) for case in kept)
     return f'{head[:-1]}, "cases": [\n{body}\n]}}'
 
 
-def write_results(run: RunResult, path: Path) -> None:
-    write_atomically(Path(path), dumps(run) + "\n")
+def write_results(run: RunResult, path: Path, key: bytes | None = None) -> None:
+    write_atomically(Path(path), dumps(run, key) + "\n")

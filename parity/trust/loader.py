@@ -31,6 +31,7 @@ from parity.trust.fields import Invalid, get, non_negative_int, number, parse_un
 from parity.trust.plan_check import planned_but_absent
 from parity.trust.requirements import check_all
 from parity.trust.sequences import completed, read_requests
+from parity.results import signing
 from parity.textfiles import NotAFile, TooLarge, described, read_text_capped
 
 # A run's file is tens of KB per case; a merged sweep of 5,000 cases at 64 new tokens is a few hundred
@@ -209,8 +210,11 @@ def run_from_json(doc: Any, source: str, consume: bool = False) -> RunResult:
         raise ResultsFileError(source, f"not valid {shown}: {err}") from None
 
 
-def load_results(path: str | Path) -> RunResult:
+def load_results(path: str | Path, require_signed: bool = False) -> RunResult:
+    """The file's run, validated; its signature verified whenever the environment holds a key
+    (design §4d), and required under `require_signed`."""
     shown = str(path)
+    key = signing.signing_key()  # a bad key is refused before the file is read
     try:
         text = read_text_capped(path, MAX_FILE_BYTES)
     except TooLarge as err:
@@ -235,4 +239,5 @@ def load_results(path: str | Path) -> RunResult:
         raise ResultsFileError(shown, f"not a results file ({err})") from None
     except Invalid as err:
         raise ResultsFileError(shown, f"not valid JSON for a results file: {err}") from None
+    signing.check(doc, shown, require_signed, key)
     return run_from_json(doc, shown, consume=True)
