@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from parity.backends.protocol import Request
 from parity.errors import UsageError
+from parity.models.checkpoint import reading_config
 from parity.media.fixtures import Fixture
 from parity.models.qwen3_vl import chat_text, video_inputs
 from parity.media.videos import write_lossless
@@ -28,8 +29,7 @@ class CheckpointFacts:
 
     @classmethod
     def of(cls, config: Any) -> "CheckpointFacts":
-        # A whole Qwen3-Omni nests the model that sees and reads (its thinker) in `thinker_config`.
-        config = getattr(config, "thinker_config", None) or config
+        config = reading_config(config)  # a whole Qwen3-Omni: its thinker's
         vision = getattr(config, "vision_config", None)
         indexes = getattr(vision, "deepstack_visual_indexes", None)
         if indexes is None:

@@ -21,6 +21,11 @@ SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # What the server backends also take: the engines serve Qwen3-Omni as the whole model, its thinker
 # (the part that sees and reads) nested in `thinker_config` (parity's in-process path runs the thinker).
 SERVED_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, "qwen3_omni_moe")
+
+
+def reading_config(config):
+    """The config of the model that sees and reads: a whole Qwen3-Omni's `thinker_config`, else itself."""
+    return getattr(config, "thinker_config", None) or config
 HUB_PROBE_TIMEOUT_S = 3.0
 
 
@@ -79,7 +84,7 @@ def load_config_and_processor(source: CheckpointSource, model_types: tuple[str, 
     config = source.load("config", AutoConfig)
     check_architecture(source.name, config, model_types)
     processor = source.load("processor and tokenizer", AutoProcessor)
-    _check_tokenizer(source.name, processor, getattr(config, "thinker_config", None) or config)
+    _check_tokenizer(source.name, processor, reading_config(config))
     return config, processor
 
 
