@@ -29,6 +29,7 @@ from parity.reporting.text import visible
 from parity.run.interrupts import exit_code_of, signal_of
 from parity.design import RUNNER_VARIANTS, SCENARIO_SUMMARIES
 from parity.results import FOUR_ARM, SCENARIOS
+from parity.results.signing import signing_key
 from parity.trust.loader import MIN_LOGPROB_TOL
 from parity.judge.verdict import USAGE_EXIT, exit_code
 
@@ -189,8 +190,6 @@ def run(**options) -> None:
     case_ids = [scenario_case_id(scenario, case.id) for scenario in spec.scenarios for case in spec.cases]
     check_outputs([("--out", path) for path in files_written(run_dir, case_ids)]
                   + ([("--junit", junit)] if junit else []), inputs)
-    from parity.results.signing import signing_key
-
     # Read before anything runs: a key file that cannot be used is refused now, not after the run.
     output = OutputOptions(run_dir=run_dir, junit=junit, plots=not o["no_plot"], signing_key=signing_key())
     backend = BackendOptions(
@@ -361,8 +360,6 @@ def merge(results_files: tuple[str, ...], out_dir: str, junit_path: str | None, 
 
     out = check_writable("--out", Path(out_dir), True)
     junit = check_writable("--junit", Path(junit_path), False) if junit_path else None
-    from parity.results.signing import signing_key
-
     output = MergeOutput(out, junit, not no_plot, signing_key())
     from parity.run.interrupts import first_stop_only
 

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 from parity.backends.protocol import Request
 from parity.errors import UsageError
-from parity.models.checkpoint import reading_config
 from parity.media.fixtures import Fixture
+from parity.models.checkpoint import reading_config
 from parity.models.qwen3_vl import chat_text, video_inputs
 from parity.media.videos import write_lossless
 

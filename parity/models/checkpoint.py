@@ -18,6 +18,7 @@ from parity.errors import ModelUnavailableError, NothingToProve
 from parity.presets import NO_DEEPSTACK_MODEL_TYPES, NO_DEEPSTACK_REASON, no_power_before_any_arm  # noqa: F401
 
 SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+HUB_PROBE_TIMEOUT_S = 3.0
 # What the server backends also take: the engines serve Qwen3-Omni as the whole model, its thinker
 # (the part that sees and reads) nested in `thinker_config` (parity's in-process path runs the thinker).
 SERVED_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, "qwen3_omni_moe")
@@ -26,7 +27,6 @@ SERVED_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, "qwen3_omni_moe")
 def reading_config(config):
     """The config of the model that sees and reads: a whole Qwen3-Omni's `thinker_config`, else itself."""
     return getattr(config, "thinker_config", None) or config
-HUB_PROBE_TIMEOUT_S = 3.0
 
 
 def is_local(name: str) -> bool:

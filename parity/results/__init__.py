@@ -359,6 +359,7 @@ def dumps(run: RunResult, key: bytes | None = None) -> str:
     logprob pair made it 4x larger. allow_nan=False: a bare NaN is not JSON, and no reader should
     have to guess what it meant. With a `key`, signed (design §4d)."""
     kept = [case for case in run.cases if not case.absent]
+    # Signed, each case's JSON is built twice (once for the MAC, once for the text): never all at once.
     head = json.dumps(signed_head(_head_json(run), (case_to_json(c) for c in kept), key), ensure_ascii=False,
                       allow_nan=False)
     body = ",\n".join(json.dumps(case_to_json(case), ensure_ascii=False, allow_nan=False) for case in kept)
