@@ -206,6 +206,11 @@ class EngineBackend(abc.ABC):
         except (ServerRejected, ServerUnreachable) as err:
             raise server.process.failure(f"the prefix cache could not be emptied around an ablated request: {err}")
 
+    def refuses_to_score(self, failure: ArmFailure) -> bool:
+        """Whether a rejected scoring request means the engine cannot take the answer's tokens back as
+        input: no score of these tokens (as where it re-tokenizes them otherwise), not a failed arm."""
+        return False
+
     def computes_visual_rows(self, request: Request, doc: dict, prompt_ids: Sequence[int]) -> bool:
         """Whether a request's prefill computes any of its image or video rows, given its answer and
         the prompt as the server expanded it: a prefix-cache hit can cover them all (a video's last

@@ -74,8 +74,14 @@ class EngineSession(Generates):
         requests, scores, start = [served.first], [], time.perf_counter()
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
-            doc, entries = engine.post_tagged(served.server, served.tap, served.request, lambda tag: engine.score_body(
-                served.request, served.media, served.prompt_ids, tokens, tag))
+            try:
+                doc, entries = engine.post_tagged(served.server, served.tap, served.request, lambda tag: engine.score_body(
+                    served.request, served.media, served.prompt_ids, tokens, tag))
+            except ArmFailure as failure:
+                if not engine.refuses_to_score(failure):
+                    raise
+                scores.append(None)  # refused before any forward: no score, and no step to check
+                continue
             scores.append(parsed(served.server.process,
                                  lambda d: engine.parse_scores(d, served.prompt_ids, tokens), doc))
             length = engine.scored_length(doc, served.prompt_ids, tokens)

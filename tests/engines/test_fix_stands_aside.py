@@ -285,7 +285,8 @@ def _vllm_owner_and_server(tmp_path: Path, *wrapped: str):
 def test_the_vllm_fix_is_in_place_with_the_step_and_the_served_model_s_setter(tmp_path: Path, setter: str) -> None:
     """A process wraps the setter of the model it serves (each setter's module is wrapped when it is
     imported): Qwen3-Omni's thinker serves with its own setter wrapped, not Qwen3-VL's."""
-    assert len(vllm_backend.FIX_SETTERS) == 3 and any("Qwen3OmniMoeThinker" in s for s in vllm_backend.FIX_SETTERS)
+    assert len(vllm_backend.FIX_SETTERS) == 4 and any("Qwen3OmniMoeThinker" in s for s in vllm_backend.FIX_SETTERS)
+    assert "MossAudioModel._cache_deepstack_input_embeds" in vllm_backend.FIX_SETTERS
     owner, server = _vllm_owner_and_server(tmp_path, "DefaultModelState.prepare_inputs_embeds", setter)
     assert vllm_backend.VllmBackend._fix_problem(owner, server) is None
 

@@ -47,13 +47,16 @@ def test_the_fix_wraps_every_deepstack_setter_the_release_defines(report) -> Non
     assert defined == {name.rsplit(".", 1)[-1] for name in fixed_setters()}
 
 
-def test_moss_audio_s_per_step_attribute_is_dropped_by_whole_forward_graphs(report) -> None:
+def test_moss_audio_s_per_step_attribute_is_dropped_by_whole_forward_graphs_and_the_fix_slots_it(report) -> None:
     """Audio DeepStack kept as an attribute each step sets anew: a FULL or breakable graph reads it as
-    captured (docs/engines/vllm-0.34.md, the draft report); parity's fix has no slot for it."""
+    captured (docs/engines/vllm-0.34.md §6, the draft report); parity's fix gives it a slot
+    (test_vllm_moss_audio.py runs it on vLLM's own methods)."""
     row = report.row("moss_audio")
     assert row.side_input and "per-step attribute" in row.deepstack
-    dropped = {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": DROPPED, "breakable": DROPPED}
-    assert report.outcomes("moss_audio") == report.outcomes("moss_audio", with_fix=True) == dropped
+    assert "MossAudioModel.forward: the fix gives it a slot" in row.method
+    assert report.outcomes("moss_audio") == {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": DROPPED, "breakable": DROPPED}
+    assert report.outcomes("moss_audio", with_fix=True) == {"NONE": EAGER, "PIECEWISE": COVERED, "FULL": COVERED,
+                                                          "breakable": COVERED}
 
 
 # Every class that keeps DeepStack in vLLM's persistent buffers, per release, as read by hand in the
@@ -91,15 +94,15 @@ def test_a_model_whose_forward_never_reads_the_buffers_is_not_judged(report) -> 
         assert set(report.outcomes(QWEN3_5[_FOUND], model_class).values()) == {NOT_AN_INPUT}
 
 
-def test_the_command_exits_1_and_says_so_in_every_format() -> None:
+def test_the_command_exits_1_released_and_0_with_the_fix_and_says_so_in_every_format() -> None:
     def audit(*args):
         return subprocess.run([sys.executable, "-m", "parity", "audit", "--engine", "vllm", *args],
                               capture_output=True, text=True, timeout=300)
 
-    table, as_json = audit("--with-fix"), audit("--format", "json")
-    assert (table.returncode, as_json.returncode) == (1, 1), table.stderr
-    # With the fix only MossAudio's attribute, which no fix point reaches, stays uncovered.
-    assert "1 DeepStack model(s)" in table.stdout and "moss_audio.MossAudioModel" in table.stdout
+    table, fixed, as_json = audit(), audit("--with-fix"), audit("--format", "json")
+    assert (table.returncode, fixed.returncode, as_json.returncode) == (1, 0, 1), table.stderr
+    assert "moss_audio.MossAudioModel" in table.stdout and "qwen3_vl.Qwen3VLForConditionalGeneration" in table.stdout
+    assert "every DeepStack model's graph modes are covered" in fixed.stdout
     data = json.loads(as_json.stdout)
     assert data["exit_code"] == 1 and data["version"] == _FOUND
     assert {"qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe_thinker"} <= {r["module"] for r in data["rows"]}

@@ -164,6 +164,10 @@ class SglangBackend(EngineBackend):
     def parse_scores(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> tuple[float, ...] | None:
         return client.parse_scores(doc, tokens, prompt_ids)
 
+    def refuses_to_score(self, failure: ArmFailure) -> bool:
+        # The generation with the same prompt and media was served: what is refused is the answer.
+        return client.PLACEHOLDER_REFUSED in str(failure)
+
     def scored_length(self, doc: dict, prompt_ids: tuple[int, ...], tokens: Sequence[int]) -> int:
         return len(doc.get("prompt_token_ids") or ()) or len(prompt_ids) + len(tokens)
 

@@ -18,7 +18,7 @@ Read from the installed source (docs/engines/vllm-0.33.md §2, §3, vllm-0.34.md
 - DeepStack kept as an attribute that each step's embedding sets to new tensors and the forward
   reads (MossAudio's audio DeepStack) is no buffer: PIECEWISE passes the step's tensors, FULL and
   breakable graphs read what the attribute held at capture (None), so they drop it; parity's fix
-  binds no slot in vLLM, so it stays dropped with the fix (docs/engines/vllm-0.34.md);
+  gives such a class a slot when the plugin's targets name its forward (docs/engines/vllm-0.34.md §6);
 - DeepStack that reaches the language model any other way (a per-call tensor) is not analysed.
 """
 
@@ -99,10 +99,12 @@ def _row(index: SourceIndex, qualname: str, archs: tuple[str, ...]) -> AuditRow 
     if setter is None and not index.mentions(qualname, frozenset({deepstack_clear.BUFFER_ATTR})):
         return _no_input(module, name, archs, "not a language-model input", "used outside the LM")
     if setter is None and _per_step_attribute(index, qualname, forward):
-        cells = tuple(_attribute_cell(m) for m in MODES)
+        slotted = f"{forward.qualname}" in slotted_forwards()
+        cells = tuple(_attribute_cell(m, slotted) for m in MODES)
         return AuditRow(module, name, archs, f"LM side input, a per-step attribute (`self.{deepstack_clear.BUFFER_ATTR}` "
                         f"set anew each step, read by {forward.name}.forward)", True, "none (a new tensor each step)",
-                        cells, "nothing: no buffer to clear, and no slot parity binds in vLLM")
+                        cells, f"{forward.name}.forward: the fix gives it a slot the graphs read" if slotted else
+                        "nothing: no buffer to clear, and no slot parity binds for it")
     if setter is None:
         cells = tuple(ModeCell(m, EAGER, EAGER, "no graph") if m == NONE else
                       ModeCell(m, UNKNOWN, UNKNOWN, "DeepStack reaches the LM as a per-call tensor, not the "
@@ -131,14 +133,20 @@ def _per_step_attribute(index: SourceIndex, qualname: str, forward) -> bool:
             and any(deepstack_clear.BUFFER_ATTR in m.names for n, m in holder.methods.items() if n != "__init__"))
 
 
-def _attribute_cell(mode: str) -> ModeCell:
+def slotted_forwards() -> tuple[str, ...]:
+    """The classes whose per-step attribute parity's fix gives a slot (their forward is a fix target)."""
+    return tuple(f"{t.module.removeprefix(PACKAGE + '.')}.{t.cls}" for t in TARGETS
+                 if t.method == "forward" and t.fix_wrapper)
+
+
+def _attribute_cell(mode: str, slotted: bool) -> ModeCell:
     if mode == NONE:
         return ModeCell(mode, EAGER, EAGER, "no graph")
     if mode not in WHOLE_FORWARD:
         return ModeCell(mode, COVERED, COVERED, "the Python forward runs every step and passes the step's own tensors")
     why = ("the whole forward replays without Python: it reads the attribute as it was at capture (None: the "
            "forward resets it after every step), so a replay never adds this step's DeepStack")
-    return ModeCell(mode, DROPPED, DROPPED, why)
+    return ModeCell(mode, DROPPED, COVERED if slotted else DROPPED, why)
 
 
 def _no_input(module: str, name: str, archs: tuple[str, ...], how: str, why: str) -> AuditRow:

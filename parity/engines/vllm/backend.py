@@ -42,9 +42,10 @@ PACKAGE = EnginePackage("vllm", "vLLM", versions.NEWEST.version, "vllm", plugin.
 # vLLM's Qwen3-VL video loader samples at 2 frames a second (0.33 and 0.34) (Qwen3VLVideoBackend.load_bytes).
 VIDEO_FPS = 2.0
 # Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): the model process must report the step
-# and a DeepStack setter (each setter's module is wrapped when it is imported: the served model's is).
-FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper)
-FIX_SETTERS = tuple(p for p in FIX_POINTS if p.endswith("._set_deepstack_input_embeds"))
+# and a DeepStack setter (each model's points are wrapped when its module is imported: the served model's are).
+FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper and not t.of_a_model)
+FIX_SETTERS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS
+                    if t.fix_wrapper and t.of_a_model and t.method in plugin.SETTERS)
 
 
 class VllmBackend(EngineBackend):
@@ -141,7 +142,7 @@ class VllmBackend(EngineBackend):
         if any(r.stood_aside for r in records):  # the report says so (fix_records.stood_aside_note)
             return None
         wrapped = {r.note for r in records}
-        missing = [t for t in FIX_POINTS if t not in FIX_SETTERS and f"wrapped {t}" not in wrapped]
+        missing = [t for t in FIX_POINTS if f"wrapped {t}" not in wrapped]
         if not any(f"wrapped {t}" in wrapped for t in FIX_SETTERS):
             missing.append(f"a DeepStack setter ({', '.join(FIX_SETTERS)})")
         if missing:

@@ -33,6 +33,9 @@ from parity.engines.vllm import deepstack_clear, versions
 ENV_VAR = "PARITY_VLLM_TAP"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
 ENTRY_POINT_NAME = "parity"
+MODELS_PACKAGE = "vllm.model_executor.models."
+# The methods that write a step's DeepStack: a buffered model's setter, MossAudio's attribute cache.
+SETTERS = ("_set_deepstack_input_embeds", "_cache_deepstack_input_embeds")
 
 
 @dataclass(frozen=True)
@@ -42,8 +45,13 @@ class Target:
     module: str
     cls: str
     method: str
-    wrapper: str  # the name of the wrapping function in parity.engines.vllm.tap
+    wrapper: str | None  # the name of the wrapping function in parity.engines.vllm.tap (None: the fix's alone)
     fix_wrapper: str | None = None  # and in parity.engines.vllm.deepstack_clear, where the fix wraps it
+
+    @property
+    def of_a_model(self) -> bool:
+        """A model class's method: wrapped only where that model's module is imported (the served one)."""
+        return self.module.startswith(MODELS_PACKAGE)
 
 
 # What the tap wraps in Model Runner V2, the same in every supported release (versions.py);
@@ -55,11 +63,14 @@ TARGETS = (
            "wrap_step"),
     # Every class that defines a DeepStack setter of its own (the audit lists them; the vLLM stage holds
     # this list to the installed registry): a subclass (Qwen3-VL-MoE, ClefOmni) inherits the wrapped one.
-    *(Target(f"vllm.model_executor.models.{module}", cls, "_set_deepstack_input_embeds", "wrap_setter",
-             "wrap_setter")
+    *(Target(f"{MODELS_PACKAGE}{module}", cls, SETTERS[0], "wrap_setter", "wrap_setter")
       for module, cls in (("qwen3_vl", "Qwen3VLForConditionalGeneration"),
                           ("qwen3_omni_moe_thinker", "Qwen3OmniMoeThinkerForConditionalGeneration"),
                           ("cohere_compass", "CohereCompassForConditionalGeneration"))),
+    # DeepStack kept as a per-step attribute (MossAudio's audio): the fix gives it a slot the graphs read.
+    Target(f"{MODELS_PACKAGE}moss_audio", "MossAudioModel", "__init__", None, "wrap_attribute_owner"),
+    Target(f"{MODELS_PACKAGE}moss_audio", "MossAudioModel", SETTERS[1], None, "wrap_attribute_setter"),
+    Target(f"{MODELS_PACKAGE}moss_audio", "MossAudioModel", "forward", None, "wrap_attribute_forward"),
 )
 
 # vLLM's model runners, by module: the tap wraps V2 only, so which one a server built is recorded
@@ -174,5 +185,5 @@ def wrap(module: ModuleType, target: Target, tap, fix=None) -> None:
         original = getattr(deepstack_clear, target.fix_wrapper)(original, fix)
         setattr(cls, target.method, original)
         fix.installed(f"{target.cls}.{target.method}")
-    if tap is not None and not getattr(original, taps.WRAPPED_FLAG, False):
+    if tap is not None and target.wrapper and not getattr(original, taps.WRAPPED_FLAG, False):
         setattr(cls, target.method, getattr(taps, target.wrapper)(original, tap))
