@@ -160,6 +160,23 @@ def test_the_omni_wrapper_gets_its_thinker_s_slot(tmp_path: Path) -> None:
     assert torch.equal(slot[:5], live)
 
 
+def test_the_omni_body_reads_the_mrope_positions_its_thinker_uses(tmp_path: Path) -> None:
+    """SGLang 0.5.23 hands the captured body mRoPE positions only where the model or its
+    `language_model` says is_mrope_enabled; Omni's wrapper has neither, so its graph read one-row
+    positions. With the fix the body reads the three-row ones; a model whose runner already chose
+    them, or that uses none, is left as the runner chose (the negative controls)."""
+    fix = deepstack_slot.DeepStackSlotFix(deepstack_slot.FIX, tmp_path)
+    batch = types.SimpleNamespace(positions=torch.arange(4), mrope_positions=torch.zeros(3, 4, dtype=torch.long))
+    omni = OmniWrapper()
+    omni.thinker.is_mrope_enabled = True
+    runner = Runner(fix, model=omni)
+    assert fix.after_positions(batch.positions, runner, batch) is batch.mrope_positions
+    plain = Runner(fix, model=OmniWrapper())  # a thinker without mRoPE
+    assert fix.after_positions(batch.positions, plain, batch) is batch.positions
+    text = types.SimpleNamespace(positions=batch.positions, mrope_positions=None)
+    assert fix.after_positions(batch.positions, runner, text) is batch.positions
+
+
 def test_a_model_that_computes_deepstack_but_gives_no_width_is_refused_not_given_an_empty_slot(tmp_path: Path):
     fix = deepstack_slot.DeepStackSlotFix(deepstack_slot.FIX, tmp_path)
     with pytest.raises(RuntimeError, match="Qwen3VL computes DeepStack .* neither it nor a sub-model says how many "

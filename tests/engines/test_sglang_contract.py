@@ -342,6 +342,7 @@ FIX_PARAMS = {  # what each of the fix's hooks reads from the call it wraps
     "run_forward": ("self", "forward_batch", "num_tokens"),
     "layer_kwargs": ("layer_model", "forward_batch", "pp_proxy_tensors"),
     "fill": ("self", "args", "layer_kwargs", "static_num_tokens"),
+    "positions": ("self", "forward_batch"),
 }
 
 

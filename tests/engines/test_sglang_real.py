@@ -260,3 +260,30 @@ def test_the_scoring_answer_layout_is_what_parity_parses() -> None:
     processor._process_input_token_logprobs(req, computed)
     entries = [[v, i, None] for v, i in zip(req.logprob.input_token_logprobs_val, req.logprob.input_token_logprobs_idx)]
     assert client.parse_scores({"meta_info": {"input_token_logprobs": entries}}, forced) == (-0.7, -0.8, -0.9)
+
+
+def test_the_released_runner_gives_omni_s_body_one_row_positions_and_the_fix_its_mrope(tmp_path: Path) -> None:
+    """SGLang's own `_get_layer_model_positions` on a runner serving Qwen3-Omni's wrapper: it looks for
+    is_mrope_enabled on the model and its `language_model`, and the wrapper keeps it on `thinker`, so
+    a breakable graph of Omni reads one-row positions (docs/engines/sglang-0.5.23.md §8). The fix's hook,
+    as the hook registry runs it after the method, gives the three-row mRoPE positions."""
+    import torch
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    from parity.engines.sglang import deepstack_slot
+
+    thinker = torch.nn.Module()  # the thinker as SGLang builds it: a sub-module of the wrapper
+    thinker.num_deepstack_embeddings, thinker.is_mrope_enabled = 3, True
+    omni = torch.nn.Module()
+    omni.thinker = thinker
+    runner = object.__new__(PrefillCudaGraphRunner)
+    runner.enable_cp_bcg_capture = False
+    runner.model_runner = SimpleNamespace(model=omni)
+    batch = SimpleNamespace(positions=torch.arange(6), mrope_positions=torch.zeros(3, 6, dtype=torch.long))
+    released = PrefillCudaGraphRunner._get_layer_model_positions(runner, batch)
+    assert released is batch.positions  # the bug: one row, where eager uses the thinker's mRoPE
+    fix = deepstack_slot.DeepStackSlotFix(deepstack_slot.FIX, tmp_path)
+    assert fix.after_positions(released, runner, batch) is batch.mrope_positions
+    dense = SimpleNamespace(is_mrope_enabled=True, num_deepstack_embeddings=3)  # Qwen3-VL: the runner finds it
+    runner.model_runner = SimpleNamespace(model=dense)
+    assert PrefillCudaGraphRunner._get_layer_model_positions(runner, batch) is batch.mrope_positions

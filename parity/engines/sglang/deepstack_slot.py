@@ -22,6 +22,13 @@ plugin adds the slot of design §6 to the real runner, through SGLang's own hook
   runner's process then appends a line to `fix.jsonl` in parity's tap channel with the slot and how
   many captured bodies read it, which parity checks before trusting a bcg server (server_checks.py).
 
+- the positions the captured body reads follow the same sub-model: the runner hands the body
+  mRoPE positions only where the served model or its `language_model` says `is_mrope_enabled`, and
+  Qwen3-Omni's wrapper has neither (its thinker says it), so a released breakable graph replays Omni
+  with one-row positions where eager uses its three-row mRoPE positions, a divergence of its own with
+  DeepStack zeroed (docs/engines/sglang-0.5.23.md §8). The fix hands the body the mRoPE positions
+  where the DeepStack sub-model says `is_mrope_enabled` (`after_positions`).
+
 An engine that carries DeepStack itself (SGLang PR #33726: an `input_deepstack_embeds` slot in the
 runner's buffer registry, versions.py) overwrites any binding parity makes, so the fix stands aside
 there: it binds nothing, and records that the engine's own slot was found and that the captured
@@ -65,6 +72,7 @@ TARGETS = {  # what each hook wraps in SGLang 0.5.23; tests/engines/test_sglang_
     "run_forward": f"{RUNNER_CLASS}._run_forward",
     "layer_kwargs": f"{RUNNER_MODULE}._build_layer_model_forward_kwargs",
     "fill": f"{RUNNER_CLASS}._fill_input_embeds_slot",
+    "positions": f"{RUNNER_CLASS}._get_layer_model_positions",
 }
 DEEPSTACK_KWARG = "input_deepstack_embeds"
 BLOCKS_ATTRIBUTE = "num_deepstack_embeddings"  # on the served model: how many DeepStack blocks it adds
@@ -211,6 +219,14 @@ class DeepStackSlotFix:
             refresh(binding.slot, live, int(static_num_tokens), clear=self.clears)
         return result
 
+    def after_positions(self, result, runner, forward_batch, *args, **kwargs):
+        """mRoPE positions for a body whose model serves through a sub-model that uses them (Omni)."""
+        mrope = getattr(forward_batch, "mrope_positions", None)
+        if mrope is None or result is mrope:
+            return result
+        holder = deepstack_holder(runner.model_runner.model)
+        return mrope if getattr(holder, "is_mrope_enabled", False) else result
+
     def register(self) -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -218,6 +234,7 @@ class DeepStackSlotFix:
         HookRegistry.register(TARGETS["run_forward"], self.around_run_forward, HookType.AROUND)
         HookRegistry.register(TARGETS["layer_kwargs"], self.after_layer_kwargs, HookType.AFTER)
         HookRegistry.register(TARGETS["fill"], self.after_fill, HookType.AFTER)
+        HookRegistry.register(TARGETS["positions"], self.after_positions, HookType.AFTER)
 
 
 def _model_and_children(model) -> tuple:
