@@ -160,6 +160,19 @@ def test_the_omni_wrapper_gets_its_thinker_s_slot(tmp_path: Path) -> None:
     assert torch.equal(slot[:5], live)
 
 
+def test_a_slot_sized_from_the_omni_wrapper_is_none_and_drops_deepstack(tmp_path: Path) -> None:
+    """The planted Omni bug (`deepstack-slot-wrapper-width`): sized from the wrapper's own count, which
+    it has not, the slot is not made, silently; the real servers show the drop it causes
+    (test_sglang_real_server.py). The fix proper sizes it through the thinker (the test above)."""
+    fix = deepstack_slot.DeepStackSlotFix(deepstack_slot.WRAPPER_WIDTH, tmp_path)
+    runner = Runner(fix, model=OmniWrapper())
+    runner.capture()
+    (record,) = fix_records.read_records(tmp_path)
+    assert getattr(runner, deepstack_slot.SLOT_ATTRIBUTE) is None and not record.refused
+    assert "no slot: the model has 0 DeepStack blocks" in record.note
+    assert all(seen is None for seen in runner.layer_model.seen)  # no capture bound DeepStack
+
+
 def test_the_omni_body_reads_the_mrope_positions_its_thinker_uses(tmp_path: Path) -> None:
     """SGLang 0.5.23 hands the captured body mRoPE positions only where the model or its
     `language_model` says is_mrope_enabled; Omni's wrapper has neither, so its graph read one-row
@@ -312,6 +325,20 @@ def test_the_vllm_fix_without_a_wrapped_setter_is_not_in_place(tmp_path: Path) -
     owner, server = _vllm_owner_and_server(tmp_path, "DefaultModelState.prepare_inputs_embeds")
     problem = vllm_backend.VllmBackend._fix_problem(owner, server)
     assert problem is not None and "did not wrap a DeepStack setter" in problem
+
+
+def test_the_planted_clear_that_skips_the_omni_thinker_leaves_its_rows_and_clears_qwen3_vl_s() -> None:
+    """`deepstack-clear-skip-thinker`: a clear written for Qwen3-VL's class alone. The Omni thinker's
+    buffers keep an earlier step's rows (the leak the real servers show); Qwen3-VL's are cleared."""
+    fix = deepstack_clear.DeepStackClear(None, capturing=lambda: False, variant=deepstack_clear.SKIP_THINKER)
+    kept = {}
+    for name in (deepstack_clear.OMNI_THINKER, "Qwen3VLForConditionalGeneration"):
+        buffers = [torch.ones(4, 2)]
+        model = type(name, (), {})()
+        model.deepstack_input_embeds = buffers
+        fix.step(lambda s: None, types.SimpleNamespace(model=model))
+        kept[name] = bool(buffers[0].any())
+    assert kept == {deepstack_clear.OMNI_THINKER: True, "Qwen3VLForConditionalGeneration": False}
 
 
 def test_the_vllm_fix_leaves_a_per_step_attribute_alone(tmp_path: Path) -> None:

@@ -186,6 +186,17 @@ def test_text_only_and_zero_deepstack_replays_equal_eager(fixed_all) -> None:
 
 def _stream_with(variant: str, tmp_path: Path):
     """One stream case on real CPU servers whose bcg server runs the fix's test-only `variant`."""
+    from parity.results import STREAM
+
+    result = _run_with(variant, tmp_path, "tiny-qwen3-vl", STREAM)
+    assert result.config["sglang_fix_slots"]["bcg"][0]["variant"] == variant
+    (case,) = result.cases
+    return case
+
+
+def _run_with(variant: str, tmp_path: Path, model: str, scenario: str):
+    """One case of `scenario` on `rgb-stripes`, on real CPU servers whose bcg server runs the fix's
+    test-only `variant` (the CLI offers the fix proper only)."""
     from parity.arms import select_arms
     from parity.backends.options import BackendOptions
     from parity.registry import create_backend
@@ -193,20 +204,18 @@ def _stream_with(variant: str, tmp_path: Path):
     from parity.run.planning import CaseSpec, RunSpec
     from parity.media.catalog import builtin_fixture
     from parity.media.fixtures import default_prompts
-    from parity.results import STREAM
 
     fixture = builtin_fixture("rgb-stripes")
-    spec = RunSpec(model="tiny-qwen3-vl", arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
-                   scenarios=(STREAM,), max_new_tokens=MAX_NEW_TOKENS)
-    backend = create_backend(BackendOptions(name="sglang", device="cpu", engine={"sglang_fix": variant}), MAX_NEW_TOKENS, tmp_path)
+    spec = RunSpec(model=model, arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
+                   scenarios=(scenario,), max_new_tokens=MAX_NEW_TOKENS)
+    options = BackendOptions(name="sglang", model=model, device="cpu", engine={"sglang_fix": variant})
+    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
     try:
         result = run_experiment(spec, backend, warn=lambda _: None)
     finally:
         backend.close()
-    assert result.config["sglang_fix_slots"]["bcg"][0]["variant"] == variant
     assert_no_server_left()
-    (case,) = result.cases
-    return case
+    return result
 
 
 def test_a_slot_that_is_never_cleared_leaks_into_the_stream(tmp_path: Path) -> None:
@@ -284,6 +293,48 @@ def test_the_fix_passes_a_moe_model(tmp_path: Path) -> None:
         (s, "PASS") for s in ("four-arm", "stream", "chunked")]
     assert arms_of(doc["cases"][0])[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
     assert_no_server_left()
+
+
+OMNI = ("--model", "tiny-qwen3-omni", "--fixture", "rgb-stripes", "--video", "video-bouncing-bar")
+
+
+def test_the_released_engine_replays_omni_with_one_row_positions(tmp_path: Path) -> None:
+    """Two bugs on Qwen3-Omni: DeepStack dropped, and the captured body given one-row positions where
+    eager uses mRoPE (docs/engines/sglang-0.5.23.md §8), so graph and eager differ with DeepStack
+    zeroed. The graph arms' answers begin with `<|audio_pad|>`, which SGLang refuses to take back to
+    be scored: those tokens are unscored, and no arm fails. (On the video the graph server's own
+    prefill and decode disagree, by the same positions, and parity's self-check makes it ERROR:
+    docs/scenarios.md.)"""
+    result, doc = parity_run(tmp_path, *OMNI[:4])
+    assert result.exit_code == 1, result.output[-3000:]
+    assert_self_checks_held(doc)
+    assert [(c["fixture"]["name"], c["verdict"]["code"]) for c in doc["cases"]] == [
+        ("rgb-stripes", "FAIL_CONTROL_DIVERGES")]
+    arms = arms_of(doc["cases"][0])
+    assert arms[BCG_NORMAL]["token_ids"] == arms[BCG_ZERO]["token_ids"]  # and DeepStack is dropped
+    assert arms[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
+    assert_no_server_left()
+
+
+def test_the_fix_passes_omni_on_images_and_video(tmp_path: Path) -> None:
+    result, doc = parity_run(tmp_path, *OMNI, "--scenario", "four-arm", "--scenario", "reuse",
+                             "--sglang-fix", deepstack_slot.FIX)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert_self_checks_held(doc)
+    assert {c["verdict"]["code"] for c in doc["cases"]} == {"PASS"} and len(doc["cases"]) == 4
+    assert all(arms_of(c)[BCG_NORMAL]["evidence"]["prefill_replayed"] for c in doc["cases"] if c["scenario"] == "four-arm")
+    assert_no_server_left()
+
+
+def test_a_slot_sized_from_the_omni_wrapper_is_refused_by_parity_s_check(tmp_path: Path) -> None:
+    """The planted Omni bug (`deepstack-slot-wrapper-width`): sized from the wrapper, the slot is not
+    made and every replay would drop DeepStack silently. parity's check that the captured bodies read
+    a slot (server_checks.fix_problem) fails the graph arms, naming why, before any answer is judged."""
+    from parity.results import FOUR_ARM
+
+    (case,) = _run_with(deepstack_slot.WRAPPER_WIDTH, tmp_path, "tiny-qwen3-omni", FOUR_ARM).cases
+    assert case.verdict.code == "ERROR", case.verdict.reason
+    assert "has no DeepStack slot: no slot: the model has 0 DeepStack blocks" in case.verdict.reason
 
 
 # --- SGLang PR #33726's own slot (our port of it onto 0.5.23, tests/engines/sglang_upstream.py) ------------

@@ -308,3 +308,33 @@ def test_the_fix_passes_a_moe_model_on_images_and_video(tmp_path: Path, model: s
     assert all(a["evidence"].get("leak") is None for c in doc["cases"] for r in c.get("requests", ())
                for a in r["arms"].values())
     assert_no_server_left()
+
+
+def test_a_clear_that_skips_the_omni_thinker_is_caught(tmp_path: Path) -> None:
+    """The planted Omni bug (`deepstack-clear-skip-thinker`): the setter is wrapped, so the fix looks in
+    place, but the clear passes over the thinker's buffers; the text follow-up reads the image's rows."""
+    from parity.arms import select_arms
+    from parity.backends.options import BackendOptions
+    from parity.media.catalog import builtin_fixture
+    from parity.media.fixtures import default_prompts
+    from parity.registry import create_backend
+    from parity.results import REUSE
+    from parity.run.experiment import run_experiment
+    from parity.run.planning import CaseSpec, RunSpec
+
+    fixture = builtin_fixture("rgb-stripes")
+    spec = RunSpec(model="tiny-qwen3-omni", arms=select_arms("all"),
+                   cases=(CaseSpec(fixture, default_prompts(fixture)[0]),), scenarios=(REUSE,),
+                   max_new_tokens=MAX_NEW_TOKENS)
+    # The CLI offers the fix proper only: the test-only variant goes to the backend directly.
+    options = BackendOptions(name="vllm", model="tiny-qwen3-omni", device="cpu",
+                             engine={"vllm_fix": deepstack_clear.SKIP_THINKER, "graph_mode": "full"})
+    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
+    try:
+        result = run_experiment(spec, backend, warn=lambda _: None)
+    finally:
+        backend.close()
+    (case,) = result.cases
+    assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
+    assert "(text only)" in case.verdict.reason, case.verdict.reason
+    assert_no_server_left()

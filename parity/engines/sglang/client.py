@@ -16,7 +16,7 @@ TOP_LOGPROBS = 5
 # SGLang decodes a multimodal request's input ids to text and splits it at every placeholder token
 # (base_processor.submit_data_loading_tasks), so an answer that holds a placeholder of a modality the
 # request carries no data for (Qwen3-Omni's `<|audio_pad|>`, a token like any other to the model) is
-# refused with this message (docs/engines/sglang-0.5.23.md §2.2).
+# refused with this message (docs/engines/sglang-0.5.23.md §2.3).
 PLACEHOLDER_REFUSED = "No data iterator found for token:"
 
 

@@ -39,7 +39,8 @@ validated on or that carries no slot of its own (versions.py). `deepstack-slot-n
 test-only variant that never clears (the stale-state bug the `stream` scenario must catch), and
 `deepstack-slot-skip-same-shape` one that skips the refresh when two batches in a row carry
 DeepStack of one shape (what the stream's normal and zeroed requests of one image reach, back to
-back). Nothing here depends on the device: with real CUDA graphs on a GPU the same hooks bind the
+back), and `deepstack-slot-wrapper-width` one that sizes the slot from the served model alone (no
+slot for Qwen3-Omni's wrapper). Nothing here depends on the device: with real CUDA graphs on a GPU the same hooks bind the
 same slot.
 """
 
@@ -63,7 +64,10 @@ NO_CLEAR = "deepstack-slot-no-clear"  # test-only: a slot that is never cleared
 # test-only: a refresh skipped when a batch's DeepStack has the shape of the one before it (a copy
 # "optimized" away for repeated shapes): only requests back to back reach it (design §5).
 SKIP_SAME_SHAPE = "deepstack-slot-skip-same-shape"
-VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE)
+# test-only: the slot sized from the served model's own count, as a fix blind to sub-models would size
+# it: Qwen3-Omni's wrapper has none, so it gets no slot and its DeepStack is dropped (the seed's warning).
+WRAPPER_WIDTH = "deepstack-slot-wrapper-width"
+VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE, WRAPPER_WIDTH)
 
 RUNNER_MODULE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.PrefillCudaGraphRunner"
@@ -146,7 +150,7 @@ class DeepStackSlotFix:
         import torch
 
         model = runner.model_runner.model
-        holder = deepstack_holder(model)
+        holder = model if self.variant == WRAPPER_WIDTH else deepstack_holder(model)
         blocks = int(getattr(holder, BLOCKS_ATTRIBUTE, 0) or 0)
         layer_model = runner.layer_model
         takes = layer_model is not None and DEEPSTACK_KWARG in inspect.signature(layer_model.forward).parameters

@@ -48,7 +48,11 @@ from parity.engines.vllm import versions
 
 ENV_FIX = "PARITY_VLLM_FIX"
 FIX = "deepstack-clear"
-VARIANTS = (FIX,)
+# test-only: a clear that passes over the Qwen3-Omni thinker's buffers, as a fix written for
+# Qwen3-VL's class alone would: Omni's rows leak as on the released engine.
+SKIP_THINKER = "deepstack-clear-skip-thinker"
+VARIANTS = (FIX, SKIP_THINKER)
+OMNI_THINKER = "Qwen3OmniMoeThinkerForConditionalGeneration"
 BUFFER_ATTR = "deepstack_input_embeds"
 DIRTY_ATTR = "_parity_deepstack_dirty"  # on the model: rows [0, dirty) may hold an earlier step's features
 SLOT_ATTR = "_parity_deepstack_slot"  # on a model with a per-step attribute: parity's persistent rows
@@ -73,6 +77,7 @@ class DeepStackClear:
 
     records: Path | None  # parity's channel folder (None: running without parity's tap)
     capturing: Callable[[], bool] = _capturing
+    variant: str = FIX
     _wrote: bool = field(default=False, repr=False)  # the setter ran in the step in progress
 
     def step(self, original: Callable, state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -80,7 +85,7 @@ class DeepStackClear:
         result = original(state, *args, **kwargs)
         model = getattr(state, "model", None)
         if not self._wrote and model is not None and not self.capturing():
-            _zero_rows(model, 0, _dirty(model))
+            self._zero(model, 0, _dirty(model))
             object.__setattr__(model, DIRTY_ATTR, 0)
         return result
 
@@ -88,7 +93,7 @@ class DeepStackClear:
         if self.capturing():
             return original(model, embeds)
         rows = int(embeds.shape[1])  # [levels, tokens, hidden]
-        _zero_rows(model, rows, _dirty(model))  # what earlier steps left past this step's rows
+        self._zero(model, rows, _dirty(model))  # what earlier steps left past this step's rows
         result = original(model, embeds)
         object.__setattr__(model, DIRTY_ATTR, rows)
         self._wrote = True
@@ -117,7 +122,7 @@ class DeepStackClear:
             rows = _fits(model, slot, int(next(iter(step.tensors.values())).shape[0]))
             for key, level in step.tensors.items():
                 slot.tensors[key][:rows].copy_(level)
-        _zero_rows(model, rows, _dirty(model))
+        self._zero(model, rows, _dirty(model))
         object.__setattr__(model, DIRTY_ATTR, rows)
         self._wrote = True
         return result
@@ -134,8 +139,13 @@ class DeepStackClear:
                 object.__setattr__(model, BUFFER_ATTR, slot[:_fits(model, slot, rows)])
         return original(*bound.args, **bound.kwargs)
 
+    def _zero(self, model: Any, start: int, stop: int) -> None:
+        if self.variant == SKIP_THINKER and OMNI_THINKER in (c.__name__ for c in type(model).__mro__):
+            return
+        _zero_rows(model, start, stop)
+
     def installed(self, where: str) -> None:
-        append_record(self.records, FixRecord(os.getpid(), FIX, None, None, f"wrapped {where}"))
+        append_record(self.records, FixRecord(os.getpid(), self.variant, None, None, f"wrapped {where}"))
 
 
 class FixRefused(RuntimeError):
@@ -251,4 +261,4 @@ def activate(environ: Mapping[str, str], records: Path | None,
         append_record(records, FixRecord(os.getpid(), variant, None, None, STOOD_ASIDE.format(version=found),
                                          stood_aside=True))
         return None
-    return DeepStackClear(records)
+    return DeepStackClear(records, variant=variant)
