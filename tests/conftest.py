@@ -110,6 +110,8 @@ REAL_RUNS = {
     "video": ("--scenario", "all", "--video", "all"),
     "chunk-1000": ("--scenario", "chunked", "--chunk-size", "1000"),  # INCONCLUSIVE_NOT_REPLAYED: one chunk
     "chunk-20": ("--scenario", "chunked", "--chunk-size", "20"),  # INCONCLUSIVE_NOT_REPLAYED: the image in one chunk
+    # FAIL_GRAPH_DIVERGES through the replay check alone: the encoder graph keyed by patch count
+    "layout-keyed": ("--scenario", "layout", "--runner", "layout-keyed", "--dtype", "bfloat16"),
 }
 REAL_RUN_TOKENS = "8"
 

@@ -16,6 +16,7 @@ from typing import Callable
 from parity import registry
 from parity.judge.metrics import auto_tolerances
 from parity.judge.verdict import groups
+from parity.evidence import CHECKED_TENSORS
 from parity.results import SCHEMA, FixtureInfo, RunResult
 from parity.plan.entries import read_plan
 from parity.trust.consistency import RULES, Contradiction, _ran, _requests
@@ -196,6 +197,26 @@ def replays_checked_in_process(run: RunResult) -> None:
                     raise request.contradiction(
                         arm, f"{request.at(arm)}.{where} replayed a graph but records no replay_check: an in-process run "
                              "checks every replay against eager on its own shape")
+                if checked:
+                    problem = _check_shape_problem(evidence.replay_check, evidence.prefill_replayed is True, encoder)
+                    if problem:
+                        raise request.contradiction(arm, f"{request.at(arm)}.{where}.replay_check {problem}")
+
+
+PREFILL_TENSORS = tuple(t for t in CHECKED_TENSORS if t != "encoder")
+
+
+def _check_shape_problem(check, prefill: bool, encoder: bool) -> str | None:
+    """What a replay check must hold, by what replayed (trust v7; its departure is held to it by
+    `ReplayCheck.inconsistency`): the four prefill tensors exactly when a prefill replayed, and
+    `encoder` exactly when a vision-encoder graph ran."""
+    held = tuple(t.tensor for t in check.tensors)
+    expected = (PREFILL_TENSORS if prefill else ()) + (("encoder",) if encoder else ())
+    if held == expected:
+        return None
+    return (f"holds {', '.join(held) or 'no tensor'}, but its replays had {', '.join(expected) or 'none'} "
+            f"(a prefill {'replayed' if prefill else 'did not replay'}, an encoder graph "
+            f"{'ran' if encoder else 'did not run'})")
 
 
 def interrupted_runs_lack_something(run: RunResult) -> None:

@@ -258,6 +258,13 @@ REPLAY_CHECK_EDITS = [
     ("legacy", lambda d: _set(_departure(d), delta=99.0), "is not within the keys deltas and bounds it records"),
     ("legacy", lambda d: _set(_departure(d), point="L99+DS99+L1"), "names no checked tensor, replay, row or point"),
     ("legacy", lambda d: _set(_departure(d), replay=3), "names no checked tensor, replay, row or point"),
+    # Trust v7: a check holds exactly the tensors its replays had (v6's layout FAIL flipped by deleting one).
+    ("default", lambda d: _check(d)["tensors"].pop("keys"), "holds logits, hidden, values, but its replays had "
+                                                              "logits, hidden, keys, values"),
+    ("default", lambda d: [_check(d)["tensors"].pop(t) for t in ("hidden", "keys", "values")], "holds logits, but"),
+    ("default", lambda d: _check(d, "bcg_normal", "layout", 1)["tensors"].pop("encoder"),
+     "(a prefill replayed, an encoder graph ran)"),
+    ("default", lambda d: _check(d)["tensors"].update(encoder=[0.0, 0.0]), "an encoder graph did not run"),
 ]
 
 
@@ -345,6 +352,22 @@ BACKEND_EDITS = [
     ("default", lambda d: _set(d["environment"], device="tpu"), "environment.device 'tpu' is not one parity runs on"),
     ("default", lambda d: _set(d, interrupted=True), "interrupted is true, but every planned case, arm and repeat"),
 ]
+
+
+def test_v6_s_layout_fail_no_longer_flips_by_deleting_the_encoder_tensor(real_run, parity_cli, tmp_path):
+    """Trust v7, defect 2: the layout-keyed runner fails only through the replay check; deleting the
+    check's `encoder` entry and nulling its departure made it PASS. The check's shape is now closed."""
+    _, doc, code = real_run("layout-keyed")
+    assert code == 1 and doc["verdict"]["code"] == "FAIL_GRAPH_DIVERGES"  # the negative control, as written
+    for arm in _each_arm(doc):
+        check = arm["evidence"].get("replay_check")
+        if check is not None:
+            check["tensors"].pop("encoder", None)
+            check["departure"] = None
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == 2 and "an encoder graph ran" in result.output, result.output
 
 
 def test_the_chunked_run_the_path_forgeries_start_from_is_not_a_pass(real_run):
