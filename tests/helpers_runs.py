@@ -150,7 +150,8 @@ def make_sequence(
 
 # The fields each backend's every run writes (trust v6: a file without them, or with another backend's,
 # is refused), with what the embedded preset's runs write.
-_SERVER_CONFIG = {"servers": {"eager": [], "bcg": []}, "concurrent": False, "start_order": None,
+_SERVER_CONFIG = {"servers": {"eager": ["--model-path", "/ckpt"], "bcg": ["--model-path", "/ckpt", "--graph"]},
+                  "concurrent": False, "start_order": None,
                   "gpus": {"eager": None, "bcg": None}, "launches": 2, "tap_processes": {}}
 BACKEND_CONFIG: Mapping[str, Mapping] = MappingProxyType({
     "transformers": {"runner": "fixed", "graph_backend": "emulated", "buckets": "auto",

@@ -55,6 +55,7 @@ def config_from_json(raw: dict, environment: dict, v2: bool) -> dict:
     _check_vocabulary(config, v2)
     if v2:
         _check_backend_fields(config)
+        _check_backend_values(config, environment)
         _check_identity(config, environment)
     _check_environment(environment, v2)
     return config
@@ -89,6 +90,53 @@ def _check_backend_fields(config: dict) -> None:
                           "a file relabelled from another backend")
     if backend.fix_records_key is not None:
         _check_fix_records(config.get(backend.fix_records_key), f"config.{backend.fix_records_key}")
+
+
+# What a server backend's fields hold (trust v7), by field without its `<engine>_` prefix: a file
+# relabelled to a server backend with its fields present but null, `{}` or of another type would
+# otherwise buy that backend's lenient rules. None in a tuple: the field may be null (a run without a
+# fix, servers started one after the other).
+SERVER_VALUES: dict[str, tuple] = {
+    "servers": (dict,), "concurrent": (bool,), "launches": (int,), "args": (list,), "device": (str,),
+    "start_order": (list, None), "gpus": (dict, None), "tap_processes": (dict, None), "graph_backend": (str, None),
+    "fix": (str, None), "fix_records": (dict, None), "fix_slots": (dict, None), "capture_sizes": (dict, None),
+    "prefill_buckets": (dict, None), "server_dtype": (dict, None), "server_env": (dict, None),
+    "compile_mode": (str, None),
+}
+# Null where a run ended before the server said (its version, its graph modes): an ERROR run's file.
+SHARED_VALUES: dict[str, tuple] = {"chunk_size": (int,), "top_logprobs_num": (int,), "engine": (str,),
+                                   "graph_mode": (str,), "tp_size": (int, None), "engine_version": (str, None),
+                                   "graph_cudagraph_modes": (dict, None), "graph_breakable": (bool, None)}
+
+
+def _check_backend_values(config: dict, environment: dict) -> None:
+    """A server backend's fields hold values of their type, never null where a run always writes one;
+    its servers name each server's command; its engine version is the environment's, where that has one."""
+    name, info = config["backend"], BACKENDS[config["backend"]]
+    if info.servers_key is None or info.package is None:
+        return
+    for key in sorted(info.config_fields):
+        kinds = SHARED_VALUES.get(key) or SERVER_VALUES.get(key.removeprefix(f"{name}_"))
+        if kinds is None:
+            continue
+        value = config[key]
+        if value is None and None in kinds:
+            continue
+        types = tuple(k for k in kinds if k is not None)
+        if value is None or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            wanted = " or ".join("null" if k is None else k.__name__ for k in kinds)
+            raise Invalid(f"config.{key} is {value!r:.40}, but every {name} run writes {wanted} there")
+    servers = config[info.servers_key]
+    if not servers or not all(isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)
+                              for cmd in servers.values()):
+        raise Invalid(f"config.{info.servers_key} must name each server's command (mode -> its arguments), "
+                      f"got {servers!r:.60}")
+    # parity's own environment may lack the engine (its servers run from another): then there is
+    # nothing to match, and the server's own answer stands.
+    version = environment.get(info.package)
+    if isinstance(version, str) and "engine_version" in config and config["engine_version"] != version:
+        raise Invalid(f"config.engine_version is {config['engine_version']!r}, but environment.{info.package} is "
+                      f"{version!r}")
 
 
 def _check_fix_records(raw: object, where: str) -> None:

@@ -26,7 +26,8 @@ def test_what_parity_writes_reads_back_as_written(real_run, name):
     assert rejudged["verdict"] == doc["verdict"] and EXIT_CODES[doc["verdict"]["code"]] == code
     # Every case, request, arm, comparison and verdict, exactly as written.
     assert rejudged == doc
-    assert {c["scenario"] for c in doc["cases"]} == ({"chunked"} if name.startswith("chunk-") else set(SCENARIOS))
+    scenarios = {"chunked"} if name.startswith("chunk-") else {"layout"} if name == "layout-keyed" else set(SCENARIOS)
+    assert {c["scenario"] for c in doc["cases"]} == scenarios
 
 
 # --- edits ----------------------------------------------------------------------------------------
@@ -326,6 +327,9 @@ PATH_EDITS = [
 ]
 
 
+BACKEND_FIELDS = {"vllm": ("vllm_servers", "vllm_concurrent", "vllm_launches", "vllm_args", "vllm_device", "engine")}
+
+
 def _relabelled(doc, backend, add_fields=False, drop_own=False):
     """The issue's relabel: config.backend switched to a server backend, selecting its lenient rules."""
     from tests.helpers_runs import BACKEND_CONFIG, ENGINE_VERSIONS
@@ -347,6 +351,16 @@ BACKEND_EDITS = [
     ("chunk-1000", lambda d: (_forge_chunks(d, ("bcg_normal", "eager_normal", "eager_zero_deepstack"), replays=True),
                               _relabelled(d, "vllm", add_fields=True, drop_own=True)),
      "replay_check is recorded, but only an in-process arm that replayed checks its replays"),
+    # Trust v7: a relabel whose server fields are present but hold nothing.
+    ("chunk-1000", lambda d: (_relabelled(d, "vllm", add_fields=True, drop_own=True),
+                              d["config"].update({k: None for k in BACKEND_FIELDS["vllm"]})),
+     "but every vllm run writes"),
+    ("chunk-1000", lambda d: (_relabelled(d, "sglang", add_fields=True, drop_own=True), _set(d["config"], sglang_servers={})),
+     "config.sglang_servers must name each server's command"),
+    ("chunk-1000", lambda d: (_relabelled(d, "vllm", add_fields=True, drop_own=True), _set(d["config"], vllm_launches="2")),
+     "config.vllm_launches is '2', but every vllm run writes int there"),
+    ("chunk-1000", lambda d: (_relabelled(d, "vllm", add_fields=True, drop_own=True), _set(d["config"], engine_version="0.33.0")),
+     "config.engine_version is '0.33.0', but environment.vllm is '0.34.0'"),
     ("default", lambda d: _set(d["config"], runner="turbo"), "config.runner 'turbo' is not one parity has"),
     ("default", lambda d: _set(d["config"], graph_backend="tpu-graph"), "config.graph_backend 'tpu-graph' is not one"),
     ("default", lambda d: _set(d["environment"], device="tpu"), "environment.device 'tpu' is not one parity runs on"),
