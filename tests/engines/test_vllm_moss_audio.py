@@ -169,3 +169,13 @@ def test_a_model_without_deepstack_levels_gets_no_slot() -> None:
     plain.request(TEXT)
     assert getattr(plain.model, deepstack_clear.SLOT_ATTR, None) is None
     assert torch.equal(plain.request(TEXT), Server("NONE", levels=0).request(TEXT))
+
+
+def test_a_capture_before_the_slot_was_made_is_refused() -> None:
+    """A slot made inside a capture would be the graph's own memory, zeroed by every replay: the
+    forward refuses to capture a model whose slot was not made with it."""
+    server = Server("NONE")
+    fix = deepstack_clear.DeepStackClear(None, capturing=lambda: True)
+    forward = deepstack_clear.wrap_attribute_forward(type(server.model).forward, fix)
+    with pytest.raises(deepstack_clear.FixRefused, match="no DeepStack slot was made with it"):
+        forward(server.model, None, server.positions[:8], inputs_embeds=server.persistent[:8])

@@ -132,6 +132,9 @@ class DeepStackClear:
         whether the forward runs eagerly or is being captured."""
         bound = inspect.signature(original).bind(model, *args, **kwargs)
         if bound.arguments.get("intermediate_tensors") is None:  # a first pipeline rank reads the attribute
+            if self.capturing() and SLOT_ATTR not in vars(model):
+                raise FixRefused(f"{type(model).__name__} is being captured, but no DeepStack slot was made with it; "
+                                 "one made now would be the graph's own memory")
             slot = _attribute_slot(model)
             if slot is not None:
                 embeds = bound.arguments.get("inputs_embeds")
@@ -167,9 +170,8 @@ def _attribute_slot(model: Any) -> Any:
     """The model's slot, made when the model is (`make_slot`): one zeroed level per
     DeepStack merger, as wide as the language model, as long as the scheduler's largest step. None for
     a model with no DeepStack levels: nothing reaches its language model to carry."""
-    slot = getattr(model, SLOT_ATTR, None)
-    if slot is not None:
-        return slot
+    if SLOT_ATTR in vars(model):  # made (None: the model has no DeepStack levels)
+        return vars(model)[SLOT_ATTR]
     try:
         levels = len(model.deepstack_audio_merger_list)
         width = int(model.config.language_config.hidden_size)
@@ -179,6 +181,7 @@ def _attribute_slot(model: Any) -> Any:
         raise FixRefused(f"{type(model).__name__} keeps DeepStack as a per-step attribute but offers no level count, "
                          f"width or step size ({exc}); parity's fix refuses to give it a slot") from None
     if levels == 0:
+        object.__setattr__(model, SLOT_ATTR, None)
         return None
     if width <= 0 or rows <= 0:
         raise FixRefused(f"{type(model).__name__}: a DeepStack slot of {rows} rows x {width} is empty; "
