@@ -159,6 +159,14 @@ def _serving(doc, scenario, request, arm):
     return _arms(doc, scenario, request)[arm]["evidence"]["serving"]
 
 
+def _video_chunks(doc):
+    """The chunk records ([start, end, bucket, image rows]) of the video chunked case's first request,
+    in every arm (the modes must agree on them)."""
+    case = next(c for c in doc["cases"] if c["scenario"] == "chunked" and c["fixture"].get("frames"))
+    group = case["requests"][0] if case.get("requests") else case
+    return [chunk for arm in group["arms"].values() for chunk in arm["evidence"]["serving"]["chunks"]]
+
+
 def _chunks_of(total, size, bucket):
     return [[start, min(start + size, total), bucket, 0] for start in range(0, total, size)]
 
@@ -305,6 +313,9 @@ PATH_EDITS = [
      "starts at the largest captured bucket"),
     ("default", lambda d: _serving(d, "growth", 2, "bcg_normal")["buffer_growth"].__setitem__(1, 900),
      "more than the longest planned prompt"),
+    # Trust v7: a video's chunk rows, held to its DeepStack record (its span holds timestamps too).
+    ("video", lambda d: [c.__setitem__(3, max(0, c[3] - 2)) for c in _video_chunks(d)],
+     "image rows in all, but the arm's DeepStack record saw"),
     # An encoder graph: its grid, its image, its key, and whether it was a replay.
     ("default", lambda d: _serving(d, "layout", 1, "bcg_normal")["encoder"].update(patches=64),
      "64 patches, but grid 1x16x8 holds 128"),
