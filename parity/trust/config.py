@@ -123,7 +123,7 @@ def _check_backend_values(config: dict, environment: dict) -> None:
         if value is None and None in kinds:
             continue
         types = tuple(k for k in kinds if k is not None)
-        if value is None or not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             wanted = " or ".join("null" if k is None else k.__name__ for k in kinds)
             raise Invalid(f"config.{key} is {value!r:.40}, but every {name} run writes {wanted} there")
     servers = config[info.servers_key]

@@ -61,12 +61,12 @@ def image_rows_are_the_image_span(run: RunResult) -> None:
         record = arm.deepstack_record
         # A video's span holds its timestamps too, so its chunks are held to the record instead (v7):
         # in-process the tap sees every computed row, and the chunks' image rows are the record's, split.
-        counted = sum(chunk.image_rows for chunk in serving.chunks)
-        if (in_process and video and serving.chunks and record is not None and not serving.cached_tokens
-                and counted != record.nonzero_rows):
-            raise request.contradiction(
-                arm, f"{where}.chunks hold {counted} image rows in all, but the arm's DeepStack record saw "
-                     f"{record.nonzero_rows} non-zero rows of the prompt")
+        if in_process and video and serving.chunks and record is not None and not serving.cached_tokens:
+            counted = sum(chunk.image_rows for chunk in serving.chunks)
+            if counted != record.nonzero_rows:
+                raise request.contradiction(
+                    arm, f"{where}.chunks hold {counted} image rows in all, but the arm's DeepStack record saw "
+                         f"{record.nonzero_rows} non-zero rows of the prompt")
         if in_process and not video and span is not None and record is not None and record.nonzero_rows != span[1] - span[0]:
             raise request.contradiction(
                 arm, f"{where}.image_span {list(span)} holds {span[1] - span[0]} rows, but the arm's DeepStack record saw "

@@ -39,10 +39,15 @@ MODES = (NONE, PIECEWISE, FULL, BREAKABLE)
 WHOLE_FORWARD = (FULL, BREAKABLE)  # modes that replay the forward without running its Python
 
 
-def fixed_setters() -> tuple[str, ...]:
-    """`model_executor.models.qwen3_vl.Qwen3VLForConditionalGeneration`, ...: the classes whose setter
+def fixed_classes(method: str) -> tuple[str, ...]:
+    """`model_executor.models.qwen3_vl.Qwen3VLForConditionalGeneration`, ...: the classes whose `method`
     parity's fix wraps."""
-    return tuple(f"{t.module.removeprefix(PACKAGE + '.')}.{t.cls}" for t in TARGETS if t.method == SETTER and t.fix_wrapper)
+    return tuple(f"{t.module.removeprefix(PACKAGE + '.')}.{t.cls}" for t in TARGETS if t.method == method and t.fix_wrapper)
+
+
+def fixed_setters() -> tuple[str, ...]:
+    """The classes whose setter parity's fix wraps."""
+    return fixed_classes(SETTER)
 
 
 def audit_rows(index: SourceIndex) -> tuple[tuple[AuditRow, ...], tuple[str, ...]]:
@@ -99,7 +104,7 @@ def _row(index: SourceIndex, qualname: str, archs: tuple[str, ...]) -> AuditRow 
     if setter is None and not index.mentions(qualname, frozenset({deepstack_clear.BUFFER_ATTR})):
         return _no_input(module, name, archs, "not a language-model input", "used outside the LM")
     if setter is None and _per_step_attribute(index, qualname, forward):
-        slotted = f"{forward.qualname}" in slotted_forwards()
+        slotted = forward.qualname in fixed_classes("forward")  # the fix gives its attribute a slot
         cells = tuple(_attribute_cell(m, slotted) for m in MODES)
         return AuditRow(module, name, archs, f"LM side input, a per-step attribute (`self.{deepstack_clear.BUFFER_ATTR}` "
                         f"set anew each step, read by {forward.name}.forward)", True, "none (a new tensor each step)",
@@ -131,12 +136,6 @@ def _per_step_attribute(index: SourceIndex, qualname: str, forward) -> bool:
     return (holder is not None and forward is not None
             and deepstack_clear.BUFFER_ATTR in forward.methods["forward"].names
             and any(deepstack_clear.BUFFER_ATTR in m.names for n, m in holder.methods.items() if n != "__init__"))
-
-
-def slotted_forwards() -> tuple[str, ...]:
-    """The classes whose per-step attribute parity's fix gives a slot (their forward is a fix target)."""
-    return tuple(f"{t.module.removeprefix(PACKAGE + '.')}.{t.cls}" for t in TARGETS
-                 if t.method == "forward" and t.fix_wrapper)
 
 
 def _attribute_cell(mode: str, slotted: bool) -> ModeCell:
