@@ -214,19 +214,23 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
                      with_other_media: bool, backend: BackendOptions) -> None:
     """`--audio`: audio-only cases, judged before any arm. The model must take audio; each clip is
     prepared with each prompt, and when none carries a DeepStack row (audio has none) the run is
-    INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm."""
+    INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm. For a server backend the model
+    prepared is the checkpoint its servers would load (a preset saved as the engines serve it, a
+    whole Qwen3-Omni read through its thinker), and no server starts."""
     from parity.media.audio import audio_clip
     from parity.models import load_model
 
     if with_other_media:
         raise UsageError("--audio makes audio-only cases, which have no DeepStack to prove; run them apart from "
                          "--fixture, --image and --video")
-    if not registry.info(backend.name).in_process:
-        raise UsageError(f"--audio is judged by the in-process backend only ({registry.DEFAULT}), not --backend "
-                         f"{backend.name}")
     clips = [audio_clip(given) for given in audios]
     prompts = _user_prompts(prompt_texts, prompts_file) or (AUDIO_PROMPT,)
-    loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)
+    if registry.info(backend.name).in_process:
+        loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)
+    else:
+        from parity.engines.engine import served_model
+
+        loaded = load_model(served_model(backend.model, backend.seed), device=backend.device, dtype=backend.dtype)
     if not loaded.adapter.takes_audio:
         raise UsageError(f"--audio: {backend.model} takes no audio; a model with an audio tower does (tiny-qwen3-omni)")
     for clip in clips:

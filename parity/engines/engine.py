@@ -374,9 +374,9 @@ class EngineBackend(abc.ABC):
 def checkpoint_inputs(model: str, processor: Any = None, model_config: Any = None) -> tuple[ChatPrompts, CheckpointFacts]:
     """The checkpoint's chat prompts and facts (tests inject a processor and config instead)."""
     if processor is None or model_config is None:
-        from parity.models.checkpoint import SERVED_MODEL_TYPES, CheckpointSource, load_config_and_processor
+        from parity.models.checkpoint import CheckpointSource, load_config_and_processor
 
-        model_config, processor = load_config_and_processor(CheckpointSource.of(model), SERVED_MODEL_TYPES)
+        model_config, processor = load_config_and_processor(CheckpointSource.of(model))
     return ChatPrompts(processor), CheckpointFacts.of(model_config)
 
 

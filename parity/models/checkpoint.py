@@ -17,11 +17,11 @@ from urllib.parse import urlparse
 from parity.errors import ModelUnavailableError, NothingToProve
 from parity.presets import NO_DEEPSTACK_MODEL_TYPES, NO_DEEPSTACK_REASON, no_power_before_any_arm  # noqa: F401
 
-SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# Qwen3-Omni is released as the whole model, its thinker (the part that sees and reads) nested in
+# `thinker_config`: the engines serve it whole, and parity's in-process path runs the thinker.
+WHOLE_OMNI = "qwen3_omni_moe"
+SUPPORTED_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe", WHOLE_OMNI)
 HUB_PROBE_TIMEOUT_S = 3.0
-# What the server backends also take: the engines serve Qwen3-Omni as the whole model, its thinker
-# (the part that sees and reads) nested in `thinker_config` (parity's in-process path runs the thinker).
-SERVED_MODEL_TYPES = (*SUPPORTED_MODEL_TYPES, "qwen3_omni_moe")
 
 
 def reading_config(config):
@@ -104,8 +104,9 @@ def check_architecture(name: str, config, model_types: tuple[str, ...] = SUPPORT
 
 
 def load_checkpoint(name: str, dtype):
-    """(model, processor) of a Qwen3-VL checkpoint; `ModelUnavailableError` when it cannot be used."""
-    from transformers import AutoModelForImageTextToText
+    """(model, processor) of a Qwen3-VL checkpoint, or of a whole Qwen3-Omni's thinker (loaded
+    without its talker: parity judges text answers); `ModelUnavailableError` when it cannot be used."""
+    from transformers import AutoModelForImageTextToText, Qwen3OmniMoeForConditionalGeneration
 
     from parity.model_identity import checkpoint_folder
     from parity.models.sizing import check_checkpoint_size
@@ -113,6 +114,10 @@ def load_checkpoint(name: str, dtype):
     source = CheckpointSource.of(name)
     config, processor = load_config_and_processor(source)
     check_checkpoint_size(name, checkpoint_folder(source.path), config, dtype.itemsize)  # before it allocates
+    if config.model_type == WHOLE_OMNI:
+        whole = source.load("weights", Qwen3OmniMoeForConditionalGeneration, dtype=dtype, attn_implementation="sdpa",
+                            enable_audio_output=False)
+        return whole.thinker, processor
     model = source.load("weights", AutoModelForImageTextToText, dtype=dtype, attn_implementation="sdpa")
     return model, processor
 

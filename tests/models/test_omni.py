@@ -48,19 +48,23 @@ def test_omni_passes_fixed_and_fails_legacy_on_images_and_video(parity_cli):
     assert {c["verdict"]["code"] for c in doc["cases"]} == {"FAIL_DEEPSTACK_DROPPED"}
 
 
-def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path):
+@pytest.mark.parametrize("backend", ["transformers", "sglang", "vllm"])
+def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path, backend):
+    """On a server backend too: the checkpoint its servers would load is prepared, and none starts."""
     out = tmp_path / "out"
-    result = parity_cli("run", "--device", "cpu", "--model", "tiny-qwen3-omni", "--audio", "audio-tone", "--out", str(out))
+    result = parity_cli("run", "--backend", backend, "--device", "cpu", "--model", "tiny-qwen3-omni",
+                        "--audio", "audio-tone", "--out", str(out))
     assert result.exit_code == 3, result.output
-    assert result.output.startswith("INCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone")
+    assert "\nINCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone" in f"\n{result.output}"  # after a load bar
     assert "audio adds no DeepStack" in result.output and "nothing ran" in result.output
     doc = json.loads((out / "results.json").read_text())  # written all the same, for CI (design §4c)
-    assert doc["cases"] == [] and doc["config"]["cause"] == "audio"
+    assert doc["cases"] == [] and doc["config"]["cause"] == "audio" and doc["config"]["backend"] == backend
     assert parity_cli("verdict", str(out / "results.json")).exit_code == 3
 
 
 @pytest.mark.parametrize("args, message", [
     (("--audio", "audio-tone"), "tiny-qwen3-vl takes no audio"),
+    (("--backend", "sglang", "--audio", "audio-tone"), "tiny-qwen3-vl takes no audio"),
     (("--model", "tiny-qwen3-omni", "--audio", "audio-tone", "--fixture", "rgb-stripes"), "run them apart"),
     (("--model", "tiny-qwen3-omni", "--audio", "nope.wav"), "no such file, and not a built-in clip"),
 ])
@@ -142,3 +146,17 @@ def test_omni_is_saved_as_the_whole_model_the_engines_serve(tmp_path):
         assert torch.equal(saved[f"thinker.{name}"], expected), name
     facts = CheckpointFacts.of(AutoConfig.from_pretrained(folder))
     assert facts.deepstack_layers == len(config["thinker_config"]["vision_config"]["deepstack_visual_indexes"]) > 0
+
+
+def test_a_whole_omni_checkpoint_runs_in_process_as_its_thinker(tmp_path):
+    """A released Qwen3-Omni (here the preset saved as the engines serve it) loads in-process as its
+    thinker, without a talker, holding exactly the preset's weights."""
+    from parity.models import load_model
+    from parity.models.preset_checkpoint import OMNI_THINKER, saved_preset
+
+    whole = load_model(str(saved_preset("tiny-qwen3-omni", root=tmp_path)), device="cpu", dtype="float32")
+    preset = load_model("tiny-qwen3-omni", device="cpu", dtype="float32")
+    assert type(whole.adapter.model).__name__ == OMNI_THINKER and whole.adapter.takes_audio
+    loaded, built = whole.adapter.model.state_dict(), preset.adapter.model.state_dict()
+    assert loaded.keys() == built.keys()
+    assert all(torch.equal(loaded[k], built[k]) for k in built)
