@@ -176,8 +176,8 @@ class EngineBackend(abc.ABC):
     def prompt_length(self, request: Request) -> int:
         return self.prompts.length(request)
 
-    def evidence(self, requests: Sequence[TaggedRequest]):
-        return arm_evidence(requests, self.max_bucket, self.tag_images)
+    def evidence(self, requests: Sequence[TaggedRequest], unscored: Sequence[TaggedRequest] = ()):
+        return arm_evidence(requests, self.max_bucket, self.tag_images, unscored)
 
     def post_tagged(self, server: Server, tap: str, request: Request, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
         """One request under its own tag; its answer and the tap records that belong to it. A

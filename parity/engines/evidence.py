@@ -123,12 +123,15 @@ def _rank_evidence(requests: Sequence[TaggedRequest], key: RankKey) -> RankEvide
 
 
 def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
-                 sources: Mapping[str, str | None] | None = None) -> Evidence:
+                 sources: Mapping[str, str | None] | None = None,
+                 unscored: Sequence[TaggedRequest] = ()) -> Evidence:
     """The arm's evidence over all its requests (generation first, then teacher-forced scoring) and
     all its ranks, each rule needing every rank (`evidence.combine_ranks`).
 
     `sources` maps the tag of a request parity sent to the sha256 of its image, to name the
-    request whose DeepStack rows a leak witness saw."""
+    request whose DeepStack rows a leak witness saw. `unscored` are scoring requests whose scores
+    were discarded (the server re-tokenized the answer otherwise): no verdict reads what they
+    computed, so how they ran proves nothing, but stale rows they read are the engine's all the same."""
     keys = tuple(dict.fromkeys(k for r in requests for k in r.ranks))
     ranks = tuple(_rank_evidence(requests, k) for k in keys) or (
         RankEvidence("none", 0, 0, None, (), 0),)
@@ -136,7 +139,7 @@ def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
     eager = [r.prompt_tokens for r in requests if any(not e.replay for k in r.ranks for e in r.prefills(k))]
     prompt_tokens = max(eager) if eager else (requests[0].prompt_tokens if requests else None)
     # The leak witness as the first rank saw it: every rank runs the same steps.
-    first = [e for r in requests for e in r.of_rank(keys[0])] if keys else []
+    first = [e for r in (*requests, *unscored) for e in r.of_rank(keys[0])] if keys else []
     evidence = combine_ranks(ranks, prompt_tokens, max_bucket, leak_witness(first, sources or {}))
     # One rank (no tensor parallelism): the file reads as it always did.
     return evidence if len(ranks) > 1 else replace(evidence, ranks=())

@@ -71,7 +71,7 @@ class EngineSession(Generates):
     def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
         served: _Served = answer.state
         engine = self.backend
-        requests, scores, start = [served.first], [], time.perf_counter()
+        requests, unscored, scores, start = [served.first], [], [], time.perf_counter()
         # Its own tokens last: scores from a prefill are compared with scores from a prefill.
         for tokens in (*force, answer.generation.token_ids):
             try:
@@ -85,9 +85,9 @@ class EngineSession(Generates):
             scores.append(parsed(served.server.process,
                                  lambda d: engine.parse_scores(d, served.prompt_ids, tokens), doc))
             length = engine.scored_length(doc, served.prompt_ids, tokens)
-            requests.append(TaggedRequest(length, engine.computes_visual_rows(served.request, doc, served.prompt_ids),
-                                          entries))
-            engine.check_tap(served.server, requests[-1], f"teacher-forced scoring request {len(requests) - 1}")
-        evidence = replace(engine.evidence(requests), serving=answer.generation.evidence.serving)
+            tagged = TaggedRequest(length, engine.computes_visual_rows(served.request, doc, served.prompt_ids), entries)
+            engine.check_tap(served.server, tagged, f"teacher-forced scoring request {len(scores)}")
+            (requests if scores[-1] is not None else unscored).append(tagged)
+        evidence = replace(engine.evidence(requests, unscored), serving=answer.generation.evidence.serving)
         return replace(answer.generation, evidence=evidence, forced=tuple(scores[:-1]),
                        self_forced=scores[-1], forced_seconds=time.perf_counter() - start)
