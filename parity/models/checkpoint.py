@@ -113,7 +113,8 @@ def load_checkpoint(name: str, dtype):
 
     source = CheckpointSource.of(name)
     config, processor = load_config_and_processor(source)
-    check_checkpoint_size(name, checkpoint_folder(source.path), config, dtype.itemsize)  # before it allocates
+    # Before it allocates (a whole Qwen3-Omni: its thinker's layers, against all the weights on disk).
+    check_checkpoint_size(name, checkpoint_folder(source.path), reading_config(config), dtype.itemsize)
     if config.model_type == WHOLE_OMNI:
         whole = source.load("weights", Qwen3OmniMoeForConditionalGeneration, dtype=dtype, attn_implementation="sdpa",
                             enable_audio_output=False)

@@ -109,9 +109,7 @@ def check_checkpoint_size(name: str, folder: Path | None, config, itemsize: int)
     on_disk = None if folder is None else weights_on_disk(folder)
     if on_disk is None:
         return
-    from parity.models.checkpoint import reading_config
-
-    text = getattr(reading_config(config), "text_config", None) or config
+    text = getattr(config, "text_config", None) or config
     asked = getattr(text, "num_hidden_layers", None)
     if isinstance(asked, int) and on_disk.decoder_layers and asked > on_disk.decoder_layers:
         raise ModelUnavailableError(f"--model {name}: config.json asks for {asked} decoder layers, but its weights "

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from parity.row_owners import RowOwners
 from parity.runner import emulated_graph, slot_contract
 from parity.runner.lm_body import ConsumesDeepStack, Past, fill_past_mask
 
@@ -170,10 +171,9 @@ class PrefillGraphRunner:
         )
         buffer = None if self._deepstack is None else self._deepstack.buffer
         self._slot_bytes = 0 if buffer is None else buffer.numel() * buffer.element_size()
-        # Which write left each row of the DeepStack buffer ((its serial, the request's tag); None for
-        # zeros): a row a replay reads that an earlier write left is named by that request (`stale_rows`).
-        self._owners: list[tuple[int, str | None] | None] = [None] * max_tokens
-        self._owner: tuple[int, str | None] = (0, None)  # the write in hand
+        # Which write left each row of the DeepStack buffer: a row a replay reads that an earlier
+        # write left is named by that request (`stale_rows`).
+        self._owners = RowOwners(max_tokens)
         self._own_rows = 0  # clears-own-rows: the rows its last write covered
         self.context_rows = context_rows if self.buckets else 0
         self._past: Past | None = None
@@ -266,7 +266,7 @@ class PrefillGraphRunner:
         `deepstack` is the whole prompt's and the runner takes this prefill's rows from it; with
         `past`, the bucket's context graph runs after those rows. `owner` tags the rows it writes."""
         self._check_open()
-        self._owner = (self._owner[0] + 1, owner)
+        self._owners.begin(owner)
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         if bucket is None or num_tokens == 0:
@@ -334,8 +334,8 @@ class PrefillGraphRunner:
             self._ensure_rows(rows.shape[0])
             slot_contract.refresh(self._deepstack.buffer, rows, rows.shape[0], rows=rows.shape[0],
                                   clear=self._deepstack.padding is Padding.ZERO)
-            self._owner = (self._owner[0] + 1, owner)
-            self._owners[:rows.shape[0]] = [self._owner] * rows.shape[0]
+            self._owners.begin(owner)
+            self._owners.wrote(rows.shape[0])
             rows = self._deepstack.buffer[:rows.shape[0]]
         extra = ({"probe": True} if probe else {}) | ({"past": past} if past is not None else {})
         with torch.inference_mode():
@@ -347,7 +347,7 @@ class PrefillGraphRunner:
             return
         grown = torch.zeros(rows, old.buffer.shape[1], dtype=old.buffer.dtype, device=old.buffer.device)
         grown[:old.buffer.shape[0]].copy_(old.buffer)
-        self._owners += [None] * (rows - len(self._owners))
+        self._owners.grow(rows)
         self._deepstack = Slot(old.name, grown, old.padding)
         self.growths.append((old.buffer.shape[0], rows))
         if self.variant is RunnerVariant.GROWTH_REBIND:
@@ -389,27 +389,27 @@ class PrefillGraphRunner:
         if self.variant is RunnerVariant.CLEARS_OWN_ROWS and not filled:
             # The partial fix: absence clears the rows the last write covered, not what lies past them.
             slot_contract.refresh(buffer[:self._own_rows], None, self._own_rows)
-            self._owners[:self._own_rows] = [None] * self._own_rows
+            self._owners.cleared(self._own_rows)
             self._own_rows = 0
             return
         clear = self._deepstack.padding is Padding.ZERO and self.variant is not RunnerVariant.CLEARS_OWN_ROWS
         slot_contract.refresh(buffer, deepstack, bucket, rows=num_tokens, clear=clear)
-        self._owners[:filled] = [self._owner] * filled
-        if clear and bucket > filled:
-            self._owners[filled:bucket] = [None] * (bucket - filled)
+        self._owners.wrote(filled)
+        if clear:
+            self._owners.cleared(bucket, filled)
         self._own_rows = filled
 
     def stale_rows(self, written: torch.Tensor | None, num_tokens: int) -> tuple[int, str | None]:
         """(how many of this prefill's real rows hold DeepStack features an earlier write left, not
-        the rows it meant to write, the tag of the request that left the first of them): read after
-        a replay, the leak witness of the in-process engine (a correct slot never shows one)."""
+        the rows it meant to write, the request that left them by `RowOwners.named`): read after a
+        replay, the leak witness of the in-process engine (a correct slot never shows one)."""
         if self._deepstack is None:
             return 0, None
         slot = self._deepstack.buffer[:num_tokens]
         meant = torch.zeros_like(slot) if written is None or written.numel() == 0 else written
         differ = ((slot != meant).any(dim=1) & slot.any(dim=1)).nonzero().flatten().tolist()
-        stale = [r for r in differ if self._owners[r] is not None and self._owners[r] != self._owner]
-        return len(stale), next((self._owners[r][1] for r in stale), None)
+        stale = self._owners.left_by_others(differ)
+        return len(stale), self._owners.named(stale)
 
     def refresh_past(self, past: Past, num_tokens: int, bucket: int) -> None:
         """The rows before this prefill into the context slots, and its padded mask over them."""

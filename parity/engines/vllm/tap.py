@@ -28,13 +28,13 @@ wrappers pass through otherwise. Nothing here imports vllm; torch only inside a 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from parity.engines.after_import import around
 from parity.evidence import DeepStackRecord
 from parity.engines.channel import Control, TapChannel, TapEntry, process_role
+from parity.row_owners import RowOwners
 
 # What the wrappers rely on in vLLM (the same in every supported release, versions.py);
 # tests/engines/test_vllm_real.py checks each against the installed code.
@@ -42,7 +42,7 @@ BUFFER_ATTR = "deepstack_input_embeds"  # the model's list of per-level [max_tok
 COUNTER_ATTR = "deepstack_input_embeds_num_tokens"  # rows set and not yet cleared
 BREAKABLE_ATTR = "use_breakable_cg"  # CudaGraphManager: PIECEWISE means breakable graphs
 REPLAY_MODES = ("FULL", "PIECEWISE", "BREAKABLE")
-WRITES_ATTR = "_parity_deepstack_writes"  # on the model: [(tag, rows)] of tagged setter calls, oldest first
+OWNERS_ATTR = "_parity_deepstack_owners"  # on the model: the RowOwners of its DeepStack buffers (tagged setter calls)
 WRAPPED_FLAG = "__parity_tap__"
 
 
@@ -122,8 +122,12 @@ class StepTap:
 
             embeds = torch.zeros_like(embeds)
         step.written, step.record = int(tokens), record
-        writes = [w for w in getattr(model, WRITES_ATTR, []) if w[1] > tokens]  # rows not overwritten now
-        object.__setattr__(model, WRITES_ATTR, [*writes, (step.control.tag, int(tokens))])
+        owners = getattr(model, OWNERS_ATTR, None)
+        if owners is None:
+            owners = RowOwners()
+            object.__setattr__(model, OWNERS_ATTR, owners)
+        owners.begin(step.control.tag)
+        owners.wrote(int(tokens))
         return original(model, embeds)
 
     # --- the record ------------------------------------------------------------------------------
@@ -146,10 +150,10 @@ class StepTap:
 
 
 def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
-    """(rows in [start, stop) of the model's DeepStack buffers that hold features, the tag of the
-    tagged setter call that left most of them: each row's writer is the latest call whose rows
-    reached it, so a longer request's tail past a shorter one's rows is named as the longer's).
-    Syncs with the device: tapped steps only."""
+    """(rows in [start, stop) of the model's DeepStack buffers that hold features, the request that
+    left them by `RowOwners.named`: each row's writer is the latest call whose rows reached it, so a
+    longer request's tail past a shorter one's rows is the longer's). Syncs with the device: tapped
+    steps only."""
     buffers = getattr(model, BUFFER_ATTR, None)
     if not buffers or stop <= start:
         return 0, None
@@ -161,11 +165,8 @@ def stale_rows(model: Any, start: int, stop: int) -> tuple[int, str | None]:
     count = int(held.sum().item()) if held is not None else 0
     if count == 0:
         return 0, None
-    writes = getattr(model, WRITES_ATTR, [])
-    owners = Counter(next((tag for tag, rows in reversed(writes) if rows > start + row), None)
-                     for row in held.nonzero().flatten().tolist())
-    named = {tag: n for tag, n in owners.items() if tag is not None}
-    return count, max(named, key=named.__getitem__) if named else None
+    owners = getattr(model, OWNERS_ATTR, None) or RowOwners()
+    return count, owners.named(start + row for row in held.nonzero().flatten().tolist())
 
 
 # --- wrappers ---------------------------------------------------------------------------------------
