@@ -155,14 +155,17 @@ def leak_witness(entries: Sequence[TapEntry], sources: Mapping[str, str | None])
 
 
 def request_record(request: TaggedRequest) -> DeepStackRecord | None:
-    """The fingerprint of the request's first LM entry with DeepStack rows (first rank), counting such
-    entries; check_fired has made sure every rank saw the same."""
+    """The fingerprint of the request's first LM entry whose DeepStack holds features (first rank),
+    else of its first tapped entry, counting tapped entries; check_fired has made sure every rank
+    saw the same. A chunked video's first chunk can hold only the template and a timestamp: its
+    DeepStack is all zeros, and the features come with a later chunk."""
     if not request.ranks:
         return None
     tapped = [e for e in request.of_rank(request.ranks[0]) if e.record is not None]
     if not tapped:
         return None
-    return replace(tapped[0].record, calls=len(tapped), replay=tapped[0].replay)
+    first = next((e for e in tapped if e.record.nonzero_rows > 0), tapped[0])
+    return replace(first.record, calls=len(tapped), replay=first.replay)
 
 
 def processes(entries: Sequence[TapEntry]) -> list[str]:

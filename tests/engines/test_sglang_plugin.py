@@ -173,6 +173,17 @@ def test_request_record_counts_entries_of_the_first_rank() -> None:
     assert request_record(TaggedRequest(RAW, False, ())) is None
 
 
+def test_a_chunked_video_s_record_is_of_the_first_chunk_with_features() -> None:
+    """Its first chunk holds the template and a timestamp: DeepStack there is all zeros (the tap
+    still records it), and the features come with the next chunk, which replayed."""
+    empty = TapEntry("t", 10, "sglang::scheduler", True, BUCKET, RAW, False,
+                     fingerprint(torch.zeros(RAW, WIDTH), "normal"))
+    record = request_record(TaggedRequest(2 * RAW, True, (empty, entry(10, replay=True))))
+    assert record is not None and record.nonzero_rows == 3 and record.replay is True and record.calls == 2
+    only_zeros = request_record(TaggedRequest(RAW, True, (empty,)))
+    assert only_zeros is not None and only_zeros.nonzero_rows == 0  # a request with no features says so
+
+
 def test_evidence_counts_entries_replays_buckets_and_taps() -> None:
     generation = TaggedRequest(30, True, (entry(replay=True, tokens=32), entry(extend=False, tapped=False)))
     forced = TaggedRequest(36, True, (entry(replay=True, tokens=48),))
