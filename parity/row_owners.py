@@ -31,11 +31,10 @@ class RowOwners:
         self._serial = 0
         self.current: Write | None = None  # the write in hand
 
-    def begin(self, tag: str | None) -> Write:
+    def begin(self, tag: str | None) -> None:
         """A new write, for the request tagged `tag`; `wrote` records the rows it covers."""
         self._serial += 1
         self.current = Write(self._serial, tag)
-        return self.current
 
     def wrote(self, stop: int, start: int = 0) -> None:
         self.grow(stop)

@@ -19,7 +19,6 @@ from rich.console import Console
 from rich.markup import escape
 
 from parity.backends.options import BackendOptions
-from parity import registry
 from parity.registry import create_backend
 from parity.errors import NothingToProve, UsageError
 from parity.run.experiment import RunInterrupted, run_experiment
@@ -214,9 +213,9 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
                      with_other_media: bool, backend: BackendOptions) -> None:
     """`--audio`: audio-only cases, judged before any arm. The model must take audio; each clip is
     prepared with each prompt, and when none carries a DeepStack row (audio has none) the run is
-    INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm. For a server backend the model
-    prepared is the checkpoint its servers would load (a preset saved as the engines serve it, a
-    whole Qwen3-Omni read through its thinker), and no server starts."""
+    INCONCLUSIVE_NO_POWER (NothingToProve) without running an arm. A server backend judges it the
+    same way, and no server starts: what its servers would load is this model (a preset's saved
+    checkpoint holds exactly the preset's weights; a whole Qwen3-Omni loads as its thinker)."""
     from parity.media.audio import audio_clip
     from parity.models import load_model
 
@@ -225,12 +224,7 @@ def judge_audio_only(audios: Sequence[str], prompt_texts: Sequence[str], prompts
                          "--fixture, --image and --video")
     clips = [audio_clip(given) for given in audios]
     prompts = _user_prompts(prompt_texts, prompts_file) or (AUDIO_PROMPT,)
-    if registry.info(backend.name).in_process:
-        loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)
-    else:
-        from parity.engines.engine import served_model
-
-        loaded = load_model(served_model(backend.model, backend.seed), device=backend.device, dtype=backend.dtype)
+    loaded = load_model(backend.model, device=backend.device, dtype=backend.dtype, seed=backend.seed)
     if not loaded.adapter.takes_audio:
         raise UsageError(f"--audio: {backend.model} takes no audio; a model with an audio tower does (tiny-qwen3-omni)")
     for clip in clips:

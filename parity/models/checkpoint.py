@@ -106,7 +106,7 @@ def check_architecture(name: str, config, model_types: tuple[str, ...] = SUPPORT
 def load_checkpoint(name: str, dtype):
     """(model, processor) of a Qwen3-VL checkpoint, or of a whole Qwen3-Omni's thinker (loaded
     without its talker: parity judges text answers); `ModelUnavailableError` when it cannot be used."""
-    from transformers import AutoModelForImageTextToText, Qwen3OmniMoeForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from parity.model_identity import checkpoint_folder
     from parity.models.sizing import check_checkpoint_size
@@ -116,6 +116,8 @@ def load_checkpoint(name: str, dtype):
     # Before it allocates (a whole Qwen3-Omni: its thinker's layers, against all the weights on disk).
     check_checkpoint_size(name, checkpoint_folder(source.path), reading_config(config), dtype.itemsize)
     if config.model_type == WHOLE_OMNI:
+        from transformers import Qwen3OmniMoeForConditionalGeneration
+
         whole = source.load("weights", Qwen3OmniMoeForConditionalGeneration, dtype=dtype, attn_implementation="sdpa",
                             enable_audio_output=False)
         return whole.thinker, processor

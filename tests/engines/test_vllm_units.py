@@ -21,7 +21,7 @@ from parity.errors import UsageError
 from parity.evidence import LeakWitness
 from parity.results import write_results
 from parity.trust.loader import load_results
-from parity.engines.channel import TapChannel
+from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.evidence import TaggedRequest, arm_evidence
 from parity.engines.http import ServerRejected
 from parity.judge.verdict import judge_run
@@ -249,10 +249,9 @@ def test_the_leak_witness_counts_real_rows_an_earlier_request_left(tmp_path: Pat
     assert channel.entries("image")[0].stale_rows == 0
 
 
-def test_the_leak_witness_names_the_request_that_left_most_of_the_rows(tmp_path: Path) -> None:
-    """The shrinking stream: a long image request, a shorter one over its first rows, then long
-    text. Each stale row's writer is the latest request whose rows reached it, so the tail is the
-    long request's, not the last writer's."""
+def shrinking_stream_text(tmp_path: Path) -> TapEntry:
+    """The shrinking stream through the tap: a long image request (rows 2..13 of 14), a shorter one
+    over its first rows (rows 1..2 of 4), then 14 tokens of text; the text's prefill entry."""
     channel = TapChannel(tmp_path)
     channel.create()
     tap, model = taps.StepTap(channel, capturing=lambda: False), FakeModel()
@@ -266,6 +265,13 @@ def test_the_leak_witness_names_the_request_that_left_most_of_the_rows(tmp_path:
     channel.arm("record", "text")
     step(tap, FakeState(model, tap), 14, 16, "FULL", tag="text")
     (text,) = channel.entries("text")
+    return text
+
+
+def test_the_leak_witness_names_the_request_that_left_most_of_the_rows(tmp_path: Path) -> None:
+    """Each stale row's writer is the latest request whose rows reached it, so the tail is the long
+    request's, not the last writer's."""
+    text = shrinking_stream_text(tmp_path)
     # rows 1, 2 (short's) and 4..13 (the long request's tail; row 3 it left too, zeroed by short)
     assert (text.stale_rows, text.stale_source) == (12, "long")
 

@@ -50,12 +50,12 @@ def test_omni_passes_fixed_and_fails_legacy_on_images_and_video(parity_cli):
 
 @pytest.mark.parametrize("backend", ["transformers", "sglang", "vllm"])
 def test_audio_only_is_inconclusive_no_power_before_any_arm(parity_cli, tmp_path, backend):
-    """On a server backend too: the checkpoint its servers would load is prepared, and none starts."""
+    """On a server backend too, and no server starts."""
     out = tmp_path / "out"
     result = parity_cli("run", "--backend", backend, "--device", "cpu", "--model", "tiny-qwen3-omni",
                         "--audio", "audio-tone", "--out", str(out))
     assert result.exit_code == 3, result.output
-    assert "\nINCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone" in f"\n{result.output}"  # after a load bar
+    assert result.output.startswith("INCONCLUSIVE_NO_POWER: 1 audio-only case(s), audio-tone")
     assert "audio adds no DeepStack" in result.output and "nothing ran" in result.output
     doc = json.loads((out / "results.json").read_text())  # written all the same, for CI (design §4c)
     assert doc["cases"] == [] and doc["config"]["cause"] == "audio" and doc["config"]["backend"] == backend

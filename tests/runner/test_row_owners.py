@@ -7,11 +7,9 @@ from pathlib import Path
 
 import torch
 
-from parity.engines.channel import TapChannel
-from parity.engines.vllm import tap as taps
 from parity.row_owners import RowOwners
 from parity.runner.graph_runner import RunnerVariant
-from tests.engines.test_vllm_units import FakeModel, FakeState, step
+from tests.engines.test_vllm_units import shrinking_stream_text
 from tests.runner.test_graph_runner import HIDDEN, WIDTH, make_runner
 
 
@@ -40,8 +38,8 @@ def test_only_rows_an_earlier_write_left_are_stale() -> None:
 
 
 def _shrinking_rows() -> tuple[torch.Tensor, torch.Tensor]:
-    """The shrinking stream's DeepStack rows ([tokens, levels * hidden]): a long image with rows
-    2..13, then a short one with rows 1..2 over its first four rows."""
+    """`shrinking_stream_text`'s DeepStack rows, as the runner holds them ([tokens, levels * hidden]):
+    a long image with rows 2..13, then a short one with rows 1..2 over its first four rows."""
     long_image, short_image = torch.zeros(14, WIDTH), torch.zeros(4, WIDTH)
     long_image[2:14], short_image[1:3] = 1.0, 2.0
     return long_image, short_image
@@ -58,14 +56,5 @@ def test_the_in_process_runner_and_the_vllm_tap_name_the_same_request(tmp_path: 
     runner.replay(torch.zeros(14, HIDDEN), torch.zeros(3, 14, dtype=torch.long), None, owner="text")
     assert runner.stale_rows(None, 14) == (12, "long")
 
-    channel = TapChannel(tmp_path)
-    channel.create()
-    tap, model = taps.StepTap(channel, capturing=lambda: False), FakeModel()
-    for tag, rows in (("long", long_image), ("short", short_image)):
-        embeds = rows[:, :2 * 3].reshape(rows.shape[0], 3, 2).permute(1, 0, 2).contiguous()  # [levels, tokens, 2]
-        channel.arm("record", tag)
-        step(tap, FakeState(model, tap, embeds), rows.shape[0], 16, "FULL", tag=tag)
-    channel.arm("record", "text")
-    step(tap, FakeState(model, tap), 14, 16, "FULL", tag="text")
-    (text,) = channel.entries("text")
+    text = shrinking_stream_text(tmp_path)  # the same stream through vLLM's tap
     assert (text.stale_rows, text.stale_source) == (12, "long")
