@@ -69,9 +69,13 @@ def test_scaling_keeps_what_the_recipe_needs() -> None:
 
 @pytest.mark.parametrize("name", SCALED)
 def test_a_scaled_shape_passes_the_four_arms_and_fails_the_legacy_runner(parity_cli, name) -> None:
-    fixed, doc, _ = parity_cli.run("--model", name, name="fixed")
+    # A mixture of experts in fp32 can flip one router near-tie between the padded and the exact
+    # prefill: one decode step moves by up to 3.6e-4 on an AVX2 EPYC (docs/verdicts.md, Tolerances),
+    # past fp32's 3e-5, while the replay equals eager on its own shape. DeepStack's drop moves 0.18.
+    tol = ("--logprob-tol", "1e-3") if PRESETS[name].shape.experts else ()
+    fixed, doc, _ = parity_cli.run("--model", name, *tol, name="fixed")
     assert fixed.exit_code == 0 and doc["verdict"]["code"] == "PASS", fixed.output
-    legacy, bad, _ = parity_cli.run("--model", name, "--runner", "legacy", name="legacy")
+    legacy, bad, _ = parity_cli.run("--model", name, *tol, "--runner", "legacy", name="legacy")
     assert legacy.exit_code == 1 and bad["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED", legacy.output
     identity = doc["config"]["model_identity"]
     assert identity["kind"] == "preset" and identity["name"] == name
