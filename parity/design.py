@@ -181,7 +181,15 @@ PLANTED_BUGS: Mapping[str, tuple[str, str]] = MappingProxyType({
                                 "slot): it clears the rows the request in hand wrote, never an earlier, longer "
                                 "request's tail"),
 })
-RUNNER_VARIANTS = ("fixed", "legacy", "no-clear", *PLANTED_BUGS)
+# Planted variants of inputs beyond DeepStack: the freshness witness (design §6) catches each in every
+# scenario that replays, whatever the answer does.
+WITNESSED_BUGS: Mapping[str, str] = MappingProxyType({
+    "mrope-one-row": "vllm-omni #803: mRoPE positions wrong under CUDA graphs (one row copied into all three)",
+    "mrope-stale": "TensorRT-LLM #18207: stale mRoPE slots (positions not refreshed when the bucket repeats)",
+    "embeds-tail-kept": "SGLang #29018: the static input_embeds slot's padding left as an earlier request wrote it",
+    "embeds-stale": "DeepSpeed #8488: a captured input never copied again (input_embeds when the shape repeats)",
+})
+RUNNER_VARIANTS = ("fixed", "legacy", "no-clear", *PLANTED_BUGS, *WITNESSED_BUGS)
 
 
 def power_request(scenario: str) -> int:

@@ -73,6 +73,68 @@ class LeakWitness:
         return {"rows": self.rows, "steps": self.steps, "source_sha256": self.source_sha256}
 
 
+@dataclass(frozen=True)
+class InputFreshness:
+    """One per-call input of one captured graph, over an arm's replays of it: the freshness witness
+    (design §6, "Every input a graph reads, fresh for every request").
+
+    Each replay reads rows of the input that a correct runner writes for the request in hand (which
+    rows, per input, is the design's argument). A row is offending when this request's refresh did
+    not write it (an earlier request left it: stale; nothing wrote it since the buffer was made, or
+    the graph never reads the input the request supplied: unwritten) or wrote other values than the
+    request supplies at the LM entry (miswritten). A correct runner shows none, whatever the answer.
+    """
+
+    graph: str  # "prefill 32", "context 32": the graph's kind and bucket
+    input: str  # where the runner holds it: "input_embeds", "positions", "deepstack", "past_keys", ...
+    replays: int  # replays of the graph that read it
+    rows: int  # rows those replays read that a correct runner writes for their request (summed)
+    stale: int = 0  # of them, rows an earlier request's write left
+    unwritten: int = 0  # rows no write covered since the buffer was made, or supplied but never read
+    miswritten: int = 0  # rows this request wrote, with other values than it supplies
+    first: tuple[int, ...] = ()  # the first offending rows, of the first replay that had any
+    left_by: str | None = None  # the image (fixture sha256) whose request left most stale rows; None: text
+
+    @property
+    def offending(self) -> int:
+        return self.stale + self.unwritten + self.miswritten
+
+    def merged(self, other: "InputFreshness") -> "InputFreshness":
+        first = self.first or other.first
+        return InputFreshness(
+            self.graph, self.input, self.replays + other.replays, self.rows + other.rows, self.stale + other.stale,
+            self.unwritten + other.unwritten, self.miswritten + other.miswritten, first,
+            self.left_by if self.stale else other.left_by)
+
+    def inconsistency(self) -> str | None:
+        if self.replays < 1 or min(self.rows, self.stale, self.unwritten, self.miswritten) < 0:
+            return "a freshness record needs replays >= 1 and counts >= 0"
+        if self.offending > self.rows:
+            return f"{self.offending} offending rows of the {self.rows} read"
+        if bool(self.first) != bool(self.offending) or len(self.first) > FIRST_OFFENDING_ROWS:
+            return f"first must list 1..{FIRST_OFFENDING_ROWS} rows exactly when some row offends"
+        if self.left_by is not None and not self.stale:
+            return "left_by names a request, but no row is stale"
+        return None
+
+    def to_json(self) -> dict:
+        return {"graph": self.graph, "input": self.input, "replays": self.replays, "rows": self.rows,
+                "stale": self.stale, "unwritten": self.unwritten, "miswritten": self.miswritten,
+                "first": list(self.first), "left_by": self.left_by}
+
+
+FIRST_OFFENDING_ROWS = 8  # what a freshness record keeps of its offending rows
+
+
+def merge_freshness(*records: "tuple[InputFreshness, ...]") -> tuple[InputFreshness, ...]:
+    """One record per (graph, input), in the order they were first seen."""
+    merged: dict[tuple[str, str], InputFreshness] = {}
+    for record in (r for group in records for r in group):
+        key = (record.graph, record.input)
+        merged[key] = record if key not in merged else merged[key].merged(record)
+    return tuple(merged.values())
+
+
 # What a graph replay is checked on against the eager pass over its own padded shape (design §6):
 # the last real row's logits (the next token), every real row's final hidden state, keys and values
 # (per decoder layer: what decode reads, and where a departure first shows), and a vision-encoder
@@ -320,6 +382,7 @@ class Evidence:
     ranks: tuple[RankEvidence, ...] = ()  # each rank's share, when more than one ran the arm
     serving: ServingEvidence | None = None  # a family scenario's serving path (design §10); None: none
     replay_check: ReplayCheck | None = None  # the replays against eager on their own shape (in-process)
+    freshness: tuple[InputFreshness, ...] = ()  # every input its replayed graphs read (in-process)
 
     def merged(self, other: "Evidence") -> "Evidence":
         """One arm's evidence over several runs of it (`--repeat`): every prefill must have replayed."""
@@ -340,6 +403,7 @@ class Evidence:
             leak=other.leak if self.leak is None else self.leak.merged(other.leak),
             serving=self.serving if self.serving is not None else other.serving,  # each run's stays with it
             replay_check=ReplayCheck.combined([c for c in (self.replay_check, other.replay_check) if c is not None]),
+            freshness=merge_freshness(self.freshness, other.freshness),
         )
 
     def inconsistency(self) -> str | None:
@@ -368,6 +432,12 @@ class Evidence:
             if self.replay_check.replays < self.replayed_calls:
                 return (f"replay_check covers {self.replay_check.replays} graph replay(s) of the "
                         f"{self.replayed_calls} LM entries replayed")
+        for record in self.freshness:
+            problem = record.inconsistency()
+            if problem:
+                return f"freshness of {record.input!r} in the {record.graph} graph: {problem}"
+        if len({(r.graph, r.input) for r in self.freshness}) < len(self.freshness):
+            return "a graph's input has more than one freshness record"
         if self.serving is not None:
             problem = self.serving.inconsistency()
             if problem:
@@ -396,4 +466,5 @@ class Evidence:
         } | ({} if self.leak is None else {"leak": self.leak.to_json()}) | (
             {"ranks": [r.to_json() for r in self.ranks]} if self.ranks else {}) | (
             {} if self.serving is None else {"serving": self.serving.to_json()}) | (
-            {} if self.replay_check is None else {"replay_check": self.replay_check.to_json()})
+            {} if self.replay_check is None else {"replay_check": self.replay_check.to_json()}) | (
+            {"freshness": [r.to_json() for r in self.freshness]} if self.freshness else {})

@@ -43,6 +43,11 @@ class RowOwners:
     def cleared(self, stop: int, start: int = 0) -> None:
         self._rows[start:stop] = [None] * max(0, min(stop, len(self._rows)) - start)
 
+    def took_over(self, other: "RowOwners") -> None:
+        """This buffer took over `other`'s contents (it grew from it): its rows' writers too."""
+        self.grow(len(other._rows))
+        self._rows[:len(other._rows)] = other._rows
+
     def grow(self, rows: int) -> None:
         self._rows += [None] * (rows - len(self._rows))
 

@@ -18,7 +18,7 @@ from parity.errors import UsageError
 from parity.media.catalog import builtin_fixture
 from parity.plan.entries import PlanEntry, plan_json, text_sha256
 from parity import registry
-from parity.evidence import DeepStackRecord, Evidence, ReplayCheck, TensorCheck
+from parity.evidence import DeepStackRecord, Evidence, InputFreshness, ReplayCheck, TensorCheck
 from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
@@ -45,6 +45,12 @@ def clean_replay_check(replays: int = 1) -> ReplayCheck:
                        padding_noise=1e-6)
 
 
+def clean_freshness(bucket: int = BUCKET, replays: int = 1) -> tuple[InputFreshness, ...]:
+    """What a correct in-process replay's freshness witness records: every input fresh."""
+    return tuple(InputFreshness(f"prefill {bucket}", name, replays, rows * replays)
+                 for name, rows in (("input_embeds", bucket), ("positions", PROMPT_TOKENS), ("deepstack", bucket)))
+
+
 def make_evidence(mode: str, replayed: bool | None = _DEFAULT, tap_calls: int = 1, lm_calls: int = 20,
                   max_bucket: int = 8192) -> Evidence:
     """What a correct in-process backend records for one arm: bcg prefills replayed (and checked
@@ -52,16 +58,19 @@ def make_evidence(mode: str, replayed: bool | None = _DEFAULT, tap_calls: int = 
     replayed = (mode == "bcg") if replayed is _DEFAULT else replayed
     return Evidence(lm_calls=lm_calls, replayed_calls=int(bool(replayed)), prefill_replayed=replayed,
                     buckets=(BUCKET,) if replayed else (), tap_calls=tap_calls, prompt_tokens=PROMPT_TOKENS,
-                    max_bucket=max_bucket, replay_check=clean_replay_check() if replayed and mode == "bcg" else None)
+                    max_bucket=max_bucket, replay_check=clean_replay_check() if replayed and mode == "bcg" else None,
+                    freshness=clean_freshness() if replayed and mode == "bcg" else ())
 
 
 def served_by(case: CaseResult, backend: str) -> CaseResult:
-    """The case as `backend` records it: a server's arms carry no replay check (design §6)."""
+    """The case as `backend` records it: a server's arms carry no replay check nor freshness witness
+    (design §6)."""
     if registry.info(backend).in_process:
         return case
 
     def unchecked(arm: ArmResult) -> ArmResult:
-        return arm if arm.evidence is None else replace(arm, evidence=replace(arm.evidence, replay_check=None))
+        return arm if arm.evidence is None else replace(arm, evidence=replace(arm.evidence, replay_check=None,
+                                                                                freshness=()))
 
     return replace(case, arms=tuple(map(unchecked, case.arms)),
                    requests=tuple(replace(r, arms=tuple(map(unchecked, r.arms))) for r in case.requests))

@@ -18,7 +18,7 @@ import torch
 
 from parity.backends.protocol import Request
 from parity.runner.encoder_graphs import EncoderGraphs
-from parity.evidence import ChunkRun, EncoderRun, LeakWitness, ReplayCheck, ServingEvidence, image_span
+from parity.evidence import ChunkRun, EncoderRun, InputFreshness, ReplayCheck, ServingEvidence, image_span, merge_freshness
 from parity.runner.graph_runner import PrefillGraphRunner, Window
 from parity.runner.lm_body import Past
 from parity.runner.replay_check import ReplayChecker
@@ -79,7 +79,7 @@ class Prefill:
     values: torch.Tensor
     bucket: int | None  # the bucket it replayed in; None: eager
     check: ReplayCheck | None = None  # a replay against eager on its own shape (design §6)
-    leak: LeakWitness | None = None  # DeepStack rows it read that an earlier request left in the buffer
+    freshness: tuple[InputFreshness, ...] = ()  # its replay's inputs and their rows not written for it
 
 
 class LMExecutor:
@@ -108,7 +108,8 @@ class LMExecutor:
             embeds, positions = embeds[window.start:window.end], positions[:, window.start:window.end]
         num_tokens = embeds.shape[0]
         rows = deepstack if window is None else window.of(deepstack)  # what a correct engine hands its LM
-        bucket = check = leak = None
+        bucket = check = None
+        freshness: tuple[InputFreshness, ...] = ()
         if self.will_replay(num_tokens, past):
             outputs = self.runner.replay(embeds, positions, deepstack, probe=probe, window=window, past=past,
                                          owner=owner)
@@ -117,15 +118,14 @@ class LMExecutor:
                 check = self.checker.prefill((bucket, past is not None), self.adapter.body, outputs,
                                              self.runner.padded_inputs(embeds, positions, rows, past),
                                              (embeds, positions, rows, past), 0 if window is None else window.start)
-                stale, source = self.runner.stale_rows(self.runner.window_rows(deepstack, window), num_tokens)
-                leak = LeakWitness(stale, 1, source) if stale else None
+                freshness = self.runner.freshness(embeds, positions, rows, past)
         elif self.runner is not None:  # graph mode, no graph fits: eager, through the engine's buffer
             outputs = self.runner.eager(embeds, positions, deepstack, probe=probe, window=window, past=past,
                                         owner=owner)
         else:
             outputs = self.adapter.body(embeds, positions, rows, probe=probe, past=past)
         points = outputs[3] if probe else None
-        return Prefill(outputs[0], outputs[1], outputs[2], bucket, check, leak), points
+        return Prefill(outputs[0], outputs[1], outputs[2], bucket, check, freshness), points
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ class Served:
     serving: ServingEvidence | None
     points: torch.Tensor | None = None  # with probe: [computed rows, P, H], the rows not from the cache
     checks: tuple[ReplayCheck, ...] = ()  # its graph replays against eager on their own shape, in order
-    leak: LeakWitness | None = None  # stale DeepStack rows its parts read (the in-process leak witness)
+    freshness: tuple[InputFreshness, ...] = ()  # every input its parts' replays read, and how fresh
 
     @property
     def replay_check(self) -> ReplayCheck | None:
@@ -201,7 +201,7 @@ class PromptServer:
                                        buffer_growth=(grown[0][0], grown[-1][1]) if grown else None,
                                        graph_ready=ready if prefill.bucket is not None else None, encoder=encoder)
         return Served(prefill, 1, (prefill.bucket,), evidence, points, tuple(c for c in (prefill.check,) if c),
-                      prefill.leak)
+                      prefill.freshness)
 
     def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
                         tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
@@ -216,7 +216,7 @@ class PromptServer:
                 self._prefix_cache.empty(tap_mode)
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
-        chunks, hidden, ready, points, checks, leak = [], None, None, [], [], None
+        chunks, hidden, ready, points, checks, freshness = [], None, None, [], [], ()
         image_ids = (prompt.input_ids == prompt.visual_token if prompt.visual_token is not None
                      else torch.zeros_like(prompt.input_ids, dtype=torch.bool))
         for window in windows:
@@ -231,7 +231,7 @@ class PromptServer:
                 ready = warm and part.bucket is not None
             points.append(part_points)
             checks += [part.check] if part.check is not None else []
-            leak = part.leak if leak is None else leak.merged(part.leak)
+            freshness = merge_freshness(freshness, part.freshness)
             keys = part.keys if keys is None else torch.cat([keys, part.keys])
             values = part.values if values is None else torch.cat([values, part.values])
             hidden = part
@@ -243,12 +243,12 @@ class PromptServer:
                                    image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
         return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
                       tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None, tuple(checks),
-                      leak)
+                      freshness)
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
         return image_span(prompt.input_ids.tolist(), {prompt.visual_token})
 
 
 def _owner(request: Request) -> str | None:
-    """A request's tag on the DeepStack rows it writes: its image's sha256 (what a leak witness names)."""
+    """A request's tag on the rows it writes: its image's sha256 (what the freshness witness names)."""
     return None if request.fixture is None else request.fixture.sha256

@@ -83,7 +83,7 @@ class TransformersSession(Generates):
             max_bucket=self._backend.max_bucket,
             serving=served.serving,
             replay_check=served.replay_check,
-            leak=served.leak,
+            freshness=served.freshness,
         )
         generation = Generation(
             token_ids=tuple(ids),

@@ -32,6 +32,7 @@ FAIL_CONTROL_DIVERGES = "FAIL_CONTROL_DIVERGES"
 FAIL_DEEPSTACK_DROPPED = "FAIL_DEEPSTACK_DROPPED"
 FAIL_GRAPH_DIVERGES = "FAIL_GRAPH_DIVERGES"
 FAIL_STALE_STATE = "FAIL_STALE_STATE"
+FAIL_INPUT_NOT_FRESH = "FAIL_INPUT_NOT_FRESH"
 
 EXIT_CODES = {
     PASS: 0,
@@ -39,6 +40,7 @@ EXIT_CODES = {
     FAIL_DEEPSTACK_DROPPED: 1,
     FAIL_GRAPH_DIVERGES: 1,
     FAIL_STALE_STATE: 1,
+    FAIL_INPUT_NOT_FRESH: 1,
     INCOMPLETE: 3,
     INCONCLUSIVE_NO_POWER: 3,
     INCONCLUSIVE_NONDETERMINISTIC: 3,
@@ -183,9 +185,10 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
             return Verdict(INCONCLUSIVE_NONDETERMINISTIC,
                            f"{group.where(n)}arm {arm.name} does not reproduce itself "
                            f"(self-delta {worst:.3g} > {REPEAT_TOL:g} or ids differ)")
-    leak = _leak_verdict(all_groups, n)  # an engine that leaked stale DeepStack rows never passes
-    if leak is not None:
-        return leak
+    # A graph that read rows not written for its request never passes, whatever the answers.
+    witnessed = _freshness_verdict(all_groups, n) or _leak_verdict(all_groups, n)
+    if witnessed is not None:
+        return witnessed
     by_key = {(c.a, c.b, c.request): c for c in comparisons}
     if case.is_sequence:
         return _sequence_verdict(case, all_groups, by_key, n, rules)
@@ -218,6 +221,50 @@ def _path_verdict(case: CaseResult, all_groups: tuple[Group, ...], n: int, backe
     return None
 
 
+def _freshness_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
+    """The freshness witness (design §6): a replay that read rows of an input an earlier request left
+    is FAIL_STALE_STATE; rows this request should have written and did not (or wrote wrong) are a
+    drop: FAIL_DEEPSTACK_DROPPED for DeepStack, FAIL_INPUT_NOT_FRESH naming any other input."""
+    for group in all_groups:
+        for name in group.needed:
+            arm = group.arms.get(name)
+            for record in () if arm is None or arm.evidence is None else arm.evidence.freshness:
+                if not record.offending:
+                    continue
+                rows = ", ".join(map(str, record.first)) + (", ..." if record.offending > len(record.first) else "")
+                where = (f"{group.where(n)}arm {arm.name}: the {record.graph} graph read {record.input} rows "
+                         f"[{rows}] ")
+                if record.stale:
+                    source = _source(group, all_groups, record.left_by, "request")
+                    return Verdict(FAIL_STALE_STATE, f"{where}that {source} left ({record.stale} stale row(s) in "
+                                                     f"{record.replays} replay(s); freshness witness)")
+                how = "; ".join(part for part in (
+                    f"{record.unwritten} never written for it" if record.unwritten else "",
+                    f"{record.miswritten} written with other values than it supplies" if record.miswritten else "")
+                    if part)
+                code = FAIL_DEEPSTACK_DROPPED if record.input == "deepstack" else FAIL_INPUT_NOT_FRESH
+                return Verdict(code, f"{where}that are not its request's: {how} ({record.replays} replay(s); "
+                                     "freshness witness)")
+    return None
+
+
+def _source(group: Group, all_groups: tuple[Group, ...], sha256: str | None, unknown: str) -> str:
+    """The request that left rows, named from the image its request carried (`sha256`)."""
+    same = [g for g in all_groups if g.request is not None and g.fixture is not None and g.fixture.sha256 == sha256]
+    earlier = [g for g in same if g.request < (group.request or 0)]
+    later = [g for g in same if g.request > (group.request or 0)]
+    if earlier:
+        return f"request {earlier[-1].request + 1} ({earlier[-1].label})"
+    if group.fixture is not None and group.fixture.sha256 == sha256:
+        # A four-arm case's arms serve the same image one after the other on one engine.
+        return "its own earlier steps" if group.request is not None else "another arm's request of this case"
+    if later:  # a sequence is scored after all its requests ran
+        return f"request {later[0].request + 1} ({later[0].label}), served before this one was scored"
+    if sha256 is None:
+        return f"an earlier text-only {unknown}"
+    return f"an earlier {unknown} (image {sha256[:12]})"
+
+
 def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
     """FAIL_STALE_STATE when an arm's leak witness fired: the engine handed a request DeepStack
     rows an earlier request left in its buffer, whatever the answers then were."""
@@ -227,18 +274,8 @@ def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
             leak = None if arm is None or arm.evidence is None else arm.evidence.leak
             if leak is None:
                 continue
-            same = [g for g in all_groups if g.request is not None and g.fixture is not None
-                    and g.fixture.sha256 == leak.source_sha256]
-            earlier = [g for g in same if g.request < (group.request or 0)]
-            later = [g for g in same if g.request > (group.request or 0)]
-            if earlier:
-                source = f"request {earlier[-1].request + 1} ({earlier[-1].label})"
-            elif group.fixture is not None and group.fixture.sha256 == leak.source_sha256:
-                source = "its own earlier steps"
-            elif later:  # a sequence is scored after all its requests ran
-                source = f"request {later[0].request + 1} ({later[0].label}), served before this one was scored"
-            else:
-                source = "an earlier request" + (f" (image {leak.source_sha256[:12]})" if leak.source_sha256 else "")
+            source = (_source(group, all_groups, leak.source_sha256, "request") if leak.source_sha256
+                      else "an earlier request")
             return Verdict(FAIL_STALE_STATE,
                            f"{group.where(n)}arm {arm.name} received {leak.rows} DeepStack row(s) left in the engine's "
                            f"buffer by {source}, in {leak.steps} step(s) (leak witness: the rows were never cleared)")

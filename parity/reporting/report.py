@@ -10,7 +10,7 @@ from typing import Iterator, Sequence
 
 from parity import registry
 from parity.engines.fix_records import stood_aside_note
-from parity.evidence import Evidence, ReplayCheck, ServingEvidence
+from parity.evidence import Evidence, InputFreshness, ReplayCheck, ServingEvidence
 from parity.run.localization import not_available, target_of
 from parity.judge.metrics import format_delta, tuple_text
 from parity.reporting.ci_summary import clip_text
@@ -75,6 +75,7 @@ def evidence_text(evidence: Evidence | None, mode: str = "bcg", forced: int | No
                     for r in evidence.ranks)
     serving = "" if evidence.serving is None else serving_text(evidence.serving)
     checked = "" if evidence.replay_check is None else replay_check_text(evidence.replay_check)
+    checked += freshness_text(evidence.freshness)
     counted = "" if forced is None else f"generation steps and {forced} teacher-forced scoring(s); "
     return (f"{replayed} · {evidence.replayed_calls}/{evidence.lm_calls} LM entries replayed ({counted}"
             f"buckets {buckets}) · tap calls {evidence.tap_calls} · prompt {tokens} tokens{ranks}{stale}{serving}"
@@ -88,6 +89,20 @@ def replay_check_text(check: ReplayCheck) -> str:
         return f" · REPLAY ≠ EAGER ON ITS OWN SHAPE: {check.departure.describe(check.replays)}{noise}"
     worst = max(check.tensors, key=lambda t: t.delta)
     return f" · replay = eager on its own shape (Δ {worst.delta:.2g} ≤ {worst.bound:.2g}{noise})"
+
+
+def freshness_text(records: tuple[InputFreshness, ...]) -> str:
+    """The freshness witness (design §6): how many inputs each replayed graph read, all fresh, or the
+    first that was not."""
+    if not records:
+        return ""
+    bad = next((r for r in records if r.offending), None)
+    if bad is None:
+        graphs = sorted({r.graph for r in records})
+        return f" · every input fresh ({len(records)} input(s) of {', '.join(graphs)})"
+    how = ", ".join(f"{n} {what}" for n, what in ((bad.stale, "stale"), (bad.unwritten, "never written"),
+                                                   (bad.miswritten, "written wrong")) if n)
+    return f" · INPUT NOT FRESH: {bad.input} of the {bad.graph} graph, {how} row(s), first {list(bad.first)}"
 
 
 def serving_text(serving: ServingEvidence) -> str:

@@ -77,14 +77,26 @@ def target_of(case: CaseResult) -> Target | None:
     if case.is_sequence:
         # Stale state after earlier requests, or (v3) a first request that dropped DeepStack or diverged.
         return _sequence_target(case) if code in SEQUENCE_FAILURES else None
-    if code not in FOUR_ARM_TARGETS:
+    witnessed = _witnessed_arm(case) if code is not None and code.startswith("FAIL_") else None
+    if witnessed is not None:  # the freshness witness named the arm whose replay read the wrong rows
+        arm, reference = witnessed, arm_for(Mode.EAGER, arm_of(witnessed).deepstack).name
+    elif code in FOUR_ARM_TARGETS:
+        arm, reference = FOUR_ARM_TARGETS[code]
+    else:
         return None
-    arm, reference = FOUR_ARM_TARGETS[code]
     ran = {a.name for a in case.arms}
     # The bcg arms that ran before it in the case, in the experiment's order.
     before = [n for n in RUN_ORDER[:RUN_ORDER.index(arm)] if n in ran and arm_of(n).mode is Mode.BCG]
     prefix = tuple(Step(0, arm_of(name).deepstack) for name in before)
     return Target(arm, reference, None, Step(0, arm_of(arm).deepstack), prefix)
+
+
+def _witnessed_arm(case: CaseResult) -> str | None:
+    """The first graph arm, in the order the arms ran, whose replays read rows its request did not
+    write (design §6): what a four-arm witness verdict is about."""
+    arms = {a.name: a for a in case.arms}
+    return next((name for name in RUN_ORDER if name in arms and arms[name].evidence is not None
+                 and any(r.offending for r in arms[name].evidence.freshness)), None)
 
 
 def _sequence_target(case: CaseResult) -> Target | None:

@@ -17,11 +17,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from parity.row_owners import RowOwners
+from parity.evidence import InputFreshness
 from parity.runner import emulated_graph, slot_contract
+from parity.runner.freshness import FreshnessWitness, Supplied
 from parity.runner.lm_body import ConsumesDeepStack, Past, fill_past_mask
 
 Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is the bucket's rows
+
+
+PAST_INPUTS = ("past_keys", "past_values", "past_mask")  # a context graph's slots, as the witness names them
 
 
 class RunnerVariant(str, enum.Enum):
@@ -35,6 +39,11 @@ class RunnerVariant(str, enum.Enum):
     WARMUP_SPECIALIZED = "warmup-specialized"  # a bucket's graph shaped by its first request (vLLM #43617)
     LAYOUT_KEYED = "layout-keyed"  # vision-encoder graphs keyed by token count (SGLang #37043)
     CLEARS_OWN_ROWS = "clears-own-rows"  # clears what it last wrote, never an earlier, longer tail (shrink)
+    # Inputs beyond DeepStack, each caught by the freshness witness whatever the answer does:
+    MROPE_ONE_ROW = "mrope-one-row"  # the first mRoPE row copied into all three (vllm-omni #803)
+    MROPE_STALE = "mrope-stale"  # positions not refreshed when the bucket repeats (TensorRT-LLM #18207)
+    EMBEDS_TAIL_KEPT = "embeds-tail-kept"  # input_embeds' padding never zeroed (SGLang #29018)
+    EMBEDS_STALE = "embeds-stale"  # input_embeds not refreshed when the shape repeats (DeepSpeed #8488)
 
 
 @dataclass(frozen=True)
@@ -171,16 +180,22 @@ class PrefillGraphRunner:
         )
         buffer = None if self._deepstack is None else self._deepstack.buffer
         self._slot_bytes = 0 if buffer is None else buffer.numel() * buffer.element_size()
-        # Which write left each row of the DeepStack buffer: a row a replay reads that an earlier
-        # write left is named by that request (`stale_rows`).
-        self._owners = RowOwners(max_tokens)
         self._own_rows = 0  # clears-own-rows: the rows its last write covered
+        self._last_shape: tuple[int, int] | None = None  # (tokens, bucket) of the last refresh
         self.context_rows = context_rows if self.buckets else 0
         self._past: Past | None = None
         if self.context_rows:
             kv = (self.context_rows, *body.kv_shape)
             self._past = Past(torch.zeros(kv, dtype=dtype, device=device), torch.zeros(kv, dtype=dtype, device=device),
                               torch.zeros(max_tokens, self.context_rows + max_tokens, dtype=torch.bool, device=device))
+        # Every per-call input each graph reads, and who last wrote each of its rows (design §6).
+        self._witness = FreshnessWitness([*body.parameters(), *body.buffers()])
+        for slot in (self._embeds, self._positions, self._deepstack):
+            if slot is not None:
+                self._witness.watch(slot.name, slot.buffer, slot.token_axis)
+        if self._past is not None:
+            for name, buffer in zip(PAST_INPUTS, (self._past.keys, self._past.values, self._past.mask)):
+                self._witness.watch(name, buffer)
         self.growths: list[tuple[int, int]] = []  # (rows before, rows after) of each time the buffer grew
         # The graphs a request with DeepStack captured (only the warm-up specialised variant captures
         # on a request): the others were captured at start-up, or by a request without DeepStack.
@@ -217,6 +232,8 @@ class PrefillGraphRunner:
         if not probe:
             self._bound[key] = bound
         fn = self._bound_body(size, probe, context, bound)
+        if not probe:
+            fn = self._witness.captured(key, fn)
         name = f"the {'probe' if probe else 'context' if context else 'prefill'} graph of bucket {size}"
         started = time.perf_counter()
         with torch.inference_mode():
@@ -266,7 +283,6 @@ class PrefillGraphRunner:
         `deepstack` is the whole prompt's and the runner takes this prefill's rows from it; with
         `past`, the bucket's context graph runs after those rows. `owner` tags the rows it writes."""
         self._check_open()
-        self._owners.begin(owner)
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         if bucket is None or num_tokens == 0:
@@ -274,10 +290,11 @@ class PrefillGraphRunner:
         if past is not None and past.keys.shape[0] > self.context_rows:
             raise ValueError(f"{past.keys.shape[0]} past rows exceed the context slot's {self.context_rows}")
         rows = self.window_rows(deepstack, window)
-        self.refresh_deepstack(rows, num_tokens, bucket)  # validates first: may raise
-        self.refresh_inputs(input_embeds, positions, num_tokens, bucket)
-        if past is not None:
-            self.refresh_past(past, num_tokens, bucket)
+        with self._witness.writes(owner):
+            self.refresh_deepstack(rows, num_tokens, bucket)  # validates first: may raise
+            self.refresh_inputs(input_embeds, positions, num_tokens, bucket)
+            if past is not None:
+                self.refresh_past(past, num_tokens, bucket)
         graph = self._graph(bucket, probe, past is not None, rows is not None)
         with torch.inference_mode():  # as at capture: the graph's outputs are inference tensors
             graph.replay()
@@ -312,6 +329,44 @@ class PrefillGraphRunner:
             self._past.keys.clone(), self._past.values.clone(), self._past.mask[:bucket, :self.context_rows + bucket].clone())
         return embeds, padded_positions, rows, context
 
+    def freshness(self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
+                  past: Past | None = None) -> tuple[InputFreshness, ...]:
+        """The freshness witness of the replay just run (design §6): per input its graph read, the
+        rows a correct runner writes for this prefill that it did not, given what the prefill
+        supplies at the LM entry (`deepstack`: its own rows, as a correct engine hands them).
+
+        Which rows must be written, per input, from how the body consumes it: `input_embeds` and a
+        zero-padded DeepStack slot, every row of the bucket (both are the residual stream of every
+        row the graph computes, the padded ones included, and both slots promise zeros there);
+        `positions`, the real rows only (a position rotates only its own row's query and key, and no
+        real row attends to a padded key); the past keys and values, the real past rows (the rest
+        of the slot is masked for every row); the mask, every row of the bucket."""
+        num_tokens = input_embeds.shape[0]
+        bucket = self.bucket_for(num_tokens)
+
+        def padded(live: torch.Tensor | None, width: int, like: torch.Tensor, rows: int) -> torch.Tensor:
+            content = torch.zeros(rows, width, dtype=like.dtype, device=like.device)
+            if live is not None:
+                content[:live.shape[0]] = live
+            return content
+
+        supplied: dict[str, Supplied | None] = {
+            "input_embeds": Supplied(padded(input_embeds, input_embeds.shape[1], self._embeds.buffer, bucket)),
+            "positions": Supplied(positions, token_axis=1),
+        }
+        if self._deepstack is not None:
+            buffer = self._deepstack.buffer
+            rows = bucket if self._deepstack.padding is Padding.ZERO else num_tokens
+            supplied["deepstack"] = Supplied(padded(deepstack, buffer.shape[1], buffer, rows))
+        elif deepstack is not None:  # no slot: what the request supplies, for the graph to drop
+            supplied["deepstack"] = Supplied(deepstack)
+        if past is not None:
+            mask = torch.zeros(bucket, self.context_rows + bucket, dtype=torch.bool, device=past.keys.device)
+            fill_past_mask(mask, past.keys.shape[0], num_tokens)
+            supplied |= dict(zip(PAST_INPUTS, (Supplied(past.keys), Supplied(past.values), Supplied(mask))))
+        graph = f"{'context' if past is not None else 'prefill'} {bucket}"
+        return self._witness.check((bucket, past is not None), graph, supplied)
+
     def window_rows(self, deepstack: torch.Tensor | None, window: Window | None) -> torch.Tensor | None:
         """The DeepStack rows this prefill's slot gets: the window's own, or, in the planted
         variants, rows from the wrong place of the prompt."""
@@ -332,10 +387,9 @@ class PrefillGraphRunner:
         rows = window.of(deepstack) if window is not None else deepstack
         if self._deepstack is not None and rows is not None:
             self._ensure_rows(rows.shape[0])
-            slot_contract.refresh(self._deepstack.buffer, rows, rows.shape[0], rows=rows.shape[0],
-                                  clear=self._deepstack.padding is Padding.ZERO)
-            self._owners.begin(owner)
-            self._owners.wrote(rows.shape[0])
+            with self._witness.writes(owner):
+                slot_contract.refresh(self._deepstack.buffer, rows, rows.shape[0], rows=rows.shape[0],
+                                      clear=self._deepstack.padding is Padding.ZERO)
             rows = self._deepstack.buffer[:rows.shape[0]]
         extra = ({"probe": True} if probe else {}) | ({"past": past} if past is not None else {})
         with torch.inference_mode():
@@ -347,7 +401,7 @@ class PrefillGraphRunner:
             return
         grown = torch.zeros(rows, old.buffer.shape[1], dtype=old.buffer.dtype, device=old.buffer.device)
         grown[:old.buffer.shape[0]].copy_(old.buffer)
-        self._owners.grow(rows)
+        self._witness.watch(old.name, grown, grown_from=old.buffer)
         self._deepstack = Slot(old.name, grown, old.padding)
         self.growths.append((old.buffer.shape[0], rows))
         if self.variant is RunnerVariant.GROWTH_REBIND:
@@ -360,6 +414,7 @@ class PrefillGraphRunner:
     def _drop_graphs(self) -> None:
         """Destroy every graph; their pool dies with them, so later captures get a new one."""
         self._probe_graphs.clear()
+        self._witness.forget(self._graphs)
         self._graphs.clear()
         self._bound.clear()
         self._pool = self._new_pool()
@@ -378,8 +433,14 @@ class PrefillGraphRunner:
         return graphs[key]
 
     def refresh_inputs(self, input_embeds: torch.Tensor, positions: torch.Tensor, num_tokens: int, bucket: int) -> None:
-        self._fill(self._embeds, input_embeds, num_tokens, bucket)
-        self._fill(self._positions, positions, num_tokens, bucket)
+        variant, last = self.variant, self._last_shape
+        self._last_shape = (num_tokens, bucket)
+        if not (variant is RunnerVariant.EMBEDS_STALE and last == (num_tokens, bucket)):
+            self._fill(self._embeds, input_embeds, num_tokens, bucket, variant is not RunnerVariant.EMBEDS_TAIL_KEPT)
+        if variant is RunnerVariant.MROPE_ONE_ROW:
+            positions = positions[:1].expand_as(positions)
+        if not (variant is RunnerVariant.MROPE_STALE and last is not None and last[1] == bucket):
+            self._fill(self._positions, positions, num_tokens, bucket)
 
     def refresh_deepstack(self, deepstack: torch.Tensor | None, num_tokens: int, bucket: int) -> None:
         """The DeepStack slot contract (`slot_contract.refresh`): validated before any write."""
@@ -389,27 +450,11 @@ class PrefillGraphRunner:
         if self.variant is RunnerVariant.CLEARS_OWN_ROWS and not filled:
             # The partial fix: absence clears the rows the last write covered, not what lies past them.
             slot_contract.refresh(buffer[:self._own_rows], None, self._own_rows)
-            self._owners.cleared(self._own_rows)
             self._own_rows = 0
             return
         clear = self._deepstack.padding is Padding.ZERO and self.variant is not RunnerVariant.CLEARS_OWN_ROWS
         slot_contract.refresh(buffer, deepstack, bucket, rows=num_tokens, clear=clear)
-        self._owners.wrote(filled)
-        if clear:
-            self._owners.cleared(bucket, filled)
         self._own_rows = filled
-
-    def stale_rows(self, written: torch.Tensor | None, num_tokens: int) -> tuple[int, str | None]:
-        """(how many of this prefill's real rows hold DeepStack features an earlier write left, not
-        the rows it meant to write, the request that left them by `RowOwners.named`): read after a
-        replay, the leak witness of the in-process engine (a correct slot never shows one)."""
-        if self._deepstack is None:
-            return 0, None
-        slot = self._deepstack.buffer[:num_tokens]
-        meant = torch.zeros_like(slot) if written is None or written.numel() == 0 else written
-        differ = ((slot != meant).any(dim=1) & slot.any(dim=1)).nonzero().flatten().tolist()
-        stale = self._owners.left_by_others(differ)
-        return len(stale), self._owners.named(stale)
 
     def refresh_past(self, past: Past, num_tokens: int, bucket: int) -> None:
         """The rows before this prefill into the context slots, and its padded mask over them."""
@@ -419,9 +464,9 @@ class PrefillGraphRunner:
         fill_past_mask(self._past.mask[:bucket, :self.context_rows + bucket], rows, num_tokens)
 
     @staticmethod
-    def _fill(slot: Slot, live: torch.Tensor, num_tokens: int, bucket: int) -> None:
+    def _fill(slot: Slot, live: torch.Tensor, num_tokens: int, bucket: int, zero_padding: bool = True) -> None:
         slot.bucket(num_tokens).copy_(live)
-        if slot.padding is Padding.ZERO and bucket > num_tokens:
+        if zero_padding and slot.padding is Padding.ZERO and bucket > num_tokens:
             slot.buffer.narrow(slot.token_axis, num_tokens, bucket - num_tokens).zero_()
 
     @property

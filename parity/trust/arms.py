@@ -10,8 +10,8 @@ from typing import Any
 from parity.arms import ARM_ORDER
 from parity.arms import arm as arm_of
 from parity.evidence import (
-    CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, LeakWitness, RankEvidence,
-    ReplayCheck, ServingEvidence, TensorCheck,
+    CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, InputFreshness, LeakWitness,
+    RankEvidence, ReplayCheck, ServingEvidence, TensorCheck,
 )
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
 from parity.trust.fields import (
@@ -77,6 +77,8 @@ def _evidence(raw: Any, where: str) -> Evidence:
                     for i, r in enumerate(get(raw, "ranks", list, where, optional=True) or [])),
         serving=_serving(raw.get("serving"), f"{where}.serving"),
         replay_check=_replay_check(raw.get("replay_check"), f"{where}.replay_check"),
+        freshness=tuple(_freshness(r, f"{where}.freshness[{i}]")
+                        for i, r in enumerate(get(raw, "freshness", list, where, optional=True) or [])),
     )
     problem = evidence.inconsistency()
     if problem:
@@ -166,6 +168,21 @@ def _leak(raw: Any, where: str) -> LeakWitness | None:
     return LeakWitness(rows=non_negative_int(get(raw, "rows", int, where), f"{where}.rows", 1),
                        steps=non_negative_int(get(raw, "steps", int, where), f"{where}.steps", 1),
                        source_sha256=get(raw, "source_sha256", str, where, optional=True))
+
+
+def _freshness(raw: Any, where: str) -> InputFreshness:
+    def count(key: str, minimum: int = 0) -> int:
+        return non_negative_int(get(raw, key, int, where), f"{where}.{key}", minimum)
+
+    left_by = get(raw, "left_by", str, where, optional=True)
+    if left_by is not None and not SHA256_HEX.fullmatch(left_by):
+        raise Invalid(f"{where}.left_by must be an image's sha256 (64 lowercase hex digits) or null")
+    return InputFreshness(
+        graph=get(raw, "graph", str, where), input=get(raw, "input", str, where), replays=count("replays", 1),
+        rows=count("rows"), stale=count("stale"), unwritten=count("unwritten"), miswritten=count("miswritten"),
+        first=ints(get(raw, "first", list, where), f"{where}.first"), left_by=left_by)
+
+
 def _rank(raw: Any, where: str) -> RankEvidence:
     return RankEvidence(
         rank=get(raw, "rank", str, where),

@@ -201,6 +201,9 @@ def replays_checked_in_process(run: RunResult) -> None:
                     problem = _check_shape_problem(evidence.replay_check, evidence.prefill_replayed is True, encoder)
                     if problem:
                         raise request.contradiction(arm, f"{request.at(arm)}.{where}.replay_check {problem}")
+                problem = _freshness_shape_problem(evidence, in_process)
+                if problem:
+                    raise request.contradiction(arm, f"{request.at(arm)}.{where}.freshness {problem}")
 
 
 PREFILL_TENSORS = tuple(t for t in CHECKED_TENSORS if t != "encoder")
@@ -217,6 +220,37 @@ def _check_shape_problem(check, prefill: bool, encoder: bool) -> str | None:
     return (f"holds {', '.join(held) or 'no tensor'}, but its replays had {', '.join(expected) or 'none'} "
             f"(a prefill {'replayed' if prefill else 'did not replay'}, an encoder graph "
             f"{'ran' if encoder else 'did not run'})")
+
+
+# What every captured prefill body reads from outside the graph, whatever the model (design §6).
+ALWAYS_READ = ("input_embeds", "positions")
+
+
+def _freshness_shape_problem(evidence, in_process: bool) -> str | None:
+    """What the freshness witness must hold, by what replayed (design §6): in-process, every graph
+    whose bucket a prefill replayed in, each with the inputs every body reads, each input of a graph
+    over the same replays; nothing for a graph that did not replay, nor on a server's arm."""
+    records = evidence.freshness
+    if not in_process or evidence.replayed_calls == 0:
+        return "is recorded, but only an in-process arm that replayed a prefill has one" if records else None
+    graphs: dict[str, dict[str, int]] = {}
+    for record in records:
+        graphs.setdefault(record.graph, {})[record.input] = record.replays
+    buckets = set()
+    for graph, inputs in graphs.items():
+        kind, _, size = graph.partition(" ")
+        if kind not in ("prefill", "context") or not size.isdigit():
+            return f"names graph {graph!r}, not 'prefill N' or 'context N'"
+        buckets.add(int(size))
+        missing = [name for name in ALWAYS_READ if name not in inputs]
+        if missing:
+            return f"lists the {graph} graph without {', '.join(missing)}, which every prefill graph reads"
+        if len(set(inputs.values())) > 1:
+            return f"counts other replays of the {graph} graph for some of its inputs than for others"
+    if buckets != set(evidence.buckets):
+        return (f"covers the graphs of buckets {sorted(buckets) or 'none'}, but the arm replayed in "
+                f"{list(evidence.buckets)}")
+    return None
 
 
 def interrupted_runs_lack_something(run: RunResult) -> None:

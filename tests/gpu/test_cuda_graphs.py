@@ -85,3 +85,19 @@ def test_graph_pools_across_runners_recaptures_and_closes():
         runner.close()
         with pytest.raises(RuntimeError, match="closed"):
             runner.replay(*_inputs(adapter, 7, 3))
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_the_freshness_witness_watches_real_cuda_graphs(dtype):
+    """On CUDA the witness watches capture and the writes between replays, never a replay: the fixed
+    runner's every input is fresh, and each planted input variant is caught naming its input."""
+    loaded = on_cuda("tiny-qwen3-vl", dtype)
+    fixed = library_run(loaded, scenarios=("four-arm", "stream"))
+    assert fixed.verdict.code == "PASS", fixed.verdict
+    records = [r for case in fixed.cases for arm in case.all_arms() for r in arm.evidence.freshness]
+    assert records and all(r.offending == 0 for r in records)
+    assert {r.input for r in records} == {"input_embeds", "positions", "deepstack"}
+    for variant, name in (("mrope-one-row", "positions"), ("mrope-stale", "positions"),
+                          ("embeds-tail-kept", "input_embeds"), ("embeds-stale", "input_embeds")):
+        verdict = library_run(loaded, variant=RunnerVariant(variant)).verdict
+        assert verdict.code.startswith("FAIL_") and f"graph read {name} rows" in verdict.reason, (variant, verdict)

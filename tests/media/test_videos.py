@@ -125,7 +125,7 @@ def test_fixed_passes_and_legacy_drops_deepstack_on_a_video(parity_cli):
 @pytest.mark.parametrize("runner, scenario, verdict", [
     ("no-clear", "stream", "FAIL_STALE_STATE"),
     ("chunk-misaligned", "chunked", "FAIL_DEEPSTACK_DROPPED"),
-    ("prefix-offset", "prefix", "FAIL_GRAPH_DIVERGES"),
+    ("prefix-offset", "prefix", "FAIL_DEEPSTACK_DROPPED"),  # the freshness witness: rows written wrong
     ("layout-keyed", "layout", "FAIL_GRAPH_DIVERGES"),
 ])
 def test_every_planted_bug_fails_its_scenario_on_a_video(parity_cli, runner, scenario, verdict):

@@ -90,7 +90,7 @@ def test_matrix_report_of_three_experiments(files):
     # Passing sections are folded; a failing one is open, with its cases' reasons.
     assert "<details><summary>four-arm: ✅ PASS (1 case(s))</summary>" in markdown
     assert "#### four-arm: ❌ FAIL_DEEPSTACK_DROPPED (1 case(s))" in markdown
-    assert "graph replay answers as if DeepStack were zero" in markdown
+    assert "graph read deepstack rows \\[6, 7" in markdown  # the freshness witness's reason, escaped
 
 
 def test_the_cells_are_each_files_own_verdicts(files):

@@ -135,7 +135,8 @@ def test_report_formats_and_no_bare_nan(parity_cli):
 
 @pytest.mark.parametrize("edit, code", [
     (lambda arms: arms["bcg_normal"].update(evidence=dict(arms["bcg_normal"]["evidence"], prefill_replayed=False,
-                                                          replayed_calls=0, buckets=[], replay_check=None),
+                                                          replayed_calls=0, buckets=[], replay_check=None,
+                                                          freshness=[]),
                                             deepstack_record=dict(arms["bcg_normal"]["deepstack_record"], replay=False)), 3),
     (lambda arms: arms["bcg_zero_deepstack"].update(evidence=None), 2),
     (lambda arms: arms.update(bcg_normal=arms["eager_normal"], bcg_zero_deepstack=arms["eager_zero_deepstack"]), 2),

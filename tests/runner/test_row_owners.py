@@ -46,15 +46,18 @@ def _shrinking_rows() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_the_in_process_runner_and_the_vllm_tap_name_the_same_request(tmp_path: Path) -> None:
-    """Text after the shrinking stream reads rows 1, 2 (the short image's) and 4..13 (the long one's
-    tail): both witnesses count 12 and name the long image."""
+    """Text after the shrinking stream reads rows 0..3 (the short image's write) and 4..13 (the long
+    one's tail): both witnesses name the long image. The freshness witness counts every row the text
+    request did not write (14); the tap, which sees values and not writes, the rows holding features (12)."""
     long_image, short_image = _shrinking_rows()
     runner = make_runner(RunnerVariant.NO_CLEAR, buckets=(16,))
     for tag, rows in (("long", long_image), ("short", short_image)):
         runner.replay(torch.zeros(rows.shape[0], HIDDEN), torch.zeros(3, rows.shape[0], dtype=torch.long), rows,
                       owner=tag)
-    runner.replay(torch.zeros(14, HIDDEN), torch.zeros(3, 14, dtype=torch.long), None, owner="text")
-    assert runner.stale_rows(None, 14) == (12, "long")
+    embeds, positions = torch.zeros(14, HIDDEN), torch.zeros(3, 14, dtype=torch.long)
+    runner.replay(embeds, positions, None, owner="text")
+    record = next(r for r in runner.freshness(embeds, positions, None) if r.input == "deepstack")
+    assert (record.stale, record.left_by) == (14, "long")
 
     text = shrinking_stream_text(tmp_path)  # the same stream through vLLM's tap
     assert (text.stale_rows, text.stale_source) == (12, "long")

@@ -43,8 +43,9 @@ def test_a_replay_nudged_by_1e4_fails_in_fp32(request, dtype_preset):
     """Every logprob moves by about 1e-4 and no token changes: fp32's tolerance sits where its noise
     is (docs/verdicts.md), so this is a FAIL, where the v2 tolerance of 1e-3 passed it."""
     run = _run(request.getfixturevalue(dtype_preset), NudgesEveryReplay)
-    assert run.verdict.code in ("FAIL_GRAPH_DIVERGES", "FAIL_CONTROL_DIVERGES"), run.verdict
-    assert all(c.token_match for c in run.cases[0].comparisons if c.a.startswith("bcg") and c.b.startswith("eager"))
+    assert run.verdict.code.startswith("FAIL_"), run.verdict  # the freshness witness names the slot first
+    graph_vs_eager = [c for c in run.cases[0].comparisons if c.a.startswith("bcg") and c.b.startswith("eager")]
+    assert all(c.token_match for c in graph_vs_eager) and not any(c.match for c in graph_vs_eager)
 
 
 @pytest.mark.parametrize("scenarios", [("four-arm",), CORE_SCENARIOS])

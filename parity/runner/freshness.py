@@ -1,0 +1,221 @@
+"""The freshness witness (design §6, "Every input a graph reads, fresh for every request").
+
+The bug class parity was founded on is wider than DeepStack: a captured graph reads a per-call
+input that the runner did not refresh for this call. The witness needs no answer to move. It
+watches two things, and never a replay itself (on a GPU there is nothing to intercept in one):
+
+- **Capture.** While a graph is captured, every tensor its ops read that no op of the capture
+  produced, and that is not a parameter or buffer of the model, is one of its per-call inputs.
+  Each is named by the buffer the runner holds it in (`watch`); one it does not hold is listed as
+  unnamed.
+- **The writes between replays.** While the runner refreshes its buffers for a request (`writes`),
+  each op that writes into a watched buffer records, per token row, that this request's write
+  left the row (`parity.row_owners`).
+
+After each replay, `check` reads, per input of the graph, the rows a correct runner writes for the
+request, and compares them with what the request supplies at the LM entry: a row this request's
+refresh did not write, or wrote with other values, offends. The result is one `InputFreshness`
+per input.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from parity.evidence import FIRST_OFFENDING_ROWS, InputFreshness
+from parity.row_owners import RowOwners
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.numel() > 0]
+
+
+@dataclass(frozen=True)
+class Supplied:
+    """What a correct runner leaves in an input's buffer for this replay: `content` fills the
+    buffer's leading corner of the same shape (rows along `token_axis`), and every one of those rows
+    must be this request's write. Rows past it may hold anything (the design argues which)."""
+
+    content: torch.Tensor
+    token_axis: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.content.shape[self.token_axis]
+
+
+class _Watched:
+    def __init__(self, name: str, buffer: torch.Tensor, token_axis: int, owners: RowOwners) -> None:
+        self.name, self.buffer, self.token_axis, self.owners = name, buffer, token_axis, owners
+
+    def rows_of(self, view: torch.Tensor) -> range:
+        """The token rows a write into `view` (a view of this buffer) covers. A slice in every axis
+        has its lowest element in its first row and its highest in its last; any other view is taken
+        to cover every row, so a write can only be over-counted, never a row missed as stale."""
+        rows = self.buffer.shape[self.token_axis]
+        stride = self.buffer.stride(self.token_axis)
+        low = view.storage_offset() - self.buffer.storage_offset()
+        high = low + sum((s - 1) * st for s, st in zip(view.shape, view.stride()))
+        first, last = (low // stride) % rows, (high // stride) % rows
+        return range(first, last + 1) if first <= last else range(rows)
+
+
+class _Reads(TorchDispatchMode):
+    """During a capture: the storages its ops read that none of them produced."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.excluded = excluded
+        self.produced: set[int] = set()
+        self.read: dict[int, torch.Tensor] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in _tensors((args, kwargs)):
+            key = _storage(t)
+            if key not in self.produced and key not in self.excluded:
+                self.read.setdefault(key, t)
+        out = func(*args, **kwargs)
+        self.produced.update(_storage(t) for t in _tensors(out))
+        return out
+
+
+class _Writes(TorchDispatchMode):
+    """Between replays: each op that writes into a watched buffer marks the rows it covered."""
+
+    def __init__(self, watched: Mapping[int, _Watched]) -> None:
+        super().__init__()
+        self.watched = watched
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            for t in _tensors(value):
+                watched = self.watched.get(_storage(t))
+                if watched is not None:
+                    rows = watched.rows_of(t)
+                    watched.owners.wrote(rows.stop, rows.start)
+        return out
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """A per-call input of a captured graph: the name of the buffer it lives in (`unnamed …` when
+    the runner holds no such buffer) and that buffer's storage."""
+
+    name: str
+    storage: int
+
+
+class FreshnessWitness:
+    """The per-call inputs of each captured graph and who last wrote each of their rows."""
+
+    def __init__(self, model_state: Iterable[torch.Tensor]) -> None:
+        self._excluded = {_storage(t) for t in model_state if t.numel() > 0}
+        self._watched: dict[int, _Watched] = {}
+        self._inputs: dict[Any, tuple[GraphInput, ...]] = {}
+
+    def watch(self, name: str, buffer: torch.Tensor, token_axis: int = 0, grown_from: torch.Tensor | None = None) -> None:
+        """Hold `buffer` as the input `name`. `grown_from`: the buffer it replaces, whose contents
+        (and so whose rows' writers) it took over."""
+        owners = RowOwners(buffer.shape[token_axis])
+        old = None if grown_from is None else self._watched.get(_storage(grown_from))
+        if old is not None:
+            owners.took_over(old.owners)
+        self._watched[_storage(buffer)] = _Watched(name, buffer, token_axis, owners)
+
+    def captured(self, key: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """`fn`, which a graph captures, with its per-call inputs recorded as graph `key`'s."""
+
+        def discovering():
+            reads = _Reads(self._excluded)
+            with reads:
+                out = fn()
+            found = {self._name(storage, t): storage for storage, t in reads.read.items()}
+            self._inputs[key] = tuple(GraphInput(name, storage) for name, storage in found.items())
+            return out
+        return discovering
+
+    def _name(self, storage: int, t: torch.Tensor) -> str:
+        watched = self._watched.get(storage)
+        return watched.name if watched is not None else f"unnamed {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+    def inputs(self, key: Any) -> tuple[GraphInput, ...]:
+        return self._inputs.get(key, ())
+
+    def forget(self, keys: Iterable[Any]) -> None:
+        for key in keys:
+            self._inputs.pop(key, None)
+
+    @contextmanager
+    def writes(self, tag: str | None) -> Iterator[None]:
+        """Everything written into a watched buffer inside is this request's write (`tag`)."""
+        for watched in self._watched.values():
+            watched.owners.begin(tag)
+        with _Writes(self._watched):
+            yield
+
+    def check(self, key: Any, graph: str, supplied: Mapping[str, Supplied | None]) -> tuple[InputFreshness, ...]:
+        """After a replay of graph `key`: per input it read, and per input the request supplied that
+        it never read, the rows that offend. `supplied[name]` None: the request supplies nothing
+        there (a buffer the graph reads is then unwritten wherever it holds anything)."""
+        records, read = [], set()
+        for graph_input in self.inputs(key):
+            read.add(graph_input.name)
+            watched = self._watched.get(graph_input.storage)
+            expected = supplied.get(graph_input.name)
+            if watched is None or expected is None:
+                records.append(InputFreshness(graph, graph_input.name, 1, 0))  # listed; nothing to hold it to
+                continue
+            records.append(self._judged(graph, watched, expected))
+        for name, expected in supplied.items():
+            if name not in read and expected is not None:
+                records.append(_never_read(graph, name, expected))
+        return tuple(records)
+
+    def _judged(self, graph: str, watched: _Watched, expected: Supplied) -> InputFreshness:
+        rows = expected.rows
+        corner = tuple(slice(0, s) for s in expected.content.shape)
+        held = watched.buffer[corner]
+        other = [d for d in range(held.dim()) if d != expected.token_axis]
+        differs = (held != expected.content.to(held.dtype))
+        differs = (differs.any(dim=other) if other else differs).tolist()
+        current = watched.owners.current
+        stale, unwritten, miswritten, offending = [], 0, 0, []
+        for row in range(rows):
+            writer = watched.owners.owner(row)
+            if writer is not None and writer != current:
+                stale.append(row)
+            elif writer is None:
+                unwritten += 1
+            elif differs[row]:
+                miswritten += 1
+            else:
+                continue
+            offending.append(row)
+        return InputFreshness(graph, watched.name, 1, rows, len(stale), unwritten, miswritten,
+                              tuple(offending[:FIRST_OFFENDING_ROWS]), watched.owners.named(stale) if stale else None)
+
+
+def _never_read(graph: str, name: str, expected: Supplied) -> InputFreshness:
+    """The request supplied `name`, and the graph reads no buffer of it: each row it supplied with
+    something in it was dropped (a request that supplied only zeros lost nothing)."""
+    content = expected.content
+    other = [d for d in range(content.dim()) if d != expected.token_axis]
+    held = (content != 0).any(dim=other) if other else content != 0
+    rows = held.nonzero().flatten().tolist()
+    return InputFreshness(graph, name, 1, expected.rows, unwritten=len(rows), first=tuple(rows[:FIRST_OFFENDING_ROWS]))
