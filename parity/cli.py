@@ -117,6 +117,10 @@ def cli() -> None:
 @click.option("--runner", type=click.Choice(RUNNER_VARIANTS), default="fixed", show_default=True,
               help="Graph runner variant (transformers backend): the fix, or a planted bug it must catch "
                    "(docs/scenarios.md names the scenario that catches each).")
+@click.option("--poison", is_flag=True,
+              help="Before each graph replay's refresh, fill every row the request must write with a sentinel "
+                   "(transformers backend): a row the refresh missed still holds it, a second opinion beside "
+                   "the freshness witness (design §6). A correct runner's answers do not change.")
 @click.option("--graph-backend", type=click.Choice(["auto", "cuda", "emulated"]), default="auto", show_default=True)
 @click.option("--buckets", default="auto", show_default=True, callback=int_list,
               help="Prefill token buckets: auto (the engine's ladder, covering every prompt) or a comma list "
@@ -194,7 +198,7 @@ def run(**options) -> None:
     output = OutputOptions(run_dir=run_dir, junit=junit, plots=not o["no_plot"], signing_key=signing_key())
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
-        threads=o["threads"], runner=o["runner"], graph_backend=o["graph_backend"], buckets=o["buckets"],
+        threads=o["threads"], runner=o["runner"], poison=o["poison"], graph_backend=o["graph_backend"], buckets=o["buckets"],
         chunk_size=o["chunk_size"],
         concurrent=o["concurrent"], gpus=tuple(o["gpus"]), ready_timeout=o["ready_timeout"],
         mem_fraction=o["mem_fraction"], engine=MappingProxyType({e.name: o[e.name] for e in registry.own_options()}),

@@ -94,17 +94,26 @@ class InputFreshness:
     miswritten: int = 0  # rows this request wrote, with other values than it supplies
     first: tuple[int, ...] = ()  # the first offending rows, of the first replay that had any
     left_by: str | None = None  # the image (fixture sha256) whose request left most stale rows; None: text
+    # With --poison: rows that still held the sentinel after the request's refresh (the second
+    # opinion, read from the buffer itself); None: not poisoned (poison off, or no sentinel fits it).
+    poisoned: int | None = None
 
     @property
     def offending(self) -> int:
         return self.stale + self.unwritten + self.miswritten
 
+    @property
+    def fresh(self) -> bool:
+        return not self.offending and not self.poisoned
+
     def merged(self, other: "InputFreshness") -> "InputFreshness":
         first = self.first or other.first
+        poisoned = (None if self.poisoned is None and other.poisoned is None
+                    else (self.poisoned or 0) + (other.poisoned or 0))
         return InputFreshness(
             self.graph, self.input, self.replays + other.replays, self.rows + other.rows, self.stale + other.stale,
             self.unwritten + other.unwritten, self.miswritten + other.miswritten, first,
-            self.left_by if self.stale else other.left_by)
+            self.left_by if self.stale else other.left_by, poisoned)
 
     def inconsistency(self) -> str | None:
         if self.replays < 1 or min(self.rows, self.stale, self.unwritten, self.miswritten) < 0:
@@ -115,12 +124,15 @@ class InputFreshness:
             return f"first must list 1..{FIRST_OFFENDING_ROWS} rows exactly when some row offends"
         if self.left_by is not None and not self.stale:
             return "left_by names a request, but no row is stale"
+        if self.poisoned is not None and not 0 <= self.poisoned <= self.rows:
+            return f"{self.poisoned} poisoned rows of the {self.rows} read"
         return None
 
     def to_json(self) -> dict:
         return {"graph": self.graph, "input": self.input, "replays": self.replays, "rows": self.rows,
                 "stale": self.stale, "unwritten": self.unwritten, "miswritten": self.miswritten,
-                "first": list(self.first), "left_by": self.left_by}
+                "first": list(self.first), "left_by": self.left_by} | (
+                    {} if self.poisoned is None else {"poisoned": self.poisoned})
 
 
 FIRST_OFFENDING_ROWS = 8  # what a freshness record keeps of its offending rows
@@ -161,6 +173,17 @@ class TensorCheck:
 
 
 @dataclass(frozen=True)
+class GraphBound:
+    """One tensor's bound for one graph: the spread repeats of the eager pass over that graph's shape
+    showed, measured once per graph in a run (design §6), so every replay of it, in any arm, is held
+    to the same bound."""
+
+    graph: str  # "prefill 48", "context 48", "encoder grid 1x16x16"
+    tensor: str
+    bound: float
+
+
+@dataclass(frozen=True)
 class Departure:
     """Where a request's replay first left the eager pass on its own shape: beyond the bound, the
     graph path changed the computation."""
@@ -195,6 +218,7 @@ class ReplayCheck:
     tensors: tuple[TensorCheck, ...]  # in CHECKED_TENSORS order, those the replays had
     padding_noise: float | None  # max |Δ logits| of eager on the exact rows vs on the padded shape
     departure: Departure | None = None  # the first replay that left eager beyond the bound
+    bounds: tuple[GraphBound, ...] = ()  # per graph it replayed, each tensor's bound (trust v7)
 
     def tensor(self, name: str) -> TensorCheck | None:
         return next((t for t in self.tensors if t.tensor == name), None)
@@ -216,7 +240,8 @@ class ReplayCheck:
             if departure is None and check.departure is not None:
                 departure = replace(check.departure, replay=check.departure.replay + offset)
             offset += check.replays
-        return cls(offset, tensors, max(noise) if noise else None, departure)
+        bounds = tuple(dict.fromkeys(b for c in checks for b in c.bounds))  # each once, in the order seen
+        return cls(offset, tensors, max(noise) if noise else None, departure, bounds)
 
     def inconsistency(self) -> str | None:
         names = [t.tensor for t in self.tensors]
@@ -224,6 +249,9 @@ class ReplayCheck:
             return f"a replay check needs replays >= 1 and its tensors once each, in the order {CHECKED_TENSORS}"
         if any(t.delta < 0 or t.bound < 0 for t in self.tensors) or (self.padding_noise or 0) < 0:
             return "a replay check's deltas, bounds and padding noise are >= 0"
+        problem = self._bounds_problem()
+        if problem:
+            return problem
         departed = [t.tensor for t in self.tensors if t.delta > t.bound]
         d = self.departure
         if d is None:
@@ -237,10 +265,31 @@ class ReplayCheck:
                     f"deltas and bounds it records ({found.delta:g}, {found.bound:g})")
         return None
 
+    def _bounds_problem(self) -> str | None:
+        """Each tensor's bound is the largest of its graphs' (when they are recorded), one per graph."""
+        if not self.bounds:
+            return None
+        seen: dict[tuple[str, str], float] = {}
+        for b in self.bounds:
+            if b.bound < 0:
+                return "a replay check's deltas, bounds and padding noise are >= 0"
+            if seen.setdefault((b.graph, b.tensor), b.bound) != b.bound:
+                return f"bounds[{b.graph!r}] gives {b.tensor} two bounds: one graph has one bound per tensor"
+        for t in self.tensors:  # which tensors must have bounds is the check's shape (trust/requirements.py)
+            graphs = [b.bound for b in self.bounds if b.tensor == t.tensor]
+            if graphs and max(graphs) != t.bound:
+                return (f"its {t.tensor} bound {t.bound:g} is not the largest of its graphs' "
+                        f"({', '.join(f'{g:g}' for g in graphs) or 'none'})")
+        return None
+
     def to_json(self) -> dict:
+        bounds: dict[str, dict[str, float]] = {}
+        for b in self.bounds:
+            bounds.setdefault(b.graph, {})[b.tensor] = b.bound
         return {"replays": self.replays, "tensors": {t.tensor: t.to_json() for t in self.tensors},
                 "padding_noise": self.padding_noise,
-                "departure": None if self.departure is None else self.departure.to_json()}
+                "departure": None if self.departure is None else self.departure.to_json()} | (
+                    {"bounds": bounds} if bounds else {})
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,8 @@ def _backend(run: RunResult, device: str | None, requests: dict[str, tuple[Reque
                                   runner_variant=RunnerVariant(config["runner"]),
                                   graph_backend=str(config["graph_backend"]) if device == ran_on else "auto",
                                   buckets=BucketPolicy(captured, loaded.adapter.max_positions),
-                                  chunk_size=config.get("chunk_size") or DEFAULT_CHUNK_TOKENS)
+                                  chunk_size=config.get("chunk_size") or DEFAULT_CHUNK_TOKENS,
+                                  poison=config.get("poison") is True)
     # Each bucket size is a prompt length that needs exactly that bucket; the run's serving features
     # decide whether its context graphs were captured too.
     backend.prepare(("bcg",), captured, sorted({r.serving for rs in requests.values() for r in rs}, key=repr))

@@ -18,7 +18,7 @@ from parity.errors import UsageError
 from parity.media.catalog import builtin_fixture
 from parity.plan.entries import PlanEntry, plan_json, text_sha256
 from parity import registry
-from parity.evidence import DeepStackRecord, Evidence, InputFreshness, ReplayCheck, TensorCheck
+from parity.evidence import DeepStackRecord, Evidence, GraphBound, InputFreshness, ReplayCheck, TensorCheck
 from parity.results import (
     SEQUENCE_REQUESTS, STREAM, TWIN_IMAGE, ArmResult, CaseResult, FixtureInfo, Repeat, RequestResult, RunResult,
     TopLogprobs,
@@ -39,10 +39,11 @@ def _text_of(ids: Sequence[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def clean_replay_check(replays: int = 1) -> ReplayCheck:
+def clean_replay_check(replays: int = 1, bucket: int = BUCKET) -> ReplayCheck:
     """What a correct in-process replay records: every tensor equal to eager on its own shape."""
-    return ReplayCheck(replays, tuple(TensorCheck(name, 0.0, 0.0) for name in ("logits", "hidden", "keys", "values")),
-                       padding_noise=1e-6)
+    tensors = ("logits", "hidden", "keys", "values")
+    return ReplayCheck(replays, tuple(TensorCheck(name, 0.0, 0.0) for name in tensors), padding_noise=1e-6,
+                       bounds=tuple(GraphBound(f"prefill {bucket}", name, 0.0) for name in tensors))
 
 
 def clean_freshness(bucket: int = BUCKET, replays: int = 1) -> tuple[InputFreshness, ...]:
@@ -163,7 +164,7 @@ _SERVER_CONFIG = {"servers": {"eager": ["--model-path", "/ckpt"], "bcg": ["--mod
                   "concurrent": False, "start_order": None,
                   "gpus": {"eager": None, "bcg": None}, "launches": 2, "tap_processes": {}}
 BACKEND_CONFIG: Mapping[str, Mapping] = MappingProxyType({
-    "transformers": {"runner": "fixed", "graph_backend": "emulated", "buckets": "auto",
+    "transformers": {"runner": "fixed", "poison": False, "graph_backend": "emulated", "buckets": "auto",
                      "captured_buckets": [4, 8, 12, 16, 20, 24, 28, 32, 48], "deepstack_slot_bytes": 36864,
                      "preset_seed": 0, "chunk_size": 8, "prefix_cache_page": 8, "localize_threshold": 1e-4},
     "sglang": {**{f"sglang_{k}": v for k, v in _SERVER_CONFIG.items()}, "chunk_size": 8, "top_logprobs_num": 5,

@@ -7,8 +7,8 @@ from parity.capabilities import BackendInfo
 
 TRANSFORMERS = BackendInfo(
     name="transformers", factory="parity.backends.transformers_backend:from_options",
-    options=frozenset({"runner", "localize_threshold", "buckets", "graph_backend", "threads", "chunk_size"}),
+    options=frozenset({"runner", "poison", "localize_threshold", "buckets", "graph_backend", "threads", "chunk_size"}),
     localizes=True, in_process=True,
-    config_fields=frozenset({"runner", "graph_backend", "buckets", "captured_buckets", "deepstack_slot_bytes",
+    config_fields=frozenset({"runner", "poison", "graph_backend", "buckets", "captured_buckets", "deepstack_slot_bytes",
                              "preset_seed", "chunk_size", "prefix_cache_page", "localize_threshold"}),
 )

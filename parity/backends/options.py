@@ -24,6 +24,7 @@ class BackendOptions:
     seed: int | None = None  # embedded presets only: build with another seed
     threads: int | None = None  # CPU intra-op threads; None: parity's policy
     runner: str = "fixed"  # the in-process graph runner's variant
+    poison: bool = False  # the in-process runner's slots get a sentinel before every refresh
     graph_backend: str = "auto"
     buckets: str | tuple[int, ...] = "auto"
     chunk_size: int | None = None  # the chunked scenario's chunk, in tokens; None: the backend's default

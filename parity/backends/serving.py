@@ -19,7 +19,7 @@ import torch
 from parity.backends.protocol import Request
 from parity.runner.encoder_graphs import EncoderGraphs
 from parity.evidence import ChunkRun, EncoderRun, InputFreshness, ReplayCheck, ServingEvidence, image_span, merge_freshness
-from parity.runner.graph_runner import PrefillGraphRunner, Window
+from parity.runner.graph_runner import PrefillGraphRunner, Window, graph_label
 from parity.runner.lm_body import Past
 from parity.runner.replay_check import ReplayChecker
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
@@ -82,17 +82,23 @@ class Prefill:
     freshness: tuple[InputFreshness, ...] = ()  # its replay's inputs and their rows not written for it
 
 
+def replay_checker(adapter: Qwen3VLAdapter) -> ReplayChecker:
+    """A checker of replays against eager, naming each probe point as the body's layers do."""
+    body = adapter.body
+    return ReplayChecker(adapter.lm_head, lambda layer: f"L{layer}" + (
+        "" if body.deepstack_block_after(layer) is None else f"+DS{body.deepstack_block_after(layer)}"))
+
+
 class LMExecutor:
     """The one place that decides eager vs replay for a prefill; in graph mode, each replay is
     checked against eager on its own padded shape (design §6)."""
 
-    def __init__(self, adapter: Qwen3VLAdapter, runner: PrefillGraphRunner | None) -> None:
+    def __init__(self, adapter: Qwen3VLAdapter, runner: PrefillGraphRunner | None,
+                 checker: ReplayChecker | None = None) -> None:
         self.adapter = adapter
         self.runner = runner
-        body = adapter.body
-        self.checker = None if runner is None else ReplayChecker(
-            adapter.lm_head, lambda layer: f"L{layer}" + ("" if body.deepstack_block_after(layer) is None
-                                                           else f"+DS{body.deepstack_block_after(layer)}"))
+        # `checker`: the run's, shared by its sessions, so a graph has one bound in every arm.
+        self.checker = None if runner is None else checker or replay_checker(adapter)
 
     def will_replay(self, num_tokens: int, past: Past | None = None) -> bool:
         return (self.runner is not None and self.runner.can_replay(num_tokens)
@@ -115,7 +121,7 @@ class LMExecutor:
                                          owner=owner)
             bucket = self.runner.bucket_for(num_tokens)
             if not probe:
-                check = self.checker.prefill((bucket, past is not None), self.adapter.body, outputs,
+                check = self.checker.prefill(graph_label(bucket, past is not None), self.adapter.body, outputs,
                                              self.runner.padded_inputs(embeds, positions, rows, past),
                                              (embeds, positions, rows, past), 0 if window is None else window.start)
                 freshness = self.runner.freshness(embeds, positions, rows, past)

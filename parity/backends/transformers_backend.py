@@ -24,11 +24,12 @@ from parity.backends.options import BackendOptions, apply_thread_policy
 from parity.backends.protocol import Answer, Generates, Generation, Probed, Request
 from parity.runner.buckets import BucketPolicy
 from parity.errors import ArmFailure, LocalizationError, UsageError
-from parity.backends.serving import LMExecutor, Prefill, PromptServer
+from parity.backends.serving import LMExecutor, Prefill, PromptServer, replay_checker
 from parity.design import DEFAULT_CHUNK_TOKENS, PAGE_TOKENS, Serving
 from parity.evidence import Evidence
 from parity.runner.graph_runner import GraphBackend, PrefillGraphRunner, RunnerVariant
 from parity.runner.lm_body import KVCache
+from parity.runner.replay_check import ReplayChecker
 from parity.model_identity import CONFIG_KEY
 from parity.models import LoadedModel
 from parity.models.qwen3_vl import PreparedPrompt
@@ -180,8 +181,10 @@ class TransformersBackend:
         buckets: BucketPolicy | None = None,
         runner_class: type[PrefillGraphRunner] = PrefillGraphRunner,
         chunk_size: int = DEFAULT_CHUNK_TOKENS,
+        poison: bool = False,
     ) -> None:
         self.loaded = loaded
+        self.poison = poison  # --poison: the runner's slots get a sentinel before every refresh (design §6)
         self.max_new_tokens = max_new_tokens
         self.chunk_size = chunk_size  # a chunked request's prefill, in chunks of at most this many tokens
         self._context_rows = 0  # the most rows a chunk or a prefix hit may follow (0: none planned)
@@ -191,6 +194,7 @@ class TransformersBackend:
         self.runner_class = runner_class  # tests substitute runners with bugs parity must catch
         self._capture: tuple[int, ...] = ()
         self._runner: PrefillGraphRunner | None = None
+        self._checker: ReplayChecker | None = None  # the run's: one bound per graph (design §6)
         self._prepared: dict[tuple, PreparedPrompt] = {}
         self._lengths: dict[tuple, int] = {}
 
@@ -222,7 +226,7 @@ class TransformersBackend:
         return self.runner_class(
             adapter.body, hidden_size=adapter.hidden_size, dtype=adapter.dtype, device=adapter.device,
             buckets=self._capture, variant=self.runner_variant, graph_backend=self.graph_backend,
-            context_rows=self._context_rows,
+            context_rows=self._context_rows, poison=self.poison,
         )
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int], serving: Sequence[Serving] = ()) -> None:
@@ -237,7 +241,9 @@ class TransformersBackend:
             runner = self.runner if mode == "bcg" else None
         except (RuntimeError, ValueError) as err:
             raise ArmFailure(f"graph capture failed: {err}") from err
-        session = TransformersSession(LMExecutor(self.loaded.adapter, runner), self)
+        if runner is not None and self._checker is None:
+            self._checker = replay_checker(self.loaded.adapter)
+        session = TransformersSession(LMExecutor(self.loaded.adapter, runner, self._checker), self)
         try:
             yield session
         finally:
@@ -295,6 +301,7 @@ class TransformersBackend:
             "dtype": str(self.loaded.dtype).removeprefix("torch."),  # what "auto" resolved to
             "deepstack_layers": self.loaded.adapter.deepstack_count,
             "runner": self.runner_variant.value,
+            "poison": self.poison,
             "graph_backend": self.graph_backend.value,
             "buckets": self.buckets.describe(),
             "captured_buckets": list(self._capture),
@@ -325,6 +332,6 @@ def from_options(options: BackendOptions, max_new_tokens: int, run_dir: Path) ->
     try:
         return TransformersBackend(loaded, max_new_tokens=max_new_tokens, runner_variant=RunnerVariant(options.runner),
                                    graph_backend=options.graph_backend, buckets=buckets,
-                                   chunk_size=options.chunk_size or DEFAULT_CHUNK_TOKENS)
+                                   chunk_size=options.chunk_size or DEFAULT_CHUNK_TOKENS, poison=options.poison)
     except ValueError as err:  # e.g. --graph-backend cuda with the model on the CPU
         raise UsageError(str(err)) from None

@@ -229,22 +229,26 @@ def _freshness_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
         for name in group.needed:
             arm = group.arms.get(name)
             for record in () if arm is None or arm.evidence is None else arm.evidence.freshness:
-                if not record.offending:
+                if record.fresh:
                     continue
                 rows = ", ".join(map(str, record.first)) + (", ..." if record.offending > len(record.first) else "")
-                where = (f"{group.where(n)}arm {arm.name}: the {record.graph} graph read {record.input} rows "
-                         f"[{rows}] ")
+                where = f"{group.where(n)}arm {arm.name}: the {record.graph} graph read {record.input} rows "
+                poison = (f"; {record.poisoned} of them still held the poison sentinel after its refresh"
+                          if record.poisoned else "")
                 if record.stale:
                     source = _source(group, all_groups, record.left_by, "request")
-                    return Verdict(FAIL_STALE_STATE, f"{where}that {source} left ({record.stale} stale row(s) in "
-                                                     f"{record.replays} replay(s); freshness witness)")
+                    return Verdict(FAIL_STALE_STATE, f"{where}[{rows}] that {source} left ({record.stale} stale "
+                                                     f"row(s) in {record.replays} replay(s){poison}; freshness witness)")
                 how = "; ".join(part for part in (
                     f"{record.unwritten} never written for it" if record.unwritten else "",
                     f"{record.miswritten} written with other values than it supplies" if record.miswritten else "")
                     if part)
                 code = FAIL_DEEPSTACK_DROPPED if record.input == "deepstack" else FAIL_INPUT_NOT_FRESH
-                return Verdict(code, f"{where}that are not its request's: {how} ({record.replays} replay(s); "
-                                     "freshness witness)")
+                if not record.offending:  # the poison alone saw it: a write the witness took for this one's
+                    return Verdict(code, f"{where}that still held the poison sentinel after its request's refresh "
+                                         f"({record.poisoned} row(s) in {record.replays} replay(s); --poison)")
+                return Verdict(code, f"{where}[{rows}] that are not its request's: {how} ({record.replays} "
+                                     f"replay(s){poison}; freshness witness)")
     return None
 
 

@@ -96,13 +96,16 @@ def freshness_text(records: tuple[InputFreshness, ...]) -> str:
     first that was not."""
     if not records:
         return ""
-    bad = next((r for r in records if r.offending), None)
+    bad = next((r for r in records if not r.fresh), None)
+    poisoned = any(r.poisoned is not None for r in records)
     if bad is None:
         graphs = sorted({r.graph for r in records})
-        return f" · every input fresh ({len(records)} input(s) of {', '.join(graphs)})"
+        return (f" · every input fresh ({len(records)} input(s) of {', '.join(graphs)}"
+                f"{'; no poison left' if poisoned else ''})")
     how = ", ".join(f"{n} {what}" for n, what in ((bad.stale, "stale"), (bad.unwritten, "never written"),
-                                                   (bad.miswritten, "written wrong")) if n)
-    return f" · INPUT NOT FRESH: {bad.input} of the {bad.graph} graph, {how} row(s), first {list(bad.first)}"
+                                                   (bad.miswritten, "written wrong"), (bad.poisoned, "poisoned")) if n)
+    first = f", first {list(bad.first)}" if bad.first else ""
+    return f" · INPUT NOT FRESH: {bad.input} of the {bad.graph} graph, {how} row(s){first}"
 
 
 def serving_text(serving: ServingEvidence) -> str:
@@ -321,7 +324,7 @@ def placement(run: RunResult) -> str:
              f"{device} ({env['gpu']})" if env.get("gpu") else str(device),
              str(config.get("dtype") or "dtype not recorded")]
     if config.get("runner"):
-        parts.append(f"runner {config['runner']}")
+        parts.append(f"runner {config['runner']}" + (" (poisoned slots)" if config.get("poison") is True else ""))
     label = config.get("graph_mode") or registry.of_run(config).graph_label(config)
     parts.append(f"{backend} {label}" if label else backend)
     return " · ".join(parts)

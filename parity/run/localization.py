@@ -96,7 +96,7 @@ def _witnessed_arm(case: CaseResult) -> str | None:
     write (design §6): what a four-arm witness verdict is about."""
     arms = {a.name: a for a in case.arms}
     return next((name for name in RUN_ORDER if name in arms and arms[name].evidence is not None
-                 and any(r.offending for r in arms[name].evidence.freshness)), None)
+                 and not all(r.fresh for r in arms[name].evidence.freshness)), None)
 
 
 def _sequence_target(case: CaseResult) -> Target | None:

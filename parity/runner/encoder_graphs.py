@@ -57,7 +57,7 @@ class EncoderGraphs:
         copied = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, outputs)
         if self._checker is not None:
             self.checks.append(self._checker.encoder(
-                ("encoder", key), lambda: self._encoder(pixel_values, grid_thw=grid_thw, return_dict=True), copied))
+                f"encoder {key}", lambda: self._encoder(pixel_values, grid_thw=grid_thw, return_dict=True), copied))
         return copied
 
     def close(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -26,6 +26,11 @@ Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is 
 
 
 PAST_INPUTS = ("past_keys", "past_values", "past_mask")  # a context graph's slots, as the witness names them
+
+# --poison (design §6): what the rows a request must write hold just before its refresh. Finite, so
+# that a masked attention weight (exactly 0) times it is exactly 0, and exact in every float dtype.
+POISON = -6144.0
+POISON_POSITION = 1 << 20  # a position far past any prompt (a finite rotation)
 
 
 class RunnerVariant(str, enum.Enum):
@@ -129,6 +134,11 @@ def deepstack_slot_width(body: nn.Module, captured: bool, variant: RunnerVariant
     return body.hidden_size * body.deepstack_count if body.deepstack_count > 0 else None
 
 
+def graph_label(bucket: int, context: bool) -> str:
+    """A bucket's graph as the results file names it: "prefill 48", or "context 48" after past rows."""
+    return f"{'context' if context else 'prefill'} {bucket}"
+
+
 class PrefillGraphRunner:
     """Captures `body(input_embeds, positions, deepstack)` once per token bucket and replays it.
 
@@ -164,8 +174,10 @@ class PrefillGraphRunner:
         variant: RunnerVariant = RunnerVariant.FIXED,
         graph_backend: GraphBackend = GraphBackend.EMULATED,
         context_rows: int = 0,
+        poison: bool = False,
     ) -> None:
         self.variant = variant
+        self.poison = poison
         self.graph_backend = graph_backend
         self.buckets = tuple(sorted(set(buckets)))
         self._body = body
@@ -290,6 +302,8 @@ class PrefillGraphRunner:
         if past is not None and past.keys.shape[0] > self.context_rows:
             raise ValueError(f"{past.keys.shape[0]} past rows exceed the context slot's {self.context_rows}")
         rows = self.window_rows(deepstack, window)
+        if self.poison:
+            self._poison(num_tokens, bucket, None if past is None else past.keys.shape[0])
         with self._witness.writes(owner):
             self.refresh_deepstack(rows, num_tokens, bucket)  # validates first: may raise
             self.refresh_inputs(input_embeds, positions, num_tokens, bucket)
@@ -329,43 +343,85 @@ class PrefillGraphRunner:
             self._past.keys.clone(), self._past.values.clone(), self._past.mask[:bucket, :self.context_rows + bucket].clone())
         return embeds, padded_positions, rows, context
 
+    def must_write(self, num_tokens: int, bucket: int, past_rows: int | None) -> dict[str, int]:
+        """Per input, how many leading rows a correct runner writes for a prefill of `num_tokens` in
+        `bucket` (design §6 argues each, from how the body consumes it): `input_embeds` and a
+        zero-padded DeepStack slot, the bucket (the residual stream of every row the graph computes,
+        and both slots promise zeros in the padding); `positions` and a slot that keeps its padding,
+        the real rows (a position rotates only its own row, and no real row attends to a padded
+        key); a context graph's past keys and values, the past rows (the rest is masked for every
+        row); its mask, the bucket."""
+        rows = {"input_embeds": bucket, "positions": num_tokens}
+        if self._deepstack is not None:
+            rows["deepstack"] = bucket if self._deepstack.padding is Padding.ZERO else num_tokens
+        if past_rows is not None:
+            rows |= {"past_keys": past_rows, "past_values": past_rows, "past_mask": bucket}
+        return rows
+
+    def _buffers(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """Every input's buffer as the witness names it, with its token axis."""
+        slots = {s.name: (s.buffer, s.token_axis) for s in (self._embeds, self._positions, self._deepstack) if s}
+        if self._past is not None:
+            slots |= {name: (t, 0) for name, t in zip(PAST_INPUTS, (self._past.keys, self._past.values, self._past.mask))}
+        return slots
+
+    def _poison(self, num_tokens: int, bucket: int, past_rows: int | None) -> None:
+        """--poison: every row this prefill must write gets the sentinel first, so a row its refresh
+        misses still holds it after (a boolean mask has no value to spare: the witness alone holds it)."""
+        buffers = self._buffers()
+        for name, rows in self.must_write(num_tokens, bucket, past_rows).items():
+            buffer, axis = buffers[name]
+            if buffer.dtype != torch.bool:
+                buffer.narrow(axis, 0, rows).fill_(POISON if buffer.is_floating_point() else POISON_POSITION)
+
+    def _poisoned(self, num_tokens: int, bucket: int, past_rows: int | None) -> dict[str, int]:
+        """After a poisoned replay: per poisoned input, the rows it must write that still hold the
+        sentinel in every element (read from the buffer: the second opinion, whoever wrote)."""
+        buffers, found = self._buffers(), {}
+        for name, rows in self.must_write(num_tokens, bucket, past_rows).items():
+            buffer, axis = buffers[name]
+            if buffer.dtype == torch.bool:
+                continue
+            held = buffer.narrow(axis, 0, rows).movedim(axis, 0).reshape(rows, -1)
+            sentinel = POISON if buffer.is_floating_point() else POISON_POSITION
+            found[name] = int((held == sentinel).all(dim=1).sum())
+        return found
+
     def freshness(self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
                   past: Past | None = None) -> tuple[InputFreshness, ...]:
         """The freshness witness of the replay just run (design §6): per input its graph read, the
-        rows a correct runner writes for this prefill that it did not, given what the prefill
-        supplies at the LM entry (`deepstack`: its own rows, as a correct engine hands them).
-
-        Which rows must be written, per input, from how the body consumes it: `input_embeds` and a
-        zero-padded DeepStack slot, every row of the bucket (both are the residual stream of every
-        row the graph computes, the padded ones included, and both slots promise zeros there);
-        `positions`, the real rows only (a position rotates only its own row's query and key, and no
-        real row attends to a padded key); the past keys and values, the real past rows (the rest
-        of the slot is masked for every row); the mask, every row of the bucket."""
+        rows a correct runner writes for this prefill (`must_write`) that it did not, given what the
+        prefill supplies at the LM entry (`deepstack`: its own rows, as a correct engine hands
+        them); with --poison, also the rows that still hold the sentinel."""
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
+        past_rows = None if past is None else past.keys.shape[0]
+        must = self.must_write(num_tokens, bucket, past_rows)
 
-        def padded(live: torch.Tensor | None, width: int, like: torch.Tensor, rows: int) -> torch.Tensor:
-            content = torch.zeros(rows, width, dtype=like.dtype, device=like.device)
+        def padded(live: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+            content = torch.zeros(rows, like.shape[1], dtype=like.dtype, device=like.device)
             if live is not None:
                 content[:live.shape[0]] = live
             return content
 
         supplied: dict[str, Supplied | None] = {
-            "input_embeds": Supplied(padded(input_embeds, input_embeds.shape[1], self._embeds.buffer, bucket)),
+            "input_embeds": Supplied(padded(input_embeds, self._embeds.buffer, must["input_embeds"])),
             "positions": Supplied(positions, token_axis=1),
         }
         if self._deepstack is not None:
-            buffer = self._deepstack.buffer
-            rows = bucket if self._deepstack.padding is Padding.ZERO else num_tokens
-            supplied["deepstack"] = Supplied(padded(deepstack, buffer.shape[1], buffer, rows))
+            supplied["deepstack"] = Supplied(padded(deepstack, self._deepstack.buffer, must["deepstack"]))
         elif deepstack is not None:  # no slot: what the request supplies, for the graph to drop
             supplied["deepstack"] = Supplied(deepstack)
         if past is not None:
-            mask = torch.zeros(bucket, self.context_rows + bucket, dtype=torch.bool, device=past.keys.device)
-            fill_past_mask(mask, past.keys.shape[0], num_tokens)
+            mask = torch.zeros(must["past_mask"], self.context_rows + bucket, dtype=torch.bool, device=past.keys.device)
+            fill_past_mask(mask, past_rows, num_tokens)
             supplied |= dict(zip(PAST_INPUTS, (Supplied(past.keys), Supplied(past.values), Supplied(mask))))
-        graph = f"{'context' if past is not None else 'prefill'} {bucket}"
-        return self._witness.check((bucket, past is not None), graph, supplied)
+        graph = graph_label(bucket, past is not None)
+        records = self._witness.check((bucket, past is not None), graph, supplied)
+        if not self.poison:
+            return records
+        poisoned = self._poisoned(num_tokens, bucket, past_rows)
+        return tuple(replace(r, poisoned=poisoned.get(r.input)) if r.rows else r for r in records)
 
     def window_rows(self, deepstack: torch.Tensor | None, window: Window | None) -> torch.Tensor | None:
         """The DeepStack rows this prefill's slot gets: the window's own, or, in the planted

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._pytree import tree_flatten
 
-from parity.evidence import CHECKED_TENSORS, Departure, ReplayCheck, TensorCheck
+from parity.evidence import CHECKED_TENSORS, Departure, GraphBound, ReplayCheck, TensorCheck
 from parity.runner.lm_body import Past
 
 Outputs = tuple[torch.Tensor, ...]  # (hidden [T, H], keys [T, L, kv, d], values [T, L, kv, d]) of real rows
@@ -41,19 +41,20 @@ def _spread(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> 
 
 
 class ReplayChecker:
-    """Checks a graph session's replays against eager on their own shape; keeps, per graph, the
-    spread that repeats of the eager pass show (measured on the graph's first check)."""
+    """Checks a run's replays against eager on their own shape; keeps, per graph, the spread that
+    repeats of the eager pass show (measured on the graph's first check): one bound per graph for
+    every arm that replays it, which the results file records and the loader holds it to."""
 
     def __init__(self, lm_head: Callable[[torch.Tensor], torch.Tensor], point_after: Callable[[int], str]) -> None:
         self._lm_head = lm_head
         self._point_after = point_after  # decoder layer k -> the label of its output ("L0+DS0")
-        self._spreads: dict[Any, dict[str, float]] = {}
+        self._spreads: dict[str, dict[str, float]] = {}
 
     @torch.inference_mode()
-    def prefill(self, key: Any, body: Callable[..., Outputs], replayed: Outputs,
+    def prefill(self, key: str, body: Callable[..., Outputs], replayed: Outputs,
                 padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None],
                 exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None], start: int) -> ReplayCheck:
-        """`replayed`: the replay's outputs (real rows); `padded`: the inputs of a correct replay
+        """`key`: the graph ("prefill 48"); `replayed`: the replay's outputs (real rows); `padded`: the inputs of a correct replay
         (embeds, positions, DeepStack, past) at the bucket's shape; `exact`: the same prefill at its
         own length; `start`: its first prompt row."""
         rows = replayed[0].shape[0]
@@ -67,7 +68,8 @@ class ReplayChecker:
                        for name in CHECKED_TENSORS if name in mine)
         unpadded = self._tensors(body, exact, rows)
         noise = _max_abs(unpadded["logits"], reference["logits"])
-        return ReplayCheck(1, checks, noise, self._departure(mine, reference, bounds, start))
+        return ReplayCheck(1, checks, noise, self._departure(mine, reference, bounds, start),
+                           tuple(GraphBound(key, t.tensor, t.bound) for t in checks))
 
     def _tensors(self, body, inputs, rows: int) -> dict[str, torch.Tensor]:
         embeds, positions, deepstack, past = inputs
@@ -100,7 +102,7 @@ class ReplayChecker:
         return None
 
     @torch.inference_mode()
-    def encoder(self, key: Any, encode: Callable[[], Any], replayed: Any) -> ReplayCheck:
+    def encoder(self, key: str, encode: Callable[[], Any], replayed: Any) -> ReplayCheck:
         """A vision-encoder graph's outputs against the encoder run eagerly on the same pixels and grid."""
         reference = _leaves(encode())
         if key not in self._spreads:
@@ -116,7 +118,7 @@ class ReplayChecker:
                 row = int(beyond[0])
                 departure = Departure(0, "encoder", "encoder", row, float(per_row[row]), bound)
                 break
-        return ReplayCheck(1, (TensorCheck("encoder", delta, bound),), None, departure)
+        return ReplayCheck(1, (TensorCheck("encoder", delta, bound),), None, departure, (GraphBound(key, "encoder", bound),))
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ from typing import Any
 from parity.arms import ARM_ORDER
 from parity.arms import arm as arm_of
 from parity.evidence import (
-    CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, InputFreshness, LeakWitness,
-    RankEvidence, ReplayCheck, ServingEvidence, TensorCheck,
+    CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, GraphBound, InputFreshness,
+    LeakWitness, RankEvidence, ReplayCheck, ServingEvidence, TensorCheck,
 )
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
 from parity.trust.fields import (
@@ -157,8 +157,14 @@ def _replay_check(raw: Any, where: str) -> ReplayCheck | None:
             non_negative_int(get(departure_raw, "position", int, dwhere), f"{dwhere}.position"),
             number(get(departure_raw, "delta", (int, float), dwhere), f"{dwhere}.delta"),
             number(get(departure_raw, "bound", (int, float), dwhere), f"{dwhere}.bound"))
+    bounds = []
+    for graph, per_tensor in (get(raw, "bounds", dict, where, optional=True) or {}).items():
+        if not isinstance(per_tensor, dict):
+            raise Invalid(f"{where}.bounds[{graph!r}] must map each tensor to its bound")
+        bounds += [GraphBound(graph, tensor, number(bound, f"{where}.bounds[{graph!r}].{tensor}"))
+                   for tensor, bound in per_tensor.items()]
     return ReplayCheck(non_negative_int(get(raw, "replays", int, where), f"{where}.replays", 1), tuple(tensors),
-                       None if noise is None else number(noise, f"{where}.padding_noise"), departure)
+                       None if noise is None else number(noise, f"{where}.padding_noise"), departure, tuple(bounds))
 
 
 def _leak(raw: Any, where: str) -> LeakWitness | None:
@@ -180,7 +186,8 @@ def _freshness(raw: Any, where: str) -> InputFreshness:
     return InputFreshness(
         graph=get(raw, "graph", str, where), input=get(raw, "input", str, where), replays=count("replays", 1),
         rows=count("rows"), stale=count("stale"), unwritten=count("unwritten"), miswritten=count("miswritten"),
-        first=ints(get(raw, "first", list, where), f"{where}.first"), left_by=left_by)
+        first=ints(get(raw, "first", list, where), f"{where}.first"), left_by=left_by,
+        poisoned=None if raw.get("poisoned") is None else count("poisoned"))
 
 
 def _rank(raw: Any, where: str) -> RankEvidence:

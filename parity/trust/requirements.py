@@ -19,6 +19,7 @@ from parity.judge.verdict import groups
 from parity.evidence import CHECKED_TENSORS
 from parity.results import SCHEMA, FixtureInfo, RunResult
 from parity.plan.entries import read_plan
+from parity.plan.sharding import read_shard
 from parity.trust.consistency import RULES, Contradiction, _ran, _requests
 from parity.trust.path_proofs import RULES as PATH_RULES
 from parity.trust.serving import RULES as SERVING_RULES
@@ -201,7 +202,7 @@ def replays_checked_in_process(run: RunResult) -> None:
                     problem = _check_shape_problem(evidence.replay_check, evidence.prefill_replayed is True, encoder)
                     if problem:
                         raise request.contradiction(arm, f"{request.at(arm)}.{where}.replay_check {problem}")
-                problem = _freshness_shape_problem(evidence, in_process)
+                problem = _freshness_shape_problem(evidence, in_process, run.config.get("poison") is True)
                 if problem:
                     raise request.contradiction(arm, f"{request.at(arm)}.{where}.freshness {problem}")
 
@@ -210,29 +211,66 @@ PREFILL_TENSORS = tuple(t for t in CHECKED_TENSORS if t != "encoder")
 
 
 def _check_shape_problem(check, prefill: bool, encoder: bool) -> str | None:
-    """What a replay check must hold, by what replayed (trust v7; its departure is held to it by
-    `ReplayCheck.inconsistency`): the four prefill tensors exactly when a prefill replayed, and
-    `encoder` exactly when a vision-encoder graph ran."""
+    """What a replay check must hold, by what replayed (trust v7; its departure and its per-graph
+    bounds are held to it by `ReplayCheck.inconsistency`): the four prefill tensors exactly when a
+    prefill replayed, `encoder` exactly when a vision-encoder graph ran, and each graph's bounds."""
     held = tuple(t.tensor for t in check.tensors)
     expected = (PREFILL_TENSORS if prefill else ()) + (("encoder",) if encoder else ())
     if held == expected:
+        bounded = {b.tensor for b in check.bounds}
+        if bounded != set(held):
+            return (f"records bounds per graph for {', '.join(sorted(bounded)) or 'no tensor'}, but holds "
+                    f"{', '.join(held)}: each checked tensor's bound is measured once per graph in every run")
         return None
     return (f"holds {', '.join(held) or 'no tensor'}, but its replays had {', '.join(expected) or 'none'} "
             f"(a prefill {'replayed' if prefill else 'did not replay'}, an encoder graph "
             f"{'ran' if encoder else 'did not run'})")
 
 
+def one_bound_per_graph(run: RunResult) -> None:
+    """A graph's bound is measured once in a run, on its first replay, and every arm that replays it
+    is held to that one (design §6, trust v7): a file that gives the same graph another bound for one
+    arm claimed it. Per shard: each shard's run measured its own."""
+    if run.schema != SCHEMA:
+        return
+    try:
+        shards = read_shard(run.config)
+    except ValueError:
+        return  # the plan check refuses the file
+    seen: dict[tuple[int, str, str], tuple[float, str]] = {}
+    for request in _requests(run):
+        shard = 0 if shards is None else shards.cases.get(request.case.id, 0)
+        for arm in _ran(request):
+            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
+                                                   for i, r in enumerate(arm.repeats)]
+            for where, evidence in runs:
+                check = None if evidence is None else evidence.replay_check
+                for bound in () if check is None else check.bounds:
+                    here = f"{request.at(arm)}.{where}.replay_check.bounds[{bound.graph!r}].{bound.tensor}"
+                    first = seen.setdefault((shard, bound.graph, bound.tensor), (bound.bound, here))
+                    if first[0] != bound.bound:
+                        raise request.contradiction(
+                            arm, f"{here} is {bound.bound:g}, but {first[1]} is {first[0]:g}: a graph's bound is "
+                                 "measured once per run, the same for every arm that replays it")
+
+
 # What every captured prefill body reads from outside the graph, whatever the model (design §6).
 ALWAYS_READ = ("input_embeds", "positions")
 
 
-def _freshness_shape_problem(evidence, in_process: bool) -> str | None:
+def _freshness_shape_problem(evidence, in_process: bool, poison: bool) -> str | None:
     """What the freshness witness must hold, by what replayed (design §6): in-process, every graph
     whose bucket a prefill replayed in, each with the inputs every body reads, each input of a graph
-    over the same replays; nothing for a graph that did not replay, nor on a server's arm."""
+    over the same replays; nothing for a graph that did not replay, nor on a server's arm. With
+    --poison, every input every body reads says how many rows kept the sentinel; without, none."""
     records = evidence.freshness
     if not in_process or evidence.replayed_calls == 0:
         return "is recorded, but only an in-process arm that replayed a prefill has one" if records else None
+    counted = [r for r in records if r.poisoned is not None]
+    if not poison and counted:
+        return f"counts poisoned rows of {counted[0].input}, but the run did not poison its slots"
+    if poison and any(r.poisoned is None for r in records if r.input in ALWAYS_READ):
+        return f"lacks the poisoned rows of {', '.join(ALWAYS_READ)}, which a run with --poison counts"
     graphs: dict[str, dict[str, int]] = {}
     for record in records:
         graphs.setdefault(record.graph, {})[record.input] = record.replays
@@ -287,6 +325,7 @@ def engine_release_named(run: RunResult) -> None:
 REQUIREMENTS: tuple[Callable[[RunResult], None], ...] = (
     repeats_as_configured, ranks_as_configured, auto_tolerances_are_the_dtypes, builtin_fixtures_are_theirs,
     records_in_the_runs_dtype, arms_are_the_configured, plan_prompts_are_the_evidence, replays_checked_in_process,
+    one_bound_per_graph,
     engine_release_named, interrupted_runs_lack_something,
 )
 

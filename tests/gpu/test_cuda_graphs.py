@@ -101,3 +101,19 @@ def test_the_freshness_witness_watches_real_cuda_graphs(dtype):
                           ("embeds-tail-kept", "input_embeds"), ("embeds-stale", "input_embeds")):
         verdict = library_run(loaded, variant=RunnerVariant(variant)).verdict
         assert verdict.code.startswith("FAIL_") and f"graph read {name} rows" in verdict.reason, (variant, verdict)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_poison_on_real_cuda_graphs(dtype):
+    """--poison on CUDA: the sentinel written before each refresh is gone from every row the fixed
+    runner must write (its answers unchanged), and stays in the rows a stale variant skipped."""
+    loaded = on_cuda("tiny-qwen3-vl", dtype)
+    plain, poisoned = library_run(loaded), library_run(loaded, poison=True)
+    assert poisoned.verdict.code == "PASS", poisoned.verdict
+    for a, b in zip(plain.cases[0].all_arms(), poisoned.cases[0].all_arms()):
+        assert a.token_ids == b.token_ids, a.name
+    records = [r for arm in poisoned.cases[0].all_arms() for r in arm.evidence.freshness]
+    assert records and all(r.poisoned == 0 for r in records)
+    stale = library_run(loaded, variant=RunnerVariant("embeds-stale"), poison=True)
+    record = next(r for r in stale.cases[0].arm("bcg_normal").evidence.freshness if r.input == "input_embeds")
+    assert stale.verdict.code == "FAIL_STALE_STATE" and record.poisoned == record.rows > 0

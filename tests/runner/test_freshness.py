@@ -23,11 +23,16 @@ from tests.runner.test_graph_runner import HIDDEN, WIDTH, inputs, make_runner
 TOKENS = 6
 
 
-def _run(loaded, runner: str, scenario: str):
+def _run(loaded, runner: str, scenario: str, poison: bool = False):
     fx = builtin_fixture("rgb-stripes")
     spec = RunSpec(model=loaded.name, arms=select_arms("all"), cases=(CaseSpec(fx, default_prompts(fx)[0]),),
                    scenarios=(scenario,), max_new_tokens=TOKENS)
-    return run_experiment(spec, TransformersBackend(loaded, max_new_tokens=TOKENS, runner_variant=RunnerVariant(runner)))
+    return run_experiment(spec, TransformersBackend(loaded, max_new_tokens=TOKENS, runner_variant=RunnerVariant(runner),
+                                                    poison=poison))
+
+
+def _records(run):
+    return [r for case in run.cases for req in case.requests for arm in req.arms for r in arm.evidence.freshness]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +99,64 @@ def test_the_fixed_runner_lists_every_input_of_every_graph_and_each_is_fresh(req
     context = next(names for graph, names in graphs.items() if graph.startswith("context"))
     assert context == {"input_embeds", "positions", "deepstack", "past_keys", "past_values", "past_mask"}
     assert not any(name.startswith("unnamed") for names in graphs.values() for name in names)
+
+
+# --- --poison: the sentinel before every refresh, read back from the buffers -------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_poison_leaves_the_fixed_runner_s_answers_as_they_were(request, dtype):
+    """Every row the fixed runner must write is written, so the sentinel is gone from all of them and
+    the replays read what they read without it: the same tokens, the same verdict, chunks and their
+    context graphs included (the mask, a boolean, gets no sentinel and says so)."""
+    loaded = request.getfixturevalue("tiny" if dtype == "float32" else "tiny_bf16_witness")
+    plain, poisoned = _run(loaded, "fixed", "chunked"), _run(loaded, "fixed", "chunked", poison=True)
+    assert poisoned.verdict.code == plain.verdict.code == "PASS", poisoned.verdict
+    for a, b in zip(plain.cases, poisoned.cases):
+        for x, y in zip(a.requests, b.requests):
+            assert [arm.token_ids for arm in x.arms] == [arm.token_ids for arm in y.arms]
+    counted = {r.input: r.poisoned for r in _records(poisoned)}
+    assert counted == {"input_embeds": 0, "positions": 0, "deepstack": 0, "past_keys": 0, "past_values": 0,
+                       "past_mask": None}
+    assert all(r.poisoned is None for r in _records(plain))
+
+
+# The rows each variant leaves holding the sentinel, per input: a skipped refresh leaves every row
+# it must write, a kept tail the padding; a write with wrong values (one mRoPE row for three) leaves
+# none, and the witness alone sees it.
+POISONED = [("embeds-stale", "input_embeds", "all"), ("mrope-stale", "positions", "all"),
+            ("embeds-tail-kept", "input_embeds", "padding"), ("mrope-one-row", "positions", "none")]
+
+
+@pytest.mark.parametrize("variant, name, rows", POISONED, ids=[p[0] for p in POISONED])
+def test_poison_stays_in_the_rows_a_variant_did_not_write(tiny, variant, name, rows):
+    run = _run(tiny, variant, "four-arm", poison=True)
+    assert run.cases[0].verdict.code.startswith("FAIL_"), run.cases[0].verdict
+    bcg = run.cases[0].arm("bcg_normal")
+    record = next(r for r in bcg.evidence.freshness if r.input == name)
+    bucket, tokens = bcg.evidence.buckets[0], bcg.evidence.prompt_tokens
+    expected = {"all": record.rows, "padding": bucket - tokens, "none": 0}[rows]
+    assert record.poisoned == expected > 0 or rows == "none" and record.poisoned == 0, record
+
+
+def test_rows_that_kept_the_sentinel_fail_even_where_the_witness_saw_a_write():
+    """The second opinion stands on its own: a record the witness found fresh whose rows still held
+    the sentinel (a write the witness credited that never landed) is a FAIL naming the input."""
+    from parity.evidence import Evidence, InputFreshness
+    from parity.judge.verdict import _freshness_verdict
+
+    class Arm:
+        name = "bcg_normal"
+        evidence = Evidence(1, 1, True, (48,), 1, freshness=(InputFreshness("prefill 48", "positions", 1, 39, poisoned=3),))
+
+    class Group:
+        needed, arms = ("bcg_normal",), {"bcg_normal": Arm()}
+
+        @staticmethod
+        def where(n):
+            return ""
+
+    verdict = _freshness_verdict((Group(),), 1)
+    assert verdict.code == "FAIL_INPUT_NOT_FRESH" and "still held the poison sentinel" in verdict.reason
 
 
 # --- the witness on a toy body: which rows a write covers, what a graph reads ------------------------

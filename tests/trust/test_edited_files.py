@@ -262,6 +262,11 @@ REPLAY_CHECK_EDITS = [
      "only an in-process arm that replayed checks its replays"),
     ("default", lambda d: _set(_check(d, "bcg_normal", "chunked"), replays=1), "replay_check covers 1 graph replay(s)"),
     ("default", lambda d: _check(d)["tensors"].update(keys=[0.5, 0.0]), "its keys replay delta exceeds its bound"),
+    # Trust v7: a bound is the graph's, measured once per run. The issue's claim, 13.4 beside 0 and 0:
+    ("default", lambda d: (_check(d)["tensors"].update(keys=[0.5, 13.4]), _check(d)["bounds"]["prefill 48"].update(keys=13.4)),
+     "bounds['prefill 48'].keys is 13.4: a graph's bound is measured once per run, the same for every arm"),
+    ("default", lambda d: _check(d)["tensors"].update(keys=[0.5, 13.4]), "its keys bound 13.4 is not the largest of its graphs' (0)"),
+    ("default", lambda d: _check(d).pop("bounds"), "records bounds per graph for no tensor, but holds logits"),
     ("default", lambda d: _check(d)["tensors"].update(gradients=[0.0, 0.0]), "tensors.gradients is not a checked tensor"),
     ("default", lambda d: _check(d)["tensors"].update(keys=[-1.0, 0.0]), "deltas, bounds and padding noise are >= 0"),
     ("legacy", lambda d: _set(_check(d), departure=None), "replay delta exceeds its bound, but no departure"),
@@ -285,6 +290,31 @@ def _in_both_modes(doc, scenario, request, edit, arms=("bcg_normal", "eager_norm
 
 # Trust v6: every field a path proof reads, held to another record of the same fact (path_proofs.py).
 # "chunk-20" is the issue's INCONCLUSIVE_NOT_REPLAYED chunked run: its image rows all in the first chunk.
+def _fresh(doc, arm="bcg_normal", name="input_embeds"):
+    return next(r for r in _arm_of(doc, "four-arm", 0, arm)["evidence"]["freshness"] if r["input"] == name)
+
+
+def _drop_record(doc, name):
+    evidence = _arm_of(doc, "four-arm", 0, "bcg_normal")["evidence"]
+    evidence["freshness"] = [r for r in evidence["freshness"] if r["input"] != name]
+
+
+# The freshness witness's records (design §6) have a closed shape too: every replayed bucket's graph,
+# the inputs every prefill graph reads, counts that add up, and poison counted exactly when it ran.
+FRESHNESS_EDITS = [
+    ("default", lambda d: _arm_of(d, "four-arm", 0, "bcg_normal")["evidence"].pop("freshness"),
+     "freshness covers the graphs of buckets none, but the arm replayed in [48]"),
+    ("default", lambda d: _drop_record(d, "input_embeds"), "without input_embeds, which every prefill graph reads"),
+    ("default", lambda d: _set(_arm_of(d, "four-arm", 0, "eager_normal")["evidence"], freshness=[_fresh(d)]),
+     "freshness is recorded, but only an in-process arm that replayed a prefill has one"),
+    ("default", lambda d: _set(_fresh(d), graph="decode 48"), "names graph 'decode 48', not 'prefill N' or 'context N'"),
+    ("default", lambda d: _set(_fresh(d), replays=2), "counts other replays of the prefill 48 graph"),
+    ("default", lambda d: _set(_fresh(d), stale=60, first=[0]), "60 offending rows of the 48 read"),
+    ("default", lambda d: _set(_fresh(d), left_by="the first request"), "left_by must be an image's sha256"),
+    ("default", lambda d: _set(_fresh(d), poisoned=0), "counts poisoned rows of input_embeds, but the run did not poison"),
+    ("default", lambda d: _set(d["config"], poison=True), "which a run with --poison counts"),
+]
+
 PATH_EDITS = [
     # The issue's forgery, two integers: the image rows split over both chunks, in one arm or in both modes.
     ("chunk-20", lambda d: _set(_serving(d, "chunked", 0, "bcg_normal"), chunks=[[0, 20, 20, 6], [20, 39, 20, 6]]),
@@ -415,7 +445,7 @@ def test_a_forged_clean_check_still_leaves_the_dropped_answers(real_run, parity_
     assert result.exit_code == 1 and "FAIL_DEEPSTACK_DROPPED" in result.output
 
 
-@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS + PATH_EDITS + BACKEND_EDITS)
+@pytest.mark.parametrize("name, edit, message", V5_EDITS + REPLAY_CHECK_EDITS + FRESHNESS_EDITS + PATH_EDITS + BACKEND_EDITS)
 def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, name, edit, message):
     _, doc, _ = real_run(name)
     edit(doc)
