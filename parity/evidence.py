@@ -29,13 +29,16 @@ class DeepStackRecord:
     action: str  # what the tap then handed on: "normal" or "zero"
     calls: int = 1  # how many LM entries the tap saw for this request
     replay: bool | None = None  # whether the entry was a graph replay, when the backend knows
+    # [first, last + 1) of its non-zero rows, as the tap saw them (trust v7: where the image's rows
+    # sit, recorded as the run happened); None: no non-zero row, or a record from before v7.
+    nonzero_span: tuple[int, int] | None = None
 
     def to_json(self) -> dict:
         return {
             "shape": list(self.shape), "dtype": self.dtype, "nonzero_rows": self.nonzero_rows,
             "l2_norm": self.l2_norm, "sha256": self.sha256, "action": self.action,
             "calls": self.calls, "replay": self.replay,
-        }
+        } | ({} if self.nonzero_span is None else {"nonzero_span": list(self.nonzero_span)})
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> "DeepStackRecord":
@@ -46,7 +49,8 @@ class DeepStackRecord:
             shape=tuple(int(x) for x in raw["shape"]), dtype=str(raw["dtype"]),
             nonzero_rows=int(raw["nonzero_rows"]), l2_norm=float(raw["l2_norm"]),
             sha256=str(raw["sha256"]), action=str(raw["action"]), calls=int(raw.get("calls", 1)),
-            replay=replay,
+            replay=replay, nonzero_span=None if raw.get("nonzero_span") is None else (
+                int(raw["nonzero_span"][0]), int(raw["nonzero_span"][1])),
         )
 
 

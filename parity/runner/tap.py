@@ -21,13 +21,15 @@ def fingerprint(tensor: torch.Tensor, action: str) -> DeepStackRecord:
     data = tensor.detach()
     rows = data.reshape(data.shape[0], -1) if data.dim() else data.reshape(1, 1)
     raw = rows.contiguous().cpu()
+    nonzero = (raw != 0).any(dim=1).nonzero().flatten()
     return DeepStackRecord(
         shape=tuple(data.shape),
         dtype=str(data.dtype).removeprefix("torch."),
-        nonzero_rows=int((rows != 0).any(dim=1).sum().item()),
+        nonzero_rows=len(nonzero),
         l2_norm=float(rows.float().norm().item()),
         sha256=hashlib.sha256(raw.view(torch.uint8).numpy().tobytes()).hexdigest(),
         action=action,
+        nonzero_span=(int(nonzero[0]), int(nonzero[-1]) + 1) if len(nonzero) else None,
     )
 
 

@@ -55,10 +55,16 @@ def _record(raw: Any, where: str) -> DeepStackRecord | None:
     if norm < 0:
         raise Invalid(f"{where}.l2_norm must be >= 0, got {norm}")
     calls = get(raw, "calls", int, where, optional=True)
+    span = get(raw, "nonzero_span", list, where, optional=True)
+    if span is not None:
+        first, end = ints(span, f"{where}.nonzero_span") if len(span) == 2 else (0, -1)
+        if not (0 <= first < end <= (shape[0] if shape else end) and end - first >= rows > 0):
+            raise Invalid(f"{where}.nonzero_span {span} is not [first, last + 1) of {rows} non-zero row(s) "
+                          f"within its {shape[0] if shape else '?'} rows")
     return DeepStackRecord(
         shape=shape, dtype=get(raw, "dtype", str, where), nonzero_rows=rows, l2_norm=norm, sha256=sha,
         action=action, calls=1 if calls is None else non_negative_int(calls, f"{where}.calls"),
-        replay=get(raw, "replay", bool, where, optional=True),
+        replay=get(raw, "replay", bool, where, optional=True), nonzero_span=None if span is None else (first, end),
     )
 
 

@@ -71,6 +71,14 @@ def image_rows_are_the_image_span(run: RunResult) -> None:
             raise request.contradiction(
                 arm, f"{where}.image_span {list(span)} holds {span[1] - span[0]} rows, but the arm's DeepStack record saw "
                      f"{record.nonzero_rows} non-zero rows of the prompt")
+        # Where the rows sit (trust v7): in-process the tap saw the whole prompt and recorded where its
+        # non-zero rows were, so an image's span is exactly there, and a video's holds them.
+        if in_process and span is not None and record is not None and record.nonzero_rows:
+            held = record.nonzero_span
+            if held is None or (held != span if not video else not span[0] <= held[0] < held[1] <= span[1]):
+                raise request.contradiction(
+                    arm, f"{where}.image_span is {list(span)}, but the arm's DeepStack record saw its non-zero rows at "
+                         f"{'no recorded rows' if held is None else list(held)}")
 
 
 def one_span_per_image_size(run: RunResult) -> None:

@@ -223,8 +223,10 @@ V5_EDITS = [
     # DeepStack records where the tap fired, with rows where DeepStack moved the answer.
     ("default", lambda d: _set(_arms(d)["bcg_normal"], deepstack_record=None), "deepstack_record is null, but its tap"),
     ("default", lambda d: [_set(a, deepstack_record=None) for a in _each_arm(d)], "deepstack_record is null, but its tap"),
+    ("default", lambda d: [_set(a["deepstack_record"], nonzero_rows=0, nonzero_span=None) for a in _each_arm(d)
+                           if a["deepstack_record"]], "has 0 non-zero rows, but zeroing DeepStack changed"),
     ("default", lambda d: [_set(a["deepstack_record"], nonzero_rows=0) for a in _each_arm(d) if a["deepstack_record"]],
-     "has 0 non-zero rows, but zeroing DeepStack changed"),
+     "nonzero_span [6, 18] is not [first, last + 1) of 0 non-zero row(s)"),
     # Closed vocabularies and required provenance.
     ("default", lambda d: _set(d["config"], backend="turbo"), "config.backend 'turbo' is not a backend parity has"),
     ("default", lambda d: _set(d["config"], dtype="int8"), "config.dtype 'int8' is not one parity runs"),
@@ -325,7 +327,18 @@ PATH_EDITS = [
     # ... with the span moved to match: the DeepStack record, and the twin of the same size, disagree.
     ("chunk-20", lambda d: _in_both_modes(d, "chunked", 0, lambda s: _set(s, image_span=[14, 26], chunks=[
         [0, 20, s["chunks"][0][2], 6], [20, 39, s["chunks"][1][2], 6]])),
+     "image_span is [14, 26], but the arm's DeepStack record saw its non-zero rows at [6, 18]"),
+    ("chunk-20", lambda d: [(_set(s := a["evidence"]["serving"], image_span=[14, 26], chunks=[
+        [0, 20, s["chunks"][0][2], 6], [20, 39, s["chunks"][1][2], 6]]),
+        a["deepstack_record"] and _set(a["deepstack_record"], nonzero_span=[14, 26]))
+        for a in (_arm_of(d, "chunked", 0, n) for n in ("bcg_normal", "eager_normal"))],
      "of an image of the same size, is"),
+    # Trust v7: the span moved in every arm of the file (so every neighbour agrees), against where the
+    # tap saw the image's rows as the run happened.
+    ("chunk-20", lambda d: [_set(a["evidence"]["serving"], image_span=[14, 26], chunks=[
+        [0, 20, c[0][2], 6], [20, 39, c[1][2], 6]]) for a in _each_arm(d)
+        if (c := (a["evidence"].get("serving") or {}).get("chunks"))],
+     "image_span is [14, 26], but the arm's DeepStack record saw its non-zero rows at [6, 18]"),
     ("default", lambda d: _in_both_modes(d, "growth", 0, lambda s: _set(s, image_span=[6, 30]),
                                          arms=("bcg_normal", "eager_normal", "eager_zero_deepstack")),
      "image_span [6, 30] holds 24 rows, but the arm's DeepStack record saw 12"),
