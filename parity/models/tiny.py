@@ -19,64 +19,17 @@ from __future__ import annotations
 
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from parity.models.qwen3_vl import vision_language_core
+from parity.preset_tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer  # noqa: F401 - tests read them
 from parity.presets import OMNI_THINKER as OMNI, ReleasedShape, TinyPreset
-
-# Qwen's special tokens, in Qwen's order; the processor and config refer to them by name.
-SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-
-# Qwen3-VL's own chat template, reduced to what parity sends: text and image parts.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-_CORPUS = (
-    "Describe the image in one sentence. What colors do you see? The picture shows red, green "
-    "and blue stripes, a checkerboard of black and white squares, and a smooth gradient with a "
-    "bright circle in the middle. Answer briefly and name the shapes, the colors and the layout. "
-    "There is a small square, a large circle, a thin line, a wide band, left and right, top and "
-    "bottom, dark and light, warm and cool tones, one two three four five six seven eight nine ten."
-)
-
-TOKENIZER_VOCAB = 512
-_CORPUS_REPEATS = 8
 
 
 def build_tokenizer(preset: TinyPreset | None = None) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer trained in code on a fixed corpus (deterministic); the Omni
+    """The presets' tokenizer (`parity.preset_tokenizer`) as transformers wraps it; the Omni
     thinker's has its audio tokens after all the others."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=TOKENIZER_VOCAB,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([_CORPUS] * _CORPUS_REPEATS, trainer)
+    tok = train_tokenizer()
     if preset is not None and preset.model_type == OMNI:
         from parity.models.tiny_omni import omni_tokenizer
 

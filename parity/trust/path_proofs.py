@@ -19,6 +19,8 @@ from typing import Callable, Iterator
 from parity import registry
 from parity.evidence import EncoderRun, ServingEvidence
 from parity.plan.entries import read_plan
+from parity.preset_tokenizer import first_image_row
+from parity.presets import PRESETS
 from parity.results import ArmResult, RunResult
 from parity.trust.consistency import _ran, _Request, _requests, _spec
 from parity.trust.serving import _runs
@@ -79,6 +81,25 @@ def image_rows_are_the_image_span(run: RunResult) -> None:
                 raise request.contradiction(
                     arm, f"{where}.image_span is {list(span)}, but the arm's DeepStack record saw its non-zero rows at "
                          f"{'no recorded rows' if held is None else list(held)}")
+
+
+def image_spans_start_where_the_template_puts_them(run: RunResult) -> None:
+    """An embedded preset's chat template is parity's own, so where it puts an image's first row is
+    recomputed from the request's prompt (`parity.preset_tokenizer`), not read from the file (trust
+    v7). Not recomputed: a checkpoint's template (its tokenizer may not be on the machine that
+    judges), a video's (the processor puts timestamps before its frames) and a server's spans; those
+    are held by `one_span_per_image_size` and, in-process, the DeepStack record's rows."""
+    if run.config.get("model") not in PRESETS or not registry.of_run(run.config).in_process:
+        return
+    for request, arm, where, serving, _ in _served(run):
+        span = serving.image_span
+        if span is None or request.fixture is None or request.fixture.frames:
+            continue
+        start = first_image_row(request.prompt)
+        if span[0] != start:
+            raise request.contradiction(
+                arm, f"{where}.image_span starts at row {span[0]}, but {run.config['model']}'s chat template puts "
+                     f"an image's first row at {start} for this prompt")
 
 
 def one_span_per_image_size(run: RunResult) -> None:
@@ -254,6 +275,6 @@ def cache_hits_come_from_earlier_requests(run: RunResult) -> None:
 
 
 RULES: tuple[Callable[[RunResult], None], ...] = (
-    image_rows_are_the_image_span, one_span_per_image_size, prompts_are_the_evidence, graph_readiness_is_the_runners,
-    buffer_growth_is_the_grown_prompts, encoder_graphs_are_their_images, cache_hits_come_from_earlier_requests,
+    image_rows_are_the_image_span, image_spans_start_where_the_template_puts_them, one_span_per_image_size,
+    prompts_are_the_evidence, graph_readiness_is_the_runners, buffer_growth_is_the_grown_prompts, encoder_graphs_are_their_images, cache_hits_come_from_earlier_requests,
 )

@@ -59,6 +59,22 @@ def test_dense_deepstack_is_zero_outside_image_rows(tiny):
     assert tiny.adapter.prepare(None, PROMPT).deepstack is None
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny_omni"])
+def test_the_verdict_recomputes_where_the_template_puts_an_image(preset, request):
+    """What the loader recomputes without torch or transformers (parity.preset_tokenizer, trust v7)
+    is where the model's own processor puts every built-in image's first row, whatever the prompt."""
+    from parity.evidence import image_span
+    from parity.media.fixtures import builtin_fixtures
+    from parity.preset_tokenizer import first_image_row
+
+    adapter = request.getfixturevalue(preset).adapter
+    for fixture in builtin_fixtures():
+        for prompt in (*default_prompts(fixture), "Describe the picture in one long sentence, please."):
+            prepared = adapter.prepare(fixture, prompt)
+            span = image_span(prepared.input_ids.tolist(), {prepared.visual_token})
+            assert span[0] == first_image_row(prompt), (fixture.name, prompt)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
 def test_zeroing_deepstack_changes_the_answer(preset, request):
     loaded = request.getfixturevalue(preset)

@@ -328,11 +328,12 @@ PATH_EDITS = [
     ("chunk-20", lambda d: _in_both_modes(d, "chunked", 0, lambda s: _set(s, image_span=[14, 26], chunks=[
         [0, 20, s["chunks"][0][2], 6], [20, 39, s["chunks"][1][2], 6]])),
      "image_span is [14, 26], but the arm's DeepStack record saw its non-zero rows at [6, 18]"),
+    # ... and the records moved with them: the preset's own chat template puts the image at row 6.
     ("chunk-20", lambda d: [(_set(s := a["evidence"]["serving"], image_span=[14, 26], chunks=[
         [0, 20, s["chunks"][0][2], 6], [20, 39, s["chunks"][1][2], 6]]),
         a["deepstack_record"] and _set(a["deepstack_record"], nonzero_span=[14, 26]))
-        for a in (_arm_of(d, "chunked", 0, n) for n in ("bcg_normal", "eager_normal"))],
-     "of an image of the same size, is"),
+        for a in _each_arm(d) if (a["evidence"].get("serving") or {}).get("image_span")],
+     "image_span starts at row 14, but tiny-qwen3-vl's chat template puts an image's first row at 6"),
     # Trust v7: the span moved in every arm of the file (so every neighbour agrees), against where the
     # tap saw the image's rows as the run happened.
     ("chunk-20", lambda d: [_set(a["evidence"]["serving"], image_span=[14, 26], chunks=[
@@ -466,6 +467,24 @@ def test_a_v5_edit_is_refused_naming_the_field(parity_cli, real_run, tmp_path, n
     edited.write_text(json.dumps(doc))
     result = parity_cli("verdict", str(edited))
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output, result.output
+
+
+def test_where_no_template_is_recomputed_one_span_per_image_size_holds_a_moved_span(parity_cli, real_run, tmp_path,
+                                                                                    monkeypatch):
+    """A checkpoint's template is not recomputed (its tokenizer may be elsewhere): there, an image's
+    span and records moved in one case's arms still disagree with the twin of the same size."""
+    monkeypatch.setattr("parity.trust.path_proofs.PRESETS", {})
+    _, doc, _ = real_run("chunk-20")
+    for name in ("bcg_normal", "eager_normal"):
+        arm = _arm_of(doc, "chunked", 0, name)
+        serving = arm["evidence"]["serving"]
+        _set(serving, image_span=[14, 26], chunks=[[0, 20, serving["chunks"][0][2], 6], [20, 39, serving["chunks"][1][2], 6]])
+        if arm["deepstack_record"]:
+            _set(arm["deepstack_record"], nonzero_span=[14, 26])
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == 2 and "of an image of the same size, is" in result.output, result.output
 
 
 def test_the_chunk_size_run_the_forgeries_start_from_is_not_a_pass(real_run):
