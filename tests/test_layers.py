@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent / "parity"
 # Lowest first. A module may import its own package's modules and any lower layer's.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("base", ("parity", "parity.errors", "parity.textfiles", "parity.design", "parity.data", "parity.arms",
-              "parity.evidence", "parity.row_owners", "parity.presets", "parity.model_identity", "parity.capabilities", "parity.registry")),
+              "parity.evidence", "parity.row_owners", "parity.presets", "parity.preset_tokenizer",
+              "parity.model_identity", "parity.capabilities", "parity.registry")),
     ("results", ("parity.results",)),  # the file's model and its JSON
     ("media", ("parity.media",)),  # what a request shows the model
     ("runner", ("parity.runner",)),  # the in-process prefill graph runner
