@@ -198,8 +198,8 @@ def run(**options) -> None:
     output = OutputOptions(run_dir=run_dir, junit=junit, plots=not o["no_plot"], signing_key=signing_key())
     backend = BackendOptions(
         name=o["backend"], model=o["model"], device=o["device"], dtype=o["dtype"], seed=o["seed"],
-        threads=o["threads"], runner=o["runner"], poison=o["poison"], graph_backend=o["graph_backend"], buckets=o["buckets"],
-        chunk_size=o["chunk_size"],
+        threads=o["threads"], runner=o["runner"], poison=o["poison"], graph_backend=o["graph_backend"],
+        buckets=o["buckets"], chunk_size=o["chunk_size"],
         concurrent=o["concurrent"], gpus=tuple(o["gpus"]), ready_timeout=o["ready_timeout"],
         mem_fraction=o["mem_fraction"], engine=MappingProxyType({e.name: o[e.name] for e in registry.own_options()}),
     )

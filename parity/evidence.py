@@ -251,7 +251,8 @@ class ReplayCheck:
         names = [t.tensor for t in self.tensors]
         if self.replays < 1 or not names or names != [n for n in CHECKED_TENSORS if n in names]:
             return f"a replay check needs replays >= 1 and its tensors once each, in the order {CHECKED_TENSORS}"
-        if any(t.delta < 0 or t.bound < 0 for t in self.tensors) or (self.padding_noise or 0) < 0:
+        if (any(t.delta < 0 or t.bound < 0 for t in self.tensors) or any(b.bound < 0 for b in self.bounds)
+                or (self.padding_noise or 0) < 0):
             return "a replay check's deltas, bounds and padding noise are >= 0"
         problem = self._bounds_problem()
         if problem:
@@ -271,19 +272,15 @@ class ReplayCheck:
 
     def _bounds_problem(self) -> str | None:
         """Each tensor's bound is the largest of its graphs' (when they are recorded), one per graph."""
-        if not self.bounds:
-            return None
         seen: dict[tuple[str, str], float] = {}
         for b in self.bounds:
-            if b.bound < 0:
-                return "a replay check's deltas, bounds and padding noise are >= 0"
             if seen.setdefault((b.graph, b.tensor), b.bound) != b.bound:
                 return f"bounds[{b.graph!r}] gives {b.tensor} two bounds: one graph has one bound per tensor"
         for t in self.tensors:  # which tensors must have bounds is the check's shape (trust/requirements.py)
             graphs = [b.bound for b in self.bounds if b.tensor == t.tensor]
             if graphs and max(graphs) != t.bound:
                 return (f"its {t.tensor} bound {t.bound:g} is not the largest of its graphs' "
-                        f"({', '.join(f'{g:g}' for g in graphs) or 'none'})")
+                        f"({', '.join(f'{g:g}' for g in graphs)})")
         return None
 
     def to_json(self) -> dict:

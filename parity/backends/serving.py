@@ -18,7 +18,9 @@ import torch
 
 from parity.backends.protocol import Request
 from parity.runner.encoder_graphs import EncoderGraphs
-from parity.evidence import ChunkRun, EncoderRun, InputFreshness, ReplayCheck, ServingEvidence, image_span, merge_freshness
+from parity.evidence import (
+    ChunkRun, EncoderRun, InputFreshness, ReplayCheck, ServingEvidence, image_span, merge_freshness,
+)
 from parity.runner.graph_runner import PrefillGraphRunner, Window, graph_label
 from parity.runner.lm_body import Past
 from parity.runner.replay_check import ReplayChecker

@@ -236,9 +236,10 @@ def _freshness_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
                 poison = (f"; {record.poisoned} of them still held the poison sentinel after its refresh"
                           if record.poisoned else "")
                 if record.stale:
-                    source = _source(group, all_groups, record.left_by, "request")
+                    source = _source(group, all_groups, record.left_by)
                     return Verdict(FAIL_STALE_STATE, f"{where}[{rows}] that {source} left ({record.stale} stale "
-                                                     f"row(s) in {record.replays} replay(s){poison}; freshness witness)")
+                                                     f"row(s) in {record.replays} replay(s){poison}; "
+                                                     "freshness witness)")
                 how = "; ".join(part for part in (
                     f"{record.unwritten} never written for it" if record.unwritten else "",
                     f"{record.miswritten} written with other values than it supplies" if record.miswritten else "")
@@ -252,7 +253,7 @@ def _freshness_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
     return None
 
 
-def _source(group: Group, all_groups: tuple[Group, ...], sha256: str | None, unknown: str) -> str:
+def _source(group: Group, all_groups: tuple[Group, ...], sha256: str | None) -> str:
     """The request that left rows, named from the image its request carried (`sha256`)."""
     same = [g for g in all_groups if g.request is not None and g.fixture is not None and g.fixture.sha256 == sha256]
     earlier = [g for g in same if g.request < (group.request or 0)]
@@ -265,8 +266,8 @@ def _source(group: Group, all_groups: tuple[Group, ...], sha256: str | None, unk
     if later:  # a sequence is scored after all its requests ran
         return f"request {later[0].request + 1} ({later[0].label}), served before this one was scored"
     if sha256 is None:
-        return f"an earlier text-only {unknown}"
-    return f"an earlier {unknown} (image {sha256[:12]})"
+        return "an earlier text-only request"
+    return f"an earlier request (image {sha256[:12]})"
 
 
 def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
@@ -278,8 +279,7 @@ def _leak_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
             leak = None if arm is None or arm.evidence is None else arm.evidence.leak
             if leak is None:
                 continue
-            source = (_source(group, all_groups, leak.source_sha256, "request") if leak.source_sha256
-                      else "an earlier request")
+            source = _source(group, all_groups, leak.source_sha256) if leak.source_sha256 else "an earlier request"
             return Verdict(FAIL_STALE_STATE,
                            f"{group.where(n)}arm {arm.name} received {leak.rows} DeepStack row(s) left in the engine's "
                            f"buffer by {source}, in {leak.steps} step(s) (leak witness: the rows were never cleared)")

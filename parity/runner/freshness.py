@@ -129,7 +129,8 @@ class FreshnessWitness:
         self._watched: dict[int, _Watched] = {}
         self._inputs: dict[Any, tuple[GraphInput, ...]] = {}
 
-    def watch(self, name: str, buffer: torch.Tensor, token_axis: int = 0, grown_from: torch.Tensor | None = None) -> None:
+    def watch(self, name: str, buffer: torch.Tensor, token_axis: int = 0,
+              grown_from: torch.Tensor | None = None) -> None:
         """Hold `buffer` as the input `name`. `grown_from`: the buffer it replaces, whose contents
         (and so whose rows' writers) it took over."""
         owners = RowOwners(buffer.shape[token_axis])
@@ -152,7 +153,9 @@ class FreshnessWitness:
 
     def _name(self, storage: int, t: torch.Tensor) -> str:
         watched = self._watched.get(storage)
-        return watched.name if watched is not None else f"unnamed {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        if watched is not None:
+            return watched.name
+        return f"unnamed {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
     def inputs(self, key: Any) -> tuple[GraphInput, ...]:
         return self._inputs.get(key, ())
@@ -191,9 +194,7 @@ class FreshnessWitness:
         rows = expected.rows
         corner = tuple(slice(0, s) for s in expected.content.shape)
         held = watched.buffer[corner]
-        other = [d for d in range(held.dim()) if d != expected.token_axis]
-        differs = (held != expected.content.to(held.dtype))
-        differs = (differs.any(dim=other) if other else differs).tolist()
+        differs = _any_per_row(held != expected.content.to(held.dtype), expected.token_axis).tolist()
         current = watched.owners.current
         stale, unwritten, miswritten, offending = [], 0, 0, []
         for row in range(rows):
@@ -211,11 +212,14 @@ class FreshnessWitness:
                               tuple(offending[:FIRST_OFFENDING_ROWS]), watched.owners.named(stale) if stale else None)
 
 
+def _any_per_row(mask: torch.Tensor, token_axis: int) -> torch.Tensor:
+    """Per token row, whether any element of `mask` in it is set."""
+    other = [d for d in range(mask.dim()) if d != token_axis]
+    return mask.any(dim=other) if other else mask
+
+
 def _never_read(graph: str, name: str, expected: Supplied) -> InputFreshness:
     """The request supplied `name`, and the graph reads no buffer of it: each row it supplied with
     something in it was dropped (a request that supplied only zeros lost nothing)."""
-    content = expected.content
-    other = [d for d in range(content.dim()) if d != expected.token_axis]
-    held = (content != 0).any(dim=other) if other else content != 0
-    rows = held.nonzero().flatten().tolist()
+    rows = _any_per_row(expected.content != 0, expected.token_axis).nonzero().flatten().tolist()
     return InputFreshness(graph, name, 1, expected.rows, unwritten=len(rows), first=tuple(rows[:FIRST_OFFENDING_ROWS]))

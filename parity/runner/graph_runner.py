@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -202,12 +202,8 @@ class PrefillGraphRunner:
                               torch.zeros(max_tokens, self.context_rows + max_tokens, dtype=torch.bool, device=device))
         # Every per-call input each graph reads, and who last wrote each of its rows (design §6).
         self._witness = FreshnessWitness([*body.parameters(), *body.buffers()])
-        for slot in (self._embeds, self._positions, self._deepstack):
-            if slot is not None:
-                self._witness.watch(slot.name, slot.buffer, slot.token_axis)
-        if self._past is not None:
-            for name, buffer in zip(PAST_INPUTS, (self._past.keys, self._past.values, self._past.mask)):
-                self._witness.watch(name, buffer)
+        for name, (buffer, axis) in self._buffers().items():
+            self._witness.watch(name, buffer, axis)
         self.growths: list[tuple[int, int]] = []  # (rows before, rows after) of each time the buffer grew
         # The graphs a request with DeepStack captured (only the warm-up specialised variant captures
         # on a request): the others were captured at start-up, or by a request without DeepStack.
@@ -362,30 +358,32 @@ class PrefillGraphRunner:
         """Every input's buffer as the witness names it, with its token axis."""
         slots = {s.name: (s.buffer, s.token_axis) for s in (self._embeds, self._positions, self._deepstack) if s}
         if self._past is not None:
-            slots |= {name: (t, 0) for name, t in zip(PAST_INPUTS, (self._past.keys, self._past.values, self._past.mask))}
+            past = (self._past.keys, self._past.values, self._past.mask)
+            slots |= {name: (t, 0) for name, t in zip(PAST_INPUTS, past)}
         return slots
 
-    def _poison(self, num_tokens: int, bucket: int, past_rows: int | None) -> None:
-        """--poison: every row this prefill must write gets the sentinel first, so a row its refresh
-        misses still holds it after (a boolean mask has no value to spare: the witness alone holds it)."""
+    def _poisonable(self, num_tokens: int, bucket: int,
+                    past_rows: int | None) -> Iterator[tuple[str, torch.Tensor, float]]:
+        """(input, its rows this prefill must write, token-major, their sentinel) for --poison; a
+        boolean mask has no value to spare for one: the witness alone holds it."""
         buffers = self._buffers()
         for name, rows in self.must_write(num_tokens, bucket, past_rows).items():
             buffer, axis = buffers[name]
             if buffer.dtype != torch.bool:
-                buffer.narrow(axis, 0, rows).fill_(POISON if buffer.is_floating_point() else POISON_POSITION)
+                sentinel = POISON if buffer.is_floating_point() else POISON_POSITION
+                yield name, buffer.narrow(axis, 0, rows).movedim(axis, 0), sentinel
+
+    def _poison(self, num_tokens: int, bucket: int, past_rows: int | None) -> None:
+        """--poison: every row this prefill must write gets the sentinel first, so a row its refresh
+        misses still holds it after."""
+        for _, rows, sentinel in self._poisonable(num_tokens, bucket, past_rows):
+            rows.fill_(sentinel)
 
     def _poisoned(self, num_tokens: int, bucket: int, past_rows: int | None) -> dict[str, int]:
         """After a poisoned replay: per poisoned input, the rows it must write that still hold the
         sentinel in every element (read from the buffer: the second opinion, whoever wrote)."""
-        buffers, found = self._buffers(), {}
-        for name, rows in self.must_write(num_tokens, bucket, past_rows).items():
-            buffer, axis = buffers[name]
-            if buffer.dtype == torch.bool:
-                continue
-            held = buffer.narrow(axis, 0, rows).movedim(axis, 0).reshape(rows, -1)
-            sentinel = POISON if buffer.is_floating_point() else POISON_POSITION
-            found[name] = int((held == sentinel).all(dim=1).sum())
-        return found
+        return {name: int((rows == sentinel).reshape(rows.shape[0], -1).all(dim=1).sum())
+                for name, rows, sentinel in self._poisonable(num_tokens, bucket, past_rows)}
 
     def freshness(self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
                   past: Past | None = None) -> tuple[InputFreshness, ...]:

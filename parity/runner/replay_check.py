@@ -54,9 +54,9 @@ class ReplayChecker:
     def prefill(self, key: str, body: Callable[..., Outputs], replayed: Outputs,
                 padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None],
                 exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None], start: int) -> ReplayCheck:
-        """`key`: the graph ("prefill 48"); `replayed`: the replay's outputs (real rows); `padded`: the inputs of a correct replay
-        (embeds, positions, DeepStack, past) at the bucket's shape; `exact`: the same prefill at its
-        own length; `start`: its first prompt row."""
+        """`key`: the graph ("prefill 48"); `replayed`: the replay's outputs (real rows); `padded`: the
+        inputs of a correct replay (embeds, positions, DeepStack, past) at the bucket's shape; `exact`:
+        the same prefill at its own length; `start`: its first prompt row."""
         rows = replayed[0].shape[0]
         reference = self._tensors(body, padded, rows)
         if key not in self._spreads:  # the eager pass's own spread, on fresh copies of its inputs
@@ -118,7 +118,8 @@ class ReplayChecker:
                 row = int(beyond[0])
                 departure = Departure(0, "encoder", "encoder", row, float(per_row[row]), bound)
                 break
-        return ReplayCheck(1, (TensorCheck("encoder", delta, bound),), None, departure, (GraphBound(key, "encoder", bound),))
+        return ReplayCheck(1, (TensorCheck("encoder", delta, bound),), None, departure,
+                           (GraphBound(key, "encoder", bound),))
 
 
 def _leaves(tree: Any) -> list[torch.Tensor]:

@@ -57,7 +57,7 @@ def _record(raw: Any, where: str) -> DeepStackRecord | None:
     calls = get(raw, "calls", int, where, optional=True)
     span = get(raw, "nonzero_span", list, where, optional=True)
     if span is not None:
-        first, end = ints(span, f"{where}.nonzero_span") if len(span) == 2 else (0, -1)
+        first, end = ints(span, f"{where}.nonzero_span") if len(span) == 2 else (0, 0)  # (0, 0): never valid
         if not (0 <= first < end <= (shape[0] if shape else end) and end - first >= rows > 0):
             raise Invalid(f"{where}.nonzero_span {span} is not [first, last + 1) of {rows} non-zero row(s) "
                           f"within its {shape[0] if shape else '?'} rows")

@@ -276,5 +276,6 @@ def cache_hits_come_from_earlier_requests(run: RunResult) -> None:
 
 RULES: tuple[Callable[[RunResult], None], ...] = (
     image_rows_are_the_image_span, image_spans_start_where_the_template_puts_them, one_span_per_image_size,
-    prompts_are_the_evidence, graph_readiness_is_the_runners, buffer_growth_is_the_grown_prompts, encoder_graphs_are_their_images, cache_hits_come_from_earlier_requests,
+    prompts_are_the_evidence, graph_readiness_is_the_runners, buffer_growth_is_the_grown_prompts,
+    encoder_graphs_are_their_images, cache_hits_come_from_earlier_requests,
 )

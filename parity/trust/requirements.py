@@ -22,7 +22,7 @@ from parity.plan.entries import read_plan
 from parity.plan.sharding import read_shard
 from parity.trust.consistency import RULES, Contradiction, _ran, _requests
 from parity.trust.path_proofs import RULES as PATH_RULES
-from parity.trust.serving import RULES as SERVING_RULES
+from parity.trust.serving import RULES as SERVING_RULES, _runs
 
 
 def repeats_as_configured(run: RunResult) -> None:
@@ -52,11 +52,7 @@ def ranks_as_configured(run: RunResult) -> None:
         raise Contradiction(f"config.tp_size must be an integer >= 1, got {tp_size!r}")
     for request in _requests(run):
         for arm in _ran(request):
-            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
-                                                   for i, r in enumerate(arm.repeats)]
-            for where, evidence in runs:
-                if evidence is None:
-                    continue
+            for where, evidence in _runs(arm):
                 labels = {r.rank for r in evidence.ranks}
                 expected = tp_size if tp_size > 1 else 0
                 if len(evidence.ranks) != expected or len(labels) != len(evidence.ranks):
@@ -183,11 +179,7 @@ def replays_checked_in_process(run: RunResult) -> None:
     in_process = registry.of_run(run.config).in_process
     for request in _requests(run):
         for arm in _ran(request):
-            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
-                                                   for i, r in enumerate(arm.repeats)]
-            for where, evidence in runs:
-                if evidence is None:
-                    continue
+            for where, evidence in _runs(arm):
                 encoder = evidence.serving is not None and evidence.serving.encoder is not None
                 checked, replayed = evidence.replay_check is not None, evidence.replayed_calls > 0 or encoder
                 if checked and not (in_process and replayed):
@@ -241,11 +233,8 @@ def one_bound_per_graph(run: RunResult) -> None:
     for request in _requests(run):
         shard = 0 if shards is None else shards.cases.get(request.case.id, 0)
         for arm in _ran(request):
-            runs = [("evidence", arm.evidence)] + [(f"repeats[{i}].evidence", r.evidence)
-                                                   for i, r in enumerate(arm.repeats)]
-            for where, evidence in runs:
-                check = None if evidence is None else evidence.replay_check
-                for bound in () if check is None else check.bounds:
+            for where, evidence in _runs(arm):
+                for bound in () if evidence.replay_check is None else evidence.replay_check.bounds:
                     here = f"{request.at(arm)}.{where}.replay_check.bounds[{bound.graph!r}].{bound.tensor}"
                     first = seen.setdefault((shard, bound.graph, bound.tensor), (bound.bound, here))
                     if first[0] != bound.bound:
