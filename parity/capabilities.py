@@ -62,6 +62,9 @@ class BackendInfo:
     # it cuts a prompt's chunks itself. A server's tap also counts its scoring requests' prefills,
     # sees only the decode steps its engine runs eagerly, and the engine's scheduler cuts the chunks.
     in_process: bool = False
+    # Its servers' graph replays are watched by the freshness witness (design §6): its arms may carry
+    # the witness's records (an in-process run always does).
+    witnesses_inputs: bool = False
     runbook: str | None = None  # what to read when its servers misbehave
     servers_key: str | None = None  # config key: each mode's server flags
     fix_records_key: str | None = None  # config key: each server's records of parity's fix (fix_records.py)

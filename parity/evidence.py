@@ -138,6 +138,13 @@ class InputFreshness:
                 "first": list(self.first), "left_by": self.left_by} | (
                     {} if self.poisoned is None else {"poisoned": self.poisoned})
 
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> "InputFreshness":
+        """As `to_json` wrote it (an engine's channel; a results file goes through the loader)."""
+        return cls(str(raw["graph"]), str(raw["input"]), int(raw["replays"]), int(raw["rows"]), int(raw["stale"]),
+                   int(raw["unwritten"]), int(raw["miswritten"]), tuple(int(r) for r in raw["first"]),
+                   raw.get("left_by"), None if raw.get("poisoned") is None else int(raw["poisoned"]))
+
 
 FIRST_OFFENDING_ROWS = 8  # what a freshness record keeps of its offending rows
 

@@ -24,11 +24,12 @@ from parity.arms import DEEPSTACK_ACTIONS, DeepStack
 from parity.errors import UsageError
 
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
-    from parity.evidence import DeepStackRecord
+    from parity.evidence import DeepStackRecord, InputFreshness
 
 CONTROL_FILE = "control.json"
 RECORDS_FILE = "records.jsonl"
 CAPTURES_FILE = "captures.jsonl"  # one line per graph capture a server ran (its buckets)
+FRESHNESS_FILE = "freshness.jsonl"  # one line per graph replay the freshness witness held (design §6)
 CONTROL_MODES = ("record", "zero")
 
 
@@ -136,6 +137,16 @@ class TapChannel:
         lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         return frozenset(int(b) for line in lines for b in line.get("buckets", ()))
 
+    def freshness(self, tag: str) -> list[tuple[tuple[int, str], tuple["InputFreshness", ...]]]:
+        """Per graph replay of the request `tag`, in order: the model process that ran it (pid,
+        title) and the freshness witness's records of its inputs."""
+        from parity.evidence import InputFreshness
+
+        path = self.folder / FRESHNESS_FILE
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return [((int(line["pid"]), str(line["role"])), tuple(InputFreshness.from_json(r) for r in line["records"]))
+                for line in lines if line.get("tag") == tag]
+
     def entries(self, tag: str) -> list[TapEntry]:
         """The entries of `tag`, in the order the hook saw them."""
         if not self.records_path.exists():
@@ -161,6 +172,12 @@ class TapChannel:
         with open(self.folder / CAPTURES_FILE, "a", encoding="utf-8") as out:
             out.write(json.dumps({"pid": os.getpid(), "role": process_role(),
                                   "buckets": sorted(int(b) for b in buckets)}) + "\n")
+
+    def append_freshness(self, tag: str, pid: int, role: str, records: tuple["InputFreshness", ...]) -> None:
+        """The freshness witness's records of one graph replay for the request `tag`."""
+        with open(self.folder / FRESHNESS_FILE, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"tag": tag, "pid": pid, "role": role,
+                                  "records": [r.to_json() for r in records]}) + "\n")
 
     def append(self, entry: TapEntry) -> None:
         # One short O_APPEND write per line: concurrent writers (TP ranks) do not interleave.

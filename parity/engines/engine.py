@@ -67,6 +67,7 @@ class EngineBackend(abc.ABC):
         self._identity: ModelIdentity | None = None
         self.plan = self.plan_launch(MODES)  # refuses impossible GPU combinations before any start
         self.tag_images: dict[str, str | None] = {}  # every tag sent -> the sha256 of its image
+        self.witnessed: dict[str, list] = {}  # every tag sent -> the freshness witness's records of its replays
         self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
                                settings.stop_grace, self.explain_exit)
         self._modes: tuple[str, ...] = MODES
@@ -177,7 +178,7 @@ class EngineBackend(abc.ABC):
         return self.prompts.length(request)
 
     def evidence(self, requests: Sequence[TaggedRequest], unscored: Sequence[TaggedRequest] = ()):
-        return arm_evidence(requests, self.max_bucket, self.tag_images, unscored)
+        return arm_evidence(requests, self.max_bucket, self.tag_images, unscored, self.witnessed)
 
     def post_tagged(self, server: Server, tap: str, request: Request, body_for) -> tuple[dict, tuple[TapEntry, ...]]:
         """One request under its own tag; its answer and the tap records that belong to it. A
@@ -198,6 +199,7 @@ class EngineBackend(abc.ABC):
         if isolated:
             self._flush_cache(server)
         self.tag_images[tag] = request.fixture.sha256 if request.fixture is not None else None
+        self.witnessed[tag] = server.channel.freshness(tag)
         return doc, tuple(entries)
 
     def _flush_cache(self, server: Server) -> None:

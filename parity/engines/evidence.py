@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
-from parity.evidence import DeepStackRecord, Evidence, LeakWitness, RankEvidence, combine_ranks
+from parity.evidence import (
+    DeepStackRecord, Evidence, InputFreshness, LeakWitness, RankEvidence, combine_ranks, merge_freshness,
+)
 from parity.engines.channel import TapEntry
 
 _SCHEDULER_TITLE = re.compile(r"sglang::scheduler_?(\S*)")
@@ -122,16 +124,21 @@ def _rank_evidence(requests: Sequence[TaggedRequest], key: RankKey) -> RankEvide
     )
 
 
+Replays = Sequence[tuple[RankKey, tuple[InputFreshness, ...]]]  # a request's graph replays, as witnessed
+
+
 def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
                  sources: Mapping[str, str | None] | None = None,
-                 unscored: Sequence[TaggedRequest] = ()) -> Evidence:
+                 unscored: Sequence[TaggedRequest] = (), witnessed: Mapping[str, Replays] | None = None) -> Evidence:
     """The arm's evidence over all its requests (generation first, then teacher-forced scoring) and
     all its ranks, each rule needing every rank (`evidence.combine_ranks`).
 
     `sources` maps the tag of a request parity sent to the sha256 of its image, to name the
     request whose DeepStack rows a leak witness saw. `unscored` are scoring requests whose scores
     were discarded (the server re-tokenized the answer otherwise): no verdict reads what they
-    computed, so how they ran proves nothing, but stale rows they read are the engine's all the same."""
+    computed, so how they ran proves nothing, but stale rows they read are the engine's all the same.
+    `witnessed` maps a tag to the freshness witness's records of its graph replays (engines whose
+    replays parity watches, design §6), read as the first rank saw them, like the leak witness."""
     keys = tuple(dict.fromkeys(k for r in requests for k in r.ranks))
     ranks = tuple(_rank_evidence(requests, k) for k in keys) or (
         RankEvidence("none", 0, 0, None, (), 0),)
@@ -141,6 +148,10 @@ def arm_evidence(requests: Sequence[TaggedRequest], max_bucket: int | None,
     # The leak witness as the first rank saw it: every rank runs the same steps.
     first = [e for r in (*requests, *unscored) for e in r.of_rank(keys[0])] if keys else []
     evidence = combine_ranks(ranks, prompt_tokens, max_bucket, leak_witness(first, sources or {}))
+    if keys and witnessed:  # the requests judged: a discarded score's replays are not the arm's buckets
+        tags = dict.fromkeys(e.tag for r in requests for e in r.of_rank(keys[0]))
+        evidence = replace(evidence, freshness=freshness(
+            [records for tag in tags for key, records in witnessed.get(tag, ()) if key == keys[0]], sources or {}))
     # One rank (no tensor parallelism): the file reads as it always did.
     return evidence if len(ranks) > 1 else replace(evidence, ranks=())
 
@@ -152,6 +163,15 @@ def leak_witness(entries: Sequence[TapEntry], sources: Mapping[str, str | None])
         return None
     source = next((sources.get(e.stale_source) for e in stale if e.stale_source in sources), None)
     return LeakWitness(rows=max(e.stale_rows for e in stale), steps=len(stale), source_sha256=source)
+
+
+def freshness(replays: Sequence[tuple[InputFreshness, ...]], sources: Mapping[str, str | None]) -> tuple[
+        InputFreshness, ...]:
+    """One record per graph and input over the replays; the server names the request that left stale
+    rows by its tag, the file by its image (`sources`: tag -> sha256; None for a text request)."""
+    named = [tuple(replace(r, left_by=sources.get(r.left_by)) if r.left_by is not None else r for r in replay)
+             for replay in replays]
+    return merge_freshness(*named)
 
 
 def request_record(request: TaggedRequest) -> DeepStackRecord | None:

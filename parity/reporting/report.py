@@ -148,9 +148,11 @@ def run_notes(run: RunResult) -> list[str]:
         if isinstance(fixes, dict) else None
     notes += [aside] if aside else []
     if backend is not None and not backend.in_process:
+        judged = ("on its answers, within the dtype's tolerances, and on the freshness witness's record of every "
+                  "input its servers' replays read" if backend.witnesses_inputs else
+                  "on its answers alone, within the dtype's tolerances")
         notes.append(f"the {backend.name} servers replay their own shapes, so no eager pass over the exact padded "
-                     "inputs can check their replays (design §6): this run is judged on its answers alone, within "
-                     "the dtype's tolerances")
+                     f"inputs can check their replays (design §6): this run is judged {judged}")
     sources = run.environment.get(SOURCE_KEY)
     if isinstance(sources, list):
         notes.append(f"merged with --allow-mixed-code: the shards were written by {len(sources)} different parity "

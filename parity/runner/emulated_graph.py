@@ -84,12 +84,12 @@ def _record(func, args: tuple, kwargs: dict, out: Any) -> RecordedOp:
     if writes:
         # In place or out=: its result aliases the operand it wrote, so running it again is the replay.
         return RecordedOp(func, args, kwargs, (), True)
-    if (views and _aliases_an_operand(tensors, args, kwargs)) or schema.name in _ALLOCATIONS or not tensors:
+    if (views and aliases_an_operand(tensors, args, kwargs)) or schema.name in _ALLOCATIONS or not tensors:
         return RecordedOp(func, args, kwargs, (), False)
     return RecordedOp(func, args, kwargs, tensors, True)
 
 
-def _aliases_an_operand(outputs: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> bool:
+def aliases_an_operand(outputs: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> bool:
     """Whether every output really shares memory with an operand. Ops such as `to`, `reshape` and
     `contiguous` may alias by their schema yet return a copy (a dtype change, a non-contiguous
     input): those are kernels the graph re-runs, not views of captured memory."""
@@ -110,6 +110,14 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.ops.append(_record(func, args, kwargs, out))
         return out
+
+
+_CAPTURING: list["EmulatedGraph"] = []  # the graphs capturing now, innermost last
+
+
+def capturing() -> bool:
+    """Whether an emulated graph is capturing (the CPU's `torch.cuda.is_current_stream_capturing`)."""
+    return bool(_CAPTURING)
 
 
 class EmulatedGraph:
@@ -140,10 +148,12 @@ class EmulatedGraph:
             self._modes.append(device_rules.HostReadGuard())
         for mode in self._modes:
             mode.__enter__()
+        _CAPTURING.append(self)
 
     def capture_end(self) -> None:
         if not self._modes:
             raise GraphReplayError("capture_end without capture_begin")
+        _CAPTURING.remove(self)
         modes, self._modes = self._modes, []
         for mode in reversed(modes):
             mode.__exit__(None, None, None)

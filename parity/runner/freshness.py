@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.evidence import FIRST_OFFENDING_ROWS, InputFreshness
+from parity.runner.emulated_graph import aliases_an_operand
 from parity.row_owners import RowOwners
 
 
@@ -70,22 +71,43 @@ class _Watched:
         return range(first, last + 1) if first <= last else range(rows)
 
 
-class _Reads(TorchDispatchMode):
-    """During a capture: the storages its ops read that none of them produced."""
+def _is_view(func, args: tuple, kwargs: dict, out: Any) -> bool:
+    """An op that returned views of its operands (`to` or `reshape` may alias by their schema yet
+    return a copy, which read the data)."""
+    returns = func._schema.returns
+    if not returns or any(r.alias_info is None or r.alias_info.is_write for r in returns):
+        return False
+    return aliases_an_operand(tuple(_tensors(out)), args, kwargs)
 
-    def __init__(self, excluded: set[int]) -> None:
+
+# Ops whose first operand is only written: their destination is not read.
+_WRITE_ONLY = frozenset({"aten::copy_", "aten::fill_", "aten::zero_"})
+
+
+class _Reads(TorchDispatchMode):
+    """During a capture: the storages the graph's ops read that no op of the capture produced.
+    `recording()` says whether an op is the graph's: always for a graph captured whole; for one
+    captured in segments with eager breaks between (SGLang's breakable graph), only while a segment
+    captures, the breaks' outputs being produced in the capture all the same."""
+
+    def __init__(self, excluded: set[int], recording: Callable[[], bool]) -> None:
         super().__init__()
         self.excluded = excluded
+        self.recording = recording
         self.produced: set[int] = set()
         self.read: dict[int, torch.Tensor] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in _tensors((args, kwargs)):
-            key = _storage(t)
-            if key not in self.produced and key not in self.excluded:
-                self.read.setdefault(key, t)
         out = func(*args, **kwargs)
+        if _is_view(func, args, kwargs, out):  # a view reads no data: the ops on it do
+            return out
+        if self.recording():
+            operands = args[1:] if func._schema.name in _WRITE_ONLY else args
+            for t in _tensors((operands, kwargs)):
+                key = _storage(t)
+                if key not in self.produced and key not in self.excluded:
+                    self.read.setdefault(key, t)
         self.produced.update(_storage(t) for t in _tensors(out))
         return out
 
@@ -124,8 +146,11 @@ class GraphInput:
 class FreshnessWitness:
     """The per-call inputs of each captured graph and who last wrote each of their rows."""
 
-    def __init__(self, model_state: Iterable[torch.Tensor]) -> None:
+    def __init__(self, model_state: Iterable[torch.Tensor], known: Mapping[str, torch.Tensor] | None = None) -> None:
+        """`model_state`: what no graph input is (weights, caches the graph writes); `known`: tensors
+        an input may be, named where the runner holds them, listed but not judged."""
         self._excluded = {_storage(t) for t in model_state if t.numel() > 0}
+        self._known = {_storage(t): name for name, t in (known or {}).items() if t.numel() > 0}
         self._watched: dict[int, _Watched] = {}
         self._inputs: dict[Any, tuple[GraphInput, ...]] = {}
 
@@ -139,11 +164,13 @@ class FreshnessWitness:
             owners.took_over(old.owners)
         self._watched[_storage(buffer)] = _Watched(name, buffer, token_axis, owners)
 
-    def captured(self, key: Any, fn: Callable[[], Any]) -> Callable[[], Any]:
-        """`fn`, which a graph captures, with its per-call inputs recorded as graph `key`'s."""
+    def captured(self, key: Any, fn: Callable[[], Any],
+                 recording: Callable[[], bool] = lambda: True) -> Callable[[], Any]:
+        """`fn`, which a graph captures, with its per-call inputs recorded as graph `key`'s (the
+        reads of its ops while `recording()`; see `_Reads`)."""
 
         def discovering():
-            reads = _Reads(self._excluded)
+            reads = _Reads(self._excluded, recording)
             with reads:
                 out = fn()
             found = {self._name(storage, t): storage for storage, t in reads.read.items()}
@@ -155,6 +182,8 @@ class FreshnessWitness:
         watched = self._watched.get(storage)
         if watched is not None:
             return watched.name
+        if storage in self._known:
+            return self._known[storage]
         return f"unnamed {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
     def inputs(self, key: Any) -> tuple[GraphInput, ...]:

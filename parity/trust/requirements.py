@@ -11,6 +11,7 @@ on every file and in `parity run` on the run itself (which fails the arm a rule 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Callable
 
 from parity import registry
@@ -176,7 +177,8 @@ def replays_checked_in_process(run: RunResult) -> None:
     own shapes, which no eager pass of parity's reproduces)."""
     if run.schema != SCHEMA:
         return
-    in_process = registry.of_run(run.config).in_process
+    backend = registry.of_run(run.config)
+    in_process = backend.in_process
     for request in _requests(run):
         for arm in _ran(request):
             for where, evidence in _runs(arm):
@@ -194,7 +196,8 @@ def replays_checked_in_process(run: RunResult) -> None:
                     problem = _check_shape_problem(evidence.replay_check, evidence.prefill_replayed is True, encoder)
                     if problem:
                         raise request.contradiction(arm, f"{request.at(arm)}.{where}.replay_check {problem}")
-                problem = _freshness_shape_problem(evidence, in_process, run.config.get("poison") is True)
+                problem = _freshness_shape_problem(evidence, in_process, backend.witnesses_inputs,
+                                                   run.config.get("poison") is True)
                 if problem:
                     raise request.contradiction(arm, f"{request.at(arm)}.{where}.freshness {problem}")
 
@@ -243,33 +246,41 @@ def one_bound_per_graph(run: RunResult) -> None:
                                  "measured once per run, the same for every arm that replays it")
 
 
-# What every captured prefill body reads from outside the graph, whatever the model (design §6).
+# What every captured prefill body reads from outside the graph, whatever the model (design §6); a
+# server's body reads its embeddings, and its positions by the engine's name for them.
 ALWAYS_READ = ("input_embeds", "positions")
+GRAPH_NAME = re.compile(r"(prefill|context) (?P<size>\d{1,7})")
+SERVER_GRAPH_NAME = re.compile(r"prefill (?P<size>\d{1,7})( \([\w:.-]{1,64}\))?")
 
 
-def _freshness_shape_problem(evidence, in_process: bool, poison: bool) -> str | None:
+def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, poison: bool) -> str | None:
     """What the freshness witness must hold, by what replayed (design §6): in-process, every graph
     whose bucket a prefill replayed in, each with the inputs every body reads, each input of a graph
-    over the same replays; nothing for a graph that did not replay, nor on a server's arm. With
-    --poison, every input every body reads says how many rows kept the sentinel; without, none."""
+    over the same replays; nothing for a graph that did not replay. With --poison, every input every
+    body reads says how many rows kept the sentinel; without, none. A server whose replays parity
+    watches (SGLang) records what its witness saw, where it saw it: the same rules, its graphs named
+    by its own buckets (and variants), each holding its embeddings; the engine names its positions."""
     records = evidence.freshness
-    if not in_process or evidence.replayed_calls == 0:
-        return "is recorded, but only an in-process arm that replayed a prefill has one" if records else None
+    if not (in_process or server_witness) or evidence.replayed_calls == 0:
+        return "is recorded, but only an arm whose replays parity watched has one" if records else None
+    if not in_process and not records:
+        return None  # a server's witness that saw no replay (or was not installed): the answers judge
     counted = [r for r in records if r.poisoned is not None]
     if not poison and counted:
         return f"counts poisoned rows of {counted[0].input}, but the run did not poison its slots"
-    if poison and any(r.poisoned is None for r in records if r.input in ALWAYS_READ):
-        return f"lacks the poisoned rows of {', '.join(ALWAYS_READ)}, which a run with --poison counts"
+    always = ALWAYS_READ if in_process else ALWAYS_READ[:1]
+    if poison and any(r.poisoned is None for r in records if r.input in always):
+        return f"lacks the poisoned rows of {', '.join(always)}, which a run with --poison counts"
     graphs: dict[str, dict[str, int]] = {}
     for record in records:
         graphs.setdefault(record.graph, {})[record.input] = record.replays
     buckets = set()
     for graph, inputs in graphs.items():
-        kind, _, size = graph.partition(" ")
-        if kind not in ("prefill", "context") or not size.isdigit():
-            return f"names graph {graph!r}, not 'prefill N' or 'context N'"
-        buckets.add(int(size))
-        missing = [name for name in ALWAYS_READ if name not in inputs]
+        match = GRAPH_NAME.fullmatch(graph) if in_process else SERVER_GRAPH_NAME.fullmatch(graph)
+        if match is None:
+            return f"names graph {graph!r}, not {'prefill N or context N' if in_process else 'prefill N (variant)'}"
+        buckets.add(int(match["size"]))
+        missing = [name for name in always if name not in inputs]
         if missing:
             return f"lists the {graph} graph without {', '.join(missing)}, which every prefill graph reads"
         if len(set(inputs.values())) > 1:

@@ -39,7 +39,7 @@ SGLANG = BackendInfo(
     # SGLang's buckets come from its own flags (--sglang-arg), not --buckets.
     options=frozenset({"graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
     runbook="docs/sglang-runbook.md", servers_key="sglang_servers", fix_records_key="sglang_fix_slots", volatile_keys=("sglang_tap_processes",),
-    records_ranks=True, version_in_every_run=True, package="sglang", names_its_version=True,
+    records_ranks=True, version_in_every_run=True, package="sglang", names_its_version=True, witnesses_inputs=True,
     config_fields=server_config_fields("sglang") | {
         "sglang_args", "sglang_prefill_buckets", "sglang_device", "tp_size", "sglang_graph_backend",
         "sglang_server_dtype", "sglang_fix", "sglang_fix_slots"},

@@ -179,7 +179,10 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     if hook is not None:
+        from parity.engines.sglang.freshness import SGLangFreshness
+
         HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
         HookRegistry.register(CAPTURE_TARGET, CaptureRecorder(hook.channel), HookType.AFTER)
+        SGLangFreshness(hook.channel).register()
     if fix is not None:
         fix.register()
