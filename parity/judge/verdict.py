@@ -151,6 +151,12 @@ def _case_verdict(case: CaseResult, comparisons: tuple[Comparison, ...], rules: 
     for group, arm in present:  # rule 1
         if arm.failed:
             first_line = next((ln for ln in arm.error.strip().splitlines()), "no message")
+            # The engine's own record that a graph read rows not written for its request explains a
+            # failed arm (a stale input breaks its answers' agreement with their scores): it is the finding.
+            witnessed = _freshness_verdict(all_groups, n)
+            if witnessed is not None:
+                return Verdict(witnessed.code, f"{witnessed.reason}; {group.where(n)}arm {arm.name} failed as well: "
+                                               f"{first_line}")
             return Verdict(ERROR, f"{group.where(n)}arm {arm.name} failed: {first_line}")
     if _consumes_deepstack(case, rules):  # rule 1b
         for group, arm in present:

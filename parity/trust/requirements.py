@@ -275,11 +275,12 @@ def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, p
     for record in records:
         graphs.setdefault(record.graph, {})[record.input] = record.replays
     buckets = set()
-    for graph, inputs in graphs.items():
+    for graph in graphs:
         match = GRAPH_NAME.fullmatch(graph) if in_process else SERVER_GRAPH_NAME.fullmatch(graph)
         if match is None:
             return f"names graph {graph!r}, not {'prefill N or context N' if in_process else 'prefill N (variant)'}"
         buckets.add(int(match["size"]))
+    for graph, inputs in graphs.items():
         missing = [name for name in always if name not in inputs]
         if missing:
             return f"lists the {graph} graph without {', '.join(missing)}, which every prefill graph reads"

@@ -24,7 +24,8 @@ import pytest
 from parity.engines.sglang import versions as sglang_versions
 from parity.arms import MODES
 from parity.design import SERVER_PROFILES
-from parity.engines.sglang import cpu_patches, deepstack_slot, plugin, servers
+from parity.engines.sglang import cpu_patches, deepstack_slot, planted, plugin, servers
+from parity.engines.sglang import freshness as sglang_freshness
 
 SGLANG_VERSION = sglang_versions.NEWEST.version  # what CI's SGLang stage installs
 pytestmark = pytest.mark.network
@@ -353,6 +354,21 @@ def test_the_fix_plugin_hooks_exist_with_their_parameters(src: Source) -> None:
     assert check_text(src, deepstack_slot.RUNNER_MODULE, "_build_layer_model_forward_kwargs(",
                       "self._fill_input_embeds_slot(args, layer_kwargs, static_num_tokens)",
                       "num_deepstack_embeddings", "def _uses_eager_prefill_tail") == []
+
+
+def test_the_freshness_witness_and_the_planted_refreshes_hook_what_exists(src: Source) -> None:
+    witness = {"capture_one_shape": ("self", "size"), "execute": ("self", "forward_batch"),
+               "fill": ("self", "args", "layer_kwargs", "static_num_tokens")}
+    for key, target in sglang_freshness.TARGETS.items():
+        assert check_callable(src, target, witness[key]) == [], key
+    assert check_callable(src, planted.TARGETS["fill_from"], ("self", "forward_batch")) == []
+    assert check_callable(src, planted.TARGETS["load_batch"], ("self", "forward_batch")) == []
+    # What the witness reads: the registry's slots, the backend's replay of a bucket, the prefix variant's label.
+    assert check_text(src, deepstack_slot.RUNNER_MODULE, "self.backend.replay(shape_key, static_forward_batch",
+                      "def _chunked_prefix_variant(", "self.buffer_registry.fill_from(",
+                      "def capture_one_shape(self, size: int, *, prefix_num_chunks: int = 0)") == []
+    assert check_text(src, "sglang.srt.model_executor.cuda_graph_buffer_registry", "def slot_names(",
+                      "def get_slot(", "padded_num_tokens: int,", "skip_slots: frozenset = frozenset(),") == []
 
 
 def test_what_the_family_scenarios_read_is_there(src: Source) -> None:

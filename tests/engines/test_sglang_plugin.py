@@ -232,10 +232,13 @@ def test_inert_without_the_control_variable(tmp_path: Path) -> None:
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_register_adds_the_tap_and_the_capture_recorder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_register_adds_the_tap_the_capture_recorder_and_the_freshness_witness(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from parity.engines.sglang import freshness
+
     calls = []
     registry = types.ModuleType("sglang.srt.plugins.hook_registry")
-    registry.HookType = SimpleNamespace(AFTER="after")
+    registry.HookType = SimpleNamespace(AFTER="after", AROUND="around")
     registry.HookRegistry = SimpleNamespace(register=lambda target, hook, kind: calls.append((target, hook, kind)))
     for name in ("sglang", "sglang.srt", "sglang.srt.plugins"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
@@ -243,7 +246,8 @@ def test_register_adds_the_tap_and_the_capture_recorder(tmp_path: Path, monkeypa
     monkeypatch.setenv(plugin.ENV_VAR, str(tmp_path / "tap"))
 
     plugin.register()
-    ((target, hook, kind), (capture_target, recorder, capture_kind)) = calls
+    ((target, hook, kind), (capture_target, recorder, capture_kind), *witness) = calls
+    assert [(t, k) for t, _, k in witness] == [(t, "around") for t in freshness.TARGETS.values()]
     assert target == "sglang.srt.managers.mm_utils.prepare_mm_inputs" and kind == "after"
     assert isinstance(hook, TapHook) and hook.channel.folder == tmp_path / "tap"
     assert capture_target.endswith("PrefillCudaGraphRunner.capture") and capture_kind == "after"

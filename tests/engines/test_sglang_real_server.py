@@ -83,6 +83,15 @@ def test_released_0_5_23_drops_deepstack_in_its_own_replayed_prefill(released) -
         assert evidence["prefill_replayed"] is True and evidence["buckets"] and evidence["tap_calls"] > 0, evidence
         assert arms[name]["deepstack_record"]["nonzero_rows"] > 0
     assert all(arms[n]["evidence"]["replayed_calls"] == 0 for n in (EAGER_NORMAL, EAGER_ZERO))
+    # The freshness witness inside SGLang's runner: what the breakable graph's segments read, and the
+    # request's DeepStack never read by them, whatever the answers (design §6).
+    witnessed = {r["input"]: r for r in arms[BCG_NORMAL]["evidence"]["freshness"]}
+    assert set(witnessed) == {"input_embeds", "mrope_positions", "deepstack"}, witnessed
+    assert witnessed["deepstack"]["unwritten"] > 0 and not witnessed["deepstack"]["stale"]
+    assert all(r["stale"] + r["unwritten"] + r["miswritten"] == 0 for n, r in witnessed.items() if n != "deepstack")
+    assert all(r["stale"] + r["unwritten"] + r["miswritten"] == 0 for r in arms[BCG_ZERO]["evidence"]["freshness"])
+    reason = doc["cases"][0]["verdict"]["reason"]
+    assert "graph read deepstack rows" in reason and "freshness witness" in reason, reason
     assert len({a["deepstack_record"]["sha256"] for a in arms.values()}) == 1  # the same DeepStack in every arm
     assert arms[BCG_NORMAL]["token_ids"] == arms[BCG_ZERO]["token_ids"] == arms[EAGER_ZERO]["token_ids"]
     assert arms[EAGER_NORMAL]["token_ids"] != arms[EAGER_ZERO]["token_ids"]  # DeepStack matters in eager
@@ -128,6 +137,14 @@ def test_the_fix_plugin_passes_every_scenario_sglang_can_serve(fixed_all) -> Non
                           ("layout", "SGLANG_VIT_ENABLE_CUDA_GRAPH")):
         reason = case_of(doc, scenario)["verdict"]["reason"]
         assert "the backend cannot reach it" in reason and why in reason, reason
+    # Every replayed graph of every scenario, its inputs listed by the witness inside SGLang, each fresh.
+    watched = [a for c in doc["cases"] for group in (c, *c.get("requests", ())) for a in (group.get("arms") or {}).values()
+               if a["mode"] == "bcg" and a["evidence"]["replayed_calls"] > 0]
+    assert watched and all(a["evidence"]["freshness"] for a in watched)
+    for arm in watched:
+        records = arm["evidence"]["freshness"]
+        assert {"input_embeds", "mrope_positions", "deepstack"} <= {r["input"] for r in records}, records
+        assert all(r["stale"] + r["unwritten"] + r["miswritten"] == 0 for r in records), records
     four = arms_of(doc["cases"][0])
     assert four[BCG_NORMAL]["token_ids"] == four[EAGER_NORMAL]["token_ids"]
     assert four[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
@@ -233,6 +250,23 @@ def test_a_refresh_skipped_for_a_repeated_shape_is_caught_back_to_back(tmp_path:
     assert "request 2 of 5 (image, DeepStack zeroed)" in case.verdict.reason, case.verdict.reason
 
 
+def test_mrope_positions_left_from_the_last_batch_of_a_bucket_are_named_by_the_witness(tmp_path: Path) -> None:
+    """A refresh bug beyond DeepStack planted in SGLang's own runner (planted.py): the registry's fill
+    skips the mRoPE slot when the bucket repeats. The generation and its scoring requests replay one
+    bucket, so every replay after the first reads the rows an earlier request left: FAIL_STALE_STATE
+    naming the input, even where the positions' values are the same (the scoring request of one
+    prompt); the arm's answers then disagree with its own scores, which the witness explains."""
+    from parity.engines.sglang import planted
+    from parity.results import FOUR_ARM
+
+    (case,) = _run_with(planted.MROPE_STALE, tmp_path, "tiny-qwen3-vl", FOUR_ARM).cases
+    assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
+    assert "graph read mrope_positions rows [0, 1, 2" in case.verdict.reason, case.verdict.reason
+    bcg = next(a for a in case.arms if a.name == BCG_NORMAL)
+    stale = {r.input: r for r in bcg.evidence.freshness}
+    assert stale["mrope_positions"].stale > 0 and stale["input_embeds"].fresh and stale["deepstack"].fresh
+
+
 # --- video (design §12): decoded by decord, one file per video, scored through text ------------------------
 
 def test_a_video_replayed_by_the_released_runner_drops_deepstack(tmp_path: Path) -> None:
@@ -302,17 +336,21 @@ def test_the_released_engine_replays_omni_with_one_row_positions(tmp_path: Path)
     """Two bugs on Qwen3-Omni: DeepStack dropped, and the captured body given one-row positions where
     eager uses mRoPE (docs/engines/sglang-0.5.23.md §8), so graph and eager differ with DeepStack
     zeroed. The graph arms' answers begin with `<|audio_pad|>`, which SGLang refuses to take back to
-    be scored: those tokens are unscored, and no arm fails. (On the video the graph server's own
-    prefill and decode disagree, by the same positions, and parity's self-check makes it ERROR:
-    docs/scenarios.md.)"""
+    be scored: those tokens are unscored, and no arm fails. The freshness witness inside SGLang names
+    both, whatever the answers: the request's DeepStack and its mRoPE positions, neither read by the
+    captured body (before the witness, the answers alone said FAIL_CONTROL_DIVERGES)."""
     result, doc = parity_run(tmp_path, *OMNI[:4])
     assert result.exit_code == 1, result.output[-3000:]
     assert_self_checks_held(doc)
     assert [(c["fixture"]["name"], c["verdict"]["code"]) for c in doc["cases"]] == [
-        ("rgb-stripes", "FAIL_CONTROL_DIVERGES")]
+        ("rgb-stripes", "FAIL_DEEPSTACK_DROPPED")]
     arms = arms_of(doc["cases"][0])
     assert arms[BCG_NORMAL]["token_ids"] == arms[BCG_ZERO]["token_ids"]  # and DeepStack is dropped
     assert arms[BCG_NORMAL]["evidence"]["prefill_replayed"] is True
+    for name in (BCG_NORMAL, BCG_ZERO):
+        witnessed = {r["input"]: r for r in arms[name]["evidence"]["freshness"]}
+        assert "positions" in witnessed and witnessed["mrope_positions"]["unwritten"] > 0, witnessed
+    assert {r["input"]: r for r in arms[BCG_NORMAL]["evidence"]["freshness"]}["deepstack"]["unwritten"] > 0
     assert_no_server_left()
 
 

@@ -40,7 +40,8 @@ test-only variant that never clears (the stale-state bug the `stream` scenario m
 `deepstack-slot-skip-same-shape` one that skips the refresh when two batches in a row carry
 DeepStack of one shape (what the stream's normal and zeroed requests of one image reach, back to
 back), and `deepstack-slot-wrapper-width` one that sizes the slot from the served model alone (no
-slot for Qwen3-Omni's wrapper). Nothing here depends on the device: with real CUDA graphs on a GPU the same hooks bind the
+slot for Qwen3-Omni's wrapper); planted.py holds the variants that break a refresh beyond
+DeepStack. Nothing here depends on the device: with real CUDA graphs on a GPU the same hooks bind the
 same slot.
 """
 
@@ -55,7 +56,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
-from parity.engines.sglang import versions
+from parity.engines.sglang import planted, versions
 from parity.runner.slot_contract import refresh
 
 ENV_FIX = "PARITY_SGLANG_FIX"
@@ -67,7 +68,7 @@ SKIP_SAME_SHAPE = "deepstack-slot-skip-same-shape"
 # test-only: the slot sized from the served model's own count, as a fix blind to sub-models would size
 # it: Qwen3-Omni's wrapper has none, so it gets no slot and its DeepStack is dropped (the seed's warning).
 WRAPPER_WIDTH = "deepstack-slot-wrapper-width"
-VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE, WRAPPER_WIDTH)
+VARIANTS = (FIX, NO_CLEAR, SKIP_SAME_SHAPE, WRAPPER_WIDTH, *planted.VARIANTS)
 
 RUNNER_MODULE = "sglang.srt.model_executor.runner.prefill_cuda_graph_runner"
 RUNNER_CLASS = f"{RUNNER_MODULE}.PrefillCudaGraphRunner"
@@ -230,6 +231,12 @@ class DeepStackSlotFix:
             return result
         holder = deepstack_holder(runner.model_runner.model)
         return mrope if getattr(holder, "is_mrope_enabled", False) else result
+
+    def register_planted(self) -> None:
+        """A test-only refresh bug beyond DeepStack (planted.py); registered before parity's other
+        hooks, so that it skips SGLang's own copy and nothing of parity's around it."""
+        if self.variant in planted.VARIANTS:
+            planted.SkippedFill(self.variant).register()
 
     def register(self) -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType

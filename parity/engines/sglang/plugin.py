@@ -178,6 +178,8 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if fix is not None:
+        fix.register_planted()  # first: the innermost wrapper of SGLang's own refresh
     if hook is not None:
         from parity.engines.sglang.freshness import SGLangFreshness
 
