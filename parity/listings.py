@@ -95,7 +95,10 @@ def models(ctx: click.Context) -> None:
               show_default=True, help="auto: as `parity run` would load it (bfloat16 for a shape preset on a GPU).")
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Build from this seed instead of the preset's own.")
-def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | None) -> None:
+@click.option("--deepstack-scale", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
+              help="Scale what the DeepStack mergers add (e.g. 1e-4: a checkpoint whose DeepStack barely moves "
+                   "the answer, where only the freshness witness tells a drop).")
+def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | None, deepstack_scale: float) -> None:
     """Save preset NAME as a checkpoint folder (config, safetensors shards, tokenizer, processor), for
     `parity run --model FOLDER`: the path a user's own checkpoint takes."""
     from parity.presets import PRESETS, gib, misspelled_preset
@@ -115,7 +118,7 @@ def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | Non
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, PRESETS[name].shape is None)
     try:
-        written = save(name, folder, torch_device, torch_dtype, seed)
+        written = save(name, folder, torch_device, torch_dtype, seed, deepstack_scale)
     except OSError as err:
         if created:
             shutil.rmtree(folder, ignore_errors=True)

@@ -98,13 +98,18 @@ def build(preset: TinyPreset, device: torch.device, dtype: torch.dtype, named: s
     return build_model(preset, tokenizer, device=device, dtype=dtype), build_processor(tokenizer, preset)
 
 
-def save(name: str, folder: Path, device: torch.device, dtype: torch.dtype, seed: int | None = None) -> Path:
+def save(name: str, folder: Path, device: torch.device, dtype: torch.dtype, seed: int | None = None,
+         deepstack_scale: float = 1.0) -> Path:
     """The preset as a checkpoint folder a user's `--model DIR` loads: config, safetensors shards,
-    tokenizer and processor."""
+    tokenizer and processor; `deepstack_scale` scales what its DeepStack mergers add."""
     preset = PRESETS[name]
     if seed is not None:
         preset = replace(preset, seed=seed)
     model, processor = build(preset, device, dtype, named=f"NAME {name}")
+    if deepstack_scale != 1.0:
+        from parity.models.tiny import scale_deepstack
+
+        scale_deepstack(model, deepstack_scale)
     from transformers.utils import logging as hf_logging
 
     folder.mkdir(parents=True, exist_ok=True)

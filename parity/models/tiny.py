@@ -276,6 +276,16 @@ def _route_deepstack_through_a_channel(model) -> None:
             layer.mlp.down_proj.weight[channel] = 0
 
 
+@torch.no_grad()
+def scale_deepstack(model, factor: float) -> None:
+    """Scale what every DeepStack merger adds to the language model by `factor` (its output
+    projection, weight and bias): a checkpoint whose DeepStack barely moves the answer, where only
+    the freshness witness can tell a dropped DeepStack (design §6)."""
+    for merger in _deepstack_mergers(vision_language_core(model).visual):
+        _last_linear(merger).weight.mul_(factor)
+        _last_linear(merger).bias.mul_(factor)
+
+
 def _last_linear(merger) -> torch.nn.Linear:
     """A patch merger's output projection (`linear_fc2` in Qwen3-VL, `mlp[2]` in Qwen3-Omni)."""
     return merger.linear_fc2 if hasattr(merger, "linear_fc2") else merger.mlp[-1]

@@ -228,3 +228,39 @@ def test_a_grown_buffer_keeps_its_rows_writers_and_a_graph_left_on_the_old_one_i
 
 def test_supplied_rows_count_along_the_token_axis():
     assert Supplied(torch.zeros(3, 7), token_axis=1).rows == 7 and Supplied(torch.zeros(5, WIDTH)).rows == 5
+
+
+# --- power from the witness: a checkpoint whose DeepStack does not move the answer ------------------------
+
+@pytest.fixture(scope="module")
+def weak_deepstack(tmp_path_factory):
+    """tiny-qwen3-vl saved with its DeepStack mergers scaled by 1e-8 (`parity models save
+    --deepstack-scale`): the features stay non-zero, their effect on the answer is far below any
+    dtype's tolerance."""
+    from click.testing import CliRunner
+
+    from parity.cli import cli
+
+    folder = tmp_path_factory.mktemp("weak") / "checkpoint"
+    result = CliRunner().invoke(cli, ["models", "save", "tiny-qwen3-vl", str(folder), "--device", "cpu",
+                                      "--dtype", "float32", "--deepstack-scale", "1e-8"], prog_name="parity")
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+def _weak_run(folder, runner: str, dtype: str):
+    from parity.models import load_model
+
+    return _run(load_model(str(folder), device="cpu", dtype=dtype), runner, "four-arm")
+
+
+def test_without_power_the_answers_prove_nothing(weak_deepstack) -> None:
+    (case,) = _weak_run(weak_deepstack, "fixed", "float32").cases
+    assert case.verdict.code == "INCONCLUSIVE_NO_POWER", case.verdict.reason
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_without_power_the_witness_still_fails_a_runner_that_drops_deepstack(weak_deepstack, dtype: str) -> None:
+    (case,) = _weak_run(weak_deepstack, "legacy", dtype).cases
+    assert case.verdict.code == "FAIL_DEEPSTACK_DROPPED", case.verdict.reason
+    assert "graph read deepstack rows" in case.verdict.reason and "freshness witness" in case.verdict.reason
