@@ -147,9 +147,8 @@ class SGLangFreshness:
     def _state(self, runner: Any) -> _RunnerState:
         state = getattr(runner, _STATE, None)
         if state is None:
-            from parity.runner.freshness import FreshnessWitness
-
             from parity.engines.sglang.deepstack_slot import deepstack_holder
+            from parity.runner.freshness import FreshnessWitness
 
             state = _RunnerState(FreshnessWitness(_engine_state(runner), _held(runner)), _slots(runner),
                                  deepstack_holder(runner.model_runner.model) is not None)
@@ -226,7 +225,7 @@ class SGLangFreshness:
         label = graph_label(shape_key.size, shape_key.variant_label)
         # What the graph read, and what it must read whenever the batch supplies it: DeepStack, and the
         # mRoPE positions eager attention rotates by (a body given one-row positions drops them).
-        judged = {i.name for i in state.witness.inputs(label)} | {DEEPSTACK, "mrope_positions"}
+        judged = dict.fromkeys([*(i.name for i in state.witness.inputs(label)), DEEPSTACK, "mrope_positions"])
         supplied = {}
         for name in judged:
             live = state.live.get(name)
