@@ -96,8 +96,8 @@ def models(ctx: click.Context) -> None:
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Build from this seed instead of the preset's own.")
 @click.option("--deepstack-scale", type=click.FloatRange(0.0, 1.0), default=1.0, show_default=True,
-              help="Scale what the DeepStack mergers add (e.g. 1e-4: a checkpoint whose DeepStack barely moves "
-                   "the answer, where only the freshness witness tells a drop).")
+              help="Scale what the DeepStack mergers add (1e-8: a checkpoint whose DeepStack cannot move the "
+                   "answer, where only the freshness witness tells a drop; 0 leaves nothing to drop).")
 def save_model(name: str, folder: Path, device: str, dtype: str, seed: int | None, deepstack_scale: float) -> None:
     """Save preset NAME as a checkpoint folder (config, safetensors shards, tokenizer, processor), for
     `parity run --model FOLDER`: the path a user's own checkpoint takes."""

@@ -22,7 +22,7 @@ from parity.backends.protocol import Generation, Request
 from parity.engines import launcher
 from parity.engines.channel import TapChannel, TapEntry
 from parity.engines.flags import flag_values
-from parity.engines.evidence import EvidenceFault, TaggedRequest, arm_evidence, check_fired, processes
+from parity.engines.evidence import EvidenceFault, Replays, TaggedRequest, arm_evidence, check_fired, processes
 from parity.engines.http import ServerRejected, ServerUnreachable, get_json, post_admin
 from parity.engines.placement import LaunchPlan, Placement
 from parity.engines.pool import Server, ServerPool, post_tagged
@@ -67,7 +67,7 @@ class EngineBackend(abc.ABC):
         self._identity: ModelIdentity | None = None
         self.plan = self.plan_launch(MODES)  # refuses impossible GPU combinations before any start
         self.tag_images: dict[str, str | None] = {}  # every tag sent -> the sha256 of its image
-        self.witnessed: dict[str, list] = {}  # every tag sent -> the freshness witness's records of its replays
+        self.witnessed: dict[str, Replays] = {}  # every tag sent -> the freshness witness's records of its replays
         self.pool = ServerPool(self._start, self._probe, settings.ready_timeout, settings.ready_poll,
                                settings.stop_grace, self.explain_exit)
         self._modes: tuple[str, ...] = MODES

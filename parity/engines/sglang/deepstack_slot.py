@@ -40,7 +40,7 @@ test-only variant that never clears (the stale-state bug the `stream` scenario m
 `deepstack-slot-skip-same-shape` one that skips the refresh when two batches in a row carry
 DeepStack of one shape (what the stream's normal and zeroed requests of one image reach, back to
 back), and `deepstack-slot-wrapper-width` one that sizes the slot from the served model alone (no
-slot for Qwen3-Omni's wrapper); planted.py holds the variants that break a refresh beyond
+slot for Qwen3-Omni's wrapper); planted.py holds the variant that breaks a refresh beyond
 DeepStack. Nothing here depends on the device: with real CUDA graphs on a GPU the same hooks bind the
 same slot.
 """
