@@ -79,20 +79,23 @@ class RecordedOp:
 def _record(func, args: tuple, kwargs: dict, out: Any) -> RecordedOp:
     schema = func._schema
     writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
-    views = bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
     tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
     if writes:
         # In place or out=: its result aliases the operand it wrote, so running it again is the replay.
         return RecordedOp(func, args, kwargs, (), True)
-    if (views and aliases_an_operand(tensors, args, kwargs)) or schema.name in _ALLOCATIONS or not tensors:
+    if returned_views(func, args, kwargs, tensors) or schema.name in _ALLOCATIONS or not tensors:
         return RecordedOp(func, args, kwargs, (), False)
     return RecordedOp(func, args, kwargs, tensors, True)
 
 
-def aliases_an_operand(outputs: tuple[torch.Tensor, ...], args: tuple, kwargs: dict) -> bool:
-    """Whether every output really shares memory with an operand. Ops such as `to`, `reshape` and
-    `contiguous` may alias by their schema yet return a copy (a dtype change, a non-contiguous
-    input): those are kernels the graph re-runs, not views of captured memory."""
+def returned_views(func, args: tuple, kwargs: dict, outputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether an op returned views of its operands: its schema says every return aliases one (and
+    none is written in place), and every output really shares memory with an operand. Ops such as
+    `to`, `reshape` and `contiguous` may alias by their schema yet return a copy (a dtype change, a
+    non-contiguous input): those are kernels that read their operand, not views of its memory."""
+    returns = func._schema.returns
+    if not returns or any(r.alias_info is None or r.alias_info.is_write for r in returns):
+        return False
     operands = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     return all(t.untyped_storage().data_ptr() in operands for t in outputs)
 

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from parity.evidence import FIRST_OFFENDING_ROWS, InputFreshness
-from parity.runner.emulated_graph import aliases_an_operand
+from parity.runner.emulated_graph import returned_views
 from parity.row_owners import RowOwners
 
 
@@ -71,15 +71,6 @@ class _Watched:
         return range(first, last + 1) if first <= last else range(rows)
 
 
-def _is_view(func, args: tuple, kwargs: dict, out: Any) -> bool:
-    """An op that returned views of its operands (`to` or `reshape` may alias by their schema yet
-    return a copy, which read the data)."""
-    returns = func._schema.returns
-    if not returns or any(r.alias_info is None or r.alias_info.is_write for r in returns):
-        return False
-    return aliases_an_operand(tuple(_tensors(out)), args, kwargs)
-
-
 # Ops whose first operand is only written: their destination is not read.
 _WRITE_ONLY = frozenset({"aten::copy_", "aten::fill_", "aten::zero_"})
 
@@ -100,7 +91,7 @@ class _Reads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _is_view(func, args, kwargs, out):  # a view reads no data: the ops on it do
+        if returned_views(func, args, kwargs, tuple(_tensors(out))):  # a view reads no data: the ops on it do
             return out
         if self.recording():
             operands = args[1:] if func._schema.name in _WRITE_ONLY else args
@@ -239,6 +230,17 @@ class FreshnessWitness:
             offending.append(row)
         return InputFreshness(graph, watched.name, 1, rows, len(stale), unwritten, miswritten,
                               tuple(offending[:FIRST_OFFENDING_ROWS]), watched.owners.named(stale) if stale else None)
+
+
+def padded(live: torch.Tensor | None, buffer: torch.Tensor, rows: int, token_axis: int = 0) -> torch.Tensor:
+    """What a correct refresh leaves in the first `rows` token rows of `buffer`: the live rows, then
+    zeros (None: a request that supplies nothing there)."""
+    shape = list(buffer.shape)
+    shape[token_axis] = rows
+    content = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
+    if live is not None:
+        content.narrow(token_axis, 0, live.shape[token_axis]).copy_(live)
+    return content
 
 
 def _any_per_row(mask: torch.Tensor, token_axis: int) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch import nn
 
 from parity.evidence import InputFreshness
 from parity.runner import emulated_graph, slot_contract
-from parity.runner.freshness import FreshnessWitness, Supplied
+from parity.runner.freshness import FreshnessWitness, Supplied, padded
 from parity.runner.lm_body import ConsumesDeepStack, Past, fill_past_mask
 
 Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is the bucket's rows
@@ -395,12 +395,6 @@ class PrefillGraphRunner:
         bucket = self.bucket_for(num_tokens)
         past_rows = None if past is None else past.keys.shape[0]
         must = self.must_write(num_tokens, bucket, past_rows)
-
-        def padded(live: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
-            content = torch.zeros(rows, like.shape[1], dtype=like.dtype, device=like.device)
-            if live is not None:
-                content[:live.shape[0]] = live
-            return content
 
         supplied: dict[str, Supplied | None] = {
             "input_embeds": Supplied(padded(input_embeds, self._embeds.buffer, must["input_embeds"])),

@@ -249,6 +249,7 @@ def one_bound_per_graph(run: RunResult) -> None:
 # What every captured prefill body reads from outside the graph, whatever the model (design §6); a
 # server's body reads its embeddings, and its positions by the engine's name for them.
 ALWAYS_READ = ("input_embeds", "positions")
+SERVER_ALWAYS_READ = ("input_embeds",)
 GRAPH_NAME = re.compile(r"(prefill|context) (?P<size>\d{1,7})")
 SERVER_GRAPH_NAME = re.compile(r"prefill (?P<size>\d{1,7})( \([\w:.-]{1,64}\))?")
 
@@ -268,7 +269,7 @@ def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, p
     counted = [r for r in records if r.poisoned is not None]
     if not poison and counted:
         return f"counts poisoned rows of {counted[0].input}, but the run did not poison its slots"
-    always = ALWAYS_READ if in_process else ALWAYS_READ[:1]
+    always = ALWAYS_READ if in_process else SERVER_ALWAYS_READ
     if poison and any(r.poisoned is None for r in records if r.input in always):
         return f"lacks the poisoned rows of {', '.join(always)}, which a run with --poison counts"
     graphs: dict[str, dict[str, int]] = {}

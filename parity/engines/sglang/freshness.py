@@ -180,10 +180,12 @@ class SGLangFreshness:
             self._close(state)
 
     @staticmethod
-    def _close(state: _RunnerState) -> None:
+    def _close(state: _RunnerState) -> bool:
+        """End the batch's write window; False: none was open (it ended at the replay already)."""
         writes, state.writes = state.writes, None
         if writes is not None:
             writes.__exit__(None, None, None)
+        return writes is not None
 
     def around_fill(self, original, runner, args, layer_kwargs, static_num_tokens, *rest, **kwargs):
         state = getattr(runner, _STATE, None)
@@ -209,9 +211,9 @@ class SGLangFreshness:
 
         @functools.wraps(replay)
         def checked_replay(shape_key, static_forward_batch, *args, **kwargs):
-            writes, state.writes = state.writes, None
-            if writes is not None:  # the batch's writes end where the graph starts reading
-                writes.__exit__(None, None, None)
+            # The batch's writes end where the graph starts reading; a forward parity did not send
+            # (the engine's warm-up) leaves its writers, but nobody reads its records.
+            if self._close(state) and state.live["tag"] != UNSENT:
                 self._check(runner, state, shape_key, len(static_forward_batch.input_ids))
             return replay(shape_key, static_forward_batch, *args, **kwargs)
 
@@ -220,7 +222,7 @@ class SGLangFreshness:
     def _check(self, runner: Any, state: _RunnerState, shape_key: Any, bucket: int) -> None:
         import torch
 
-        from parity.runner.freshness import Supplied
+        from parity.runner.freshness import Supplied, padded
 
         label = graph_label(shape_key.size, shape_key.variant_label)
         # What the graph read, and what it must read whenever the batch supplies it: DeepStack, and the
@@ -235,15 +237,13 @@ class SGLangFreshness:
                 live = None if ids is None or embed is None else embed()(ids)
             if name in state.slots and (live is not None or name == DEEPSTACK):
                 buffer, axis = state.slots[name]
-                supplied[name] = Supplied(_padded(live, buffer, axis, bucket), axis)
+                supplied[name] = Supplied(padded(live, buffer, bucket, axis), axis)
             elif live is not None:  # no slot holds it: what the graph drops
                 supplied[name] = Supplied(live, 1 if name == "mrope_positions" else 0)
             elif name == DEEPSTACK and state.deepstack_model:  # none supplied, none read: listed all the same
                 supplied[name] = Supplied(torch.zeros(0))
         records = state.witness.check(label, label, supplied)
-        tag = state.live.get("tag", UNSENT)
-        if tag != UNSENT:
-            self.channel.append_freshness(tag, os.getpid(), process_role(), records)
+        self.channel.append_freshness(state.live["tag"], os.getpid(), process_role(), records)
 
     def register(self) -> None:
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -251,17 +251,4 @@ class SGLangFreshness:
         HookRegistry.register(TARGETS["capture_one_shape"], self.around_capture_one_shape, HookType.AROUND)
         HookRegistry.register(TARGETS["execute"], self.around_execute, HookType.AROUND)
         HookRegistry.register(TARGETS["fill"], self.around_fill, HookType.AROUND)
-
-
-def _padded(live: Any, buffer: Any, axis: int, bucket: int) -> Any:
-    """The bucket's rows as a correct refresh leaves them: the live rows, then zeros."""
-    import torch
-
-    shape = list(buffer.shape)
-    shape[axis] = bucket
-    content = torch.zeros(shape, dtype=buffer.dtype, device=buffer.device)
-    if live is not None:
-        rows = min(live.shape[axis] if live.dim() > axis else live.shape[0], bucket)
-        content.narrow(axis, 0, rows).copy_(live.narrow(axis, 0, rows).reshape(content.narrow(axis, 0, rows).shape))
-    return content
 
