@@ -30,6 +30,9 @@ CONTROL_FILE = "control.json"
 RECORDS_FILE = "records.jsonl"
 CAPTURES_FILE = "captures.jsonl"  # one line per graph capture a server ran (its buckets)
 FRESHNESS_FILE = "freshness.jsonl"  # one line per graph replay the freshness witness held (design §6)
+# Set to "off" in a server's environment: the engines' freshness witness watches nothing (what
+# scripts/bench_witness.py pairs against it to measure its cost; the answers still judge).
+FRESHNESS_OFF_ENV = "PARITY_FRESHNESS"
 CONTROL_MODES = ("record", "zero")
 
 

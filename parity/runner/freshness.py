@@ -45,10 +45,16 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 class Supplied:
     """What a correct runner leaves in an input's buffer for this replay: `content` fills the
     buffer's leading corner of the same shape (rows along `token_axis`), and every one of those rows
-    must be this request's write. Rows past it may hold anything (the design argues which)."""
+    must be this request's write. Rows past it may hold anything (the design argues which).
+
+    `by_content`: only rows holding other values than `content` offend. For a runner whose refresh
+    writes through kernels no op-level watch sees (vLLM's Triton preparation, on a GPU as on a CPU),
+    an unseen write and no write look alike; a row is then judged by what it holds, and its last
+    seen writer only names who left it."""
 
     content: torch.Tensor
     token_axis: int = 0
+    by_content: bool = False
 
     @property
     def rows(self) -> int:
@@ -145,6 +151,10 @@ class FreshnessWitness:
         self._watched: dict[int, _Watched] = {}
         self._inputs: dict[Any, tuple[GraphInput, ...]] = {}
 
+    def known(self, name: str, tensor: torch.Tensor) -> None:
+        """Name `tensor` where a graph reads it (listed, not judged): one made after the witness was."""
+        self._known[_storage(tensor)] = name
+
     def watch(self, name: str, buffer: torch.Tensor, token_axis: int = 0,
               grown_from: torch.Tensor | None = None) -> None:
         """Hold `buffer` as the input `name`. `grown_from`: the buffer it replaces, whose contents
@@ -192,6 +202,19 @@ class FreshnessWitness:
         with _Writes(self._watched):
             yield
 
+    def snapshot(self) -> dict[int, torch.Tensor]:
+        """Every watched buffer's contents, for `changed_since` at the end of a write window."""
+        return {storage: w.buffer.clone() for storage, w in self._watched.items()}
+
+    def changed_since(self, snapshot: Mapping[int, torch.Tensor]) -> None:
+        """Rows of watched buffers that hold other values than in `snapshot` were written by the
+        write in hand, whoever wrote them: a kernel launch no op-level watch sees (Triton's)."""
+        for storage, before in snapshot.items():
+            watched = self._watched[storage]
+            rows = _any_per_row(watched.buffer != before, watched.token_axis).nonzero().flatten().tolist()
+            for row in rows:
+                watched.owners.wrote(row + 1, row)
+
     def check(self, key: Any, graph: str, supplied: Mapping[str, Supplied | None]) -> tuple[InputFreshness, ...]:
         """After a replay of graph `key`: per input it read, and per input the request supplied that
         it never read, the rows that offend. `supplied[name]` None: the request supplies nothing
@@ -218,6 +241,8 @@ class FreshnessWitness:
         current = watched.owners.current
         stale, unwritten, miswritten, offending = [], 0, 0, []
         for row in range(rows):
+            if expected.by_content and not differs[row]:
+                continue
             writer = watched.owners.owner(row)
             if writer is not None and writer != current:
                 stale.append(row)

@@ -251,7 +251,9 @@ def one_bound_per_graph(run: RunResult) -> None:
 ALWAYS_READ = ("input_embeds", "positions")
 SERVER_ALWAYS_READ = ("input_embeds",)
 GRAPH_NAME = re.compile(r"(prefill|context) (?P<size>\d{1,7})")
-SERVER_GRAPH_NAME = re.compile(r"prefill (?P<size>\d{1,7})( \([\w:.-]{1,64}\))?")
+# A server names its graphs by step kind, token count and, where it has one, its variant or mode:
+# SGLang's "prefill 48 (chunked_prefix:1)", vLLM's "prefill 48 (full)" and "decode 1 (full)".
+SERVER_GRAPH_NAME = re.compile(r"(?P<kind>prefill|decode) (?P<size>\d{1,7})( \([\w:.-]{1,64}\))?")
 
 
 def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, poison: bool) -> str | None:
@@ -279,8 +281,9 @@ def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, p
     for graph in graphs:
         match = GRAPH_NAME.fullmatch(graph) if in_process else SERVER_GRAPH_NAME.fullmatch(graph)
         if match is None:
-            return f"names graph {graph!r}, not {'prefill N or context N' if in_process else 'prefill N (variant)'}"
-        buckets.add(int(match["size"]))
+            return f"names graph {graph!r}, not {'prefill N or context N' if in_process else 'prefill|decode N (variant)'}"
+        if in_process or match["kind"] == "prefill":  # the arm's buckets are its prefills'
+            buckets.add(int(match["size"]))
     for graph, inputs in graphs.items():
         missing = [name for name in always if name not in inputs]
         if missing:

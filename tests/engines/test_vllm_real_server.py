@@ -19,6 +19,7 @@ import pytest
 
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO
 from parity.engines.vllm import deepstack_clear, servers, versions
+from parity.engines.vllm.freshness import STANDIN_METADATA
 from tests.engines.servers import installed, real_vllm_marks
 
 _FOUND = installed("vllm")
@@ -79,8 +80,9 @@ def test_released_leaks_an_images_deepstack_into_later_text_requests(tmp_path_fa
     codes = {c["scenario"]: c["verdict"]["code"] for c in core_cases(doc)}
     assert codes == {"four-arm": "PASS", "reuse": "FAIL_STALE_STATE", "stream": "FAIL_STALE_STATE"}
     stream = next(c for c in doc["cases"] if c["scenario"] == "stream")
-    assert "(text only)" in stream["verdict"]["reason"] and "left in the engine's buffer by request 3" in \
-        stream["verdict"]["reason"], stream["verdict"]
+    # The freshness witness names the input, the rows and the request that left them.
+    assert "(text only)" in stream["verdict"]["reason"] and "read deepstack rows [6, 7, 8" in stream["verdict"]["reason"] \
+        and "that request 3 (twin image" in stream["verdict"]["reason"], stream["verdict"]
     text_only = next(r for r in stream["requests"] if r["fixture"] is None)
     graph = next(a for a in text_only["arms"].values() if a["mode"] == "bcg")
     eager = next(a for a in text_only["arms"].values() if a["mode"] == "eager")
@@ -146,8 +148,8 @@ def test_released_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_fa
     assert codes == {"four-arm": "PASS", **dict.fromkeys(leaked, "FAIL_STALE_STATE"),
                      "layout": "INCONCLUSIVE_NOT_REPLAYED"}, codes
     reasons = {c["scenario"]: c["verdict"]["reason"] for c in doc["cases"]}
-    assert "request 1 of 3 (image, in chunks)" in reasons["chunked"] and "by its own earlier steps" in reasons["chunked"]
-    assert "request 2 of 3 (image, question extended" in reasons["prefix"] and "by request 1 (" in reasons["prefix"]
+    assert "request 1 of 3 (image, in chunks)" in reasons["chunked"] and "that its own earlier steps left" in reasons["chunked"]
+    assert "request 2 of 3 (image, question extended" in reasons["prefix"] and "that request 1 (" in reasons["prefix"]
     assert "served before this one was scored" in reasons["warmup"], reasons["warmup"]
     assert UNREACHABLE["layout"] in reasons["layout"]
 
@@ -180,7 +182,7 @@ def test_the_shrinking_stream_reads_the_long_request_s_tail_and_the_fix_clears_i
     case = case_of(released, "shrink")
     reason = case["verdict"]["reason"]
     assert case["verdict"]["code"] == "FAIL_STALE_STATE", case["verdict"]
-    assert reason.startswith("request 3 of 3 (text only") and "by request 1 (large image" in reason, reason
+    assert reason.startswith("request 3 of 3 (text only") and "that request 1 (large image" in reason, reason
     text = next(a for a in case["requests"][2]["arms"].values() if a["mode"] == "bcg" and a["deepstack"] == "normal")
     assert text["evidence"]["prefill_replayed"] is True  # the text request replayed, in the large image's bucket
     _, _, fixed = run_of(tmp_path_factory, "full", fixed=True)
@@ -337,4 +339,54 @@ def test_a_clear_that_skips_the_omni_thinker_is_caught(tmp_path: Path) -> None:
     (case,) = result.cases
     assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
     assert "(text only)" in case.verdict.reason, case.verdict.reason
+    assert_no_server_left()
+
+
+# The freshness witness (design §6, "Inside vLLM"): what a FULL graph of tiny-qwen3-vl reads on this CPU.
+JUDGED = {"input_embeds", "mrope_positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table[0]", "deepstack"}
+
+
+def test_the_witness_lists_every_input_of_every_replayed_graph_and_the_fix_keeps_each_fresh(tmp_path_factory) -> None:
+    _, _, doc = run_of(tmp_path_factory, "full", fixed=True)
+    four = doc["cases"][0]["arms"][BCG_NORMAL]["evidence"]["freshness"]
+    graphs = {r["graph"] for r in four}
+    assert {g.split(" (")[0].split()[0] for g in graphs} == {"prefill", "decode"} and all(g.endswith("(full)") for g in graphs)
+    for graph in graphs:
+        inputs = {r["input"] for r in four if r["graph"] == graph}
+        assert JUDGED <= inputs, (graph, inputs)
+        assert inputs - JUDGED <= {STANDIN_METADATA}, inputs  # the stand-in attention's, listed
+    for case in doc["cases"]:
+        for request in case.get("requests") or [case]:
+            for arm in request["arms"].values():
+                stale = [r for r in (arm.get("evidence") or {}).get("freshness", ()) if r["stale"] + r["unwritten"] + r["miswritten"]]
+                assert not stale, (case["id"], arm.get("name"), stale)
+
+
+@pytest.mark.parametrize("variant, name", [("deepstack-clear-mrope-stale", "mrope_positions"),
+                                           ("deepstack-clear-embeds-stale", "input_embeds")])
+def test_a_refresh_planted_stale_in_vllms_runner_is_caught_and_named_by_the_witness(tmp_path: Path, variant, name) -> None:
+    from parity.arms import select_arms
+    from parity.backends.options import BackendOptions
+    from parity.media.catalog import builtin_fixture
+    from parity.media.fixtures import default_prompts
+    from parity.registry import create_backend
+    from parity.run.experiment import run_experiment
+    from parity.run.planning import CaseSpec, RunSpec
+
+    fixture = builtin_fixture("rgb-stripes")
+    spec = RunSpec(model="tiny-qwen3-vl", arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
+                   scenarios=("four-arm",), max_new_tokens=MAX_NEW_TOKENS)
+    # The CLI offers the fix proper only: the test-only variant goes to the backend directly.
+    options = BackendOptions(name="vllm", model="tiny-qwen3-vl", device="cpu",
+                             engine={"vllm_fix": variant, "graph_mode": "full"})
+    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
+    try:
+        result = run_experiment(spec, backend, warn=lambda _: None)
+    finally:
+        backend.close()
+    (case,) = result.cases
+    assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
+    assert f"read {name} rows" in case.verdict.reason and "freshness witness" in case.verdict.reason
+    offending = {r.input for arm in case.all_arms() if arm.evidence for r in arm.evidence.freshness if not r.fresh}
+    assert offending == {name}, offending  # the planted input alone
     assert_no_server_left()

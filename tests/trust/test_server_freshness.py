@@ -27,12 +27,15 @@ def test_a_watched_server_s_records_pass_in_its_own_names() -> None:
     assert judged(arm(fresh(), fresh(name="mrope_positions"), fresh(name="deepstack"))) is None
     assert judged(arm(fresh("prefill 8"), fresh("prefill 8 (chunked_prefix:1)"), buckets=(8,))) is None
     assert judged(arm()) is None  # a witness that recorded nothing: the answers judge
+    # vLLM's: its mode in the name, and decode graphs beside the prefill buckets the arm replayed in
+    assert judged(arm(fresh("prefill 48 (full)"), fresh("decode 1 (full)", replays=7))) is None
 
 
 @pytest.mark.parametrize("evidence, server_witness, says", [
     (arm(fresh(), replayed=0, buckets=()), True, "only an arm whose replays parity watched has one"),
     (arm(fresh()), False, "only an arm whose replays parity watched has one"),
-    (arm(fresh("decode 1"), buckets=(1,)), True, "names graph 'decode 1'"),
+    (arm(fresh("context 1"), buckets=(1,)), True, "names graph 'context 1'"),
+    (arm(fresh("decode 1 (full)")), True, "covers the graphs of buckets none, but the arm replayed in [48]"),
     (arm(fresh(name="mrope_positions")), True, "without input_embeds"),
     (arm(fresh(), fresh(name="deepstack", replays=1)), True, "counts other replays of the prefill 48 graph"),
     (arm(fresh("prefill 64")), True, "covers the graphs of buckets [64], but the arm replayed in [48]"),

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from parity.engines.channel import TapChannel, TapEntry, process_role
+from parity.engines.channel import FRESHNESS_OFF_ENV, TapChannel, TapEntry, process_role
 
 if TYPE_CHECKING:  # imported lazily below: an inactive plugin must not pull in torch
     from parity.evidence import DeepStackRecord
@@ -185,6 +185,7 @@ def register() -> None:
 
         HookRegistry.register(HOOK_TARGET, hook, HookType.AFTER)
         HookRegistry.register(CAPTURE_TARGET, CaptureRecorder(hook.channel), HookType.AFTER)
-        SGLangFreshness(hook.channel).register()
+        if os.environ.get(FRESHNESS_OFF_ENV) != "off":  # off: scripts/bench_witness.py measures what it costs
+            SGLangFreshness(hook.channel).register()
     if fix is not None:
         fix.register()

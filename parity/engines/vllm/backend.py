@@ -28,7 +28,7 @@ from parity.engines.pool import Server
 from parity.engines.prompts import MediaFiles
 from parity.engines.fix_records import read_records
 from parity.engines.settings import EnginePackage, check_cpu_placement, resolve_graph_backend
-from parity.engines.vllm import client, cpu_ops, cpu_patches, deepstack_clear, plugin, versions
+from parity.engines.vllm import client, cpu_ops, cpu_patches, deepstack_clear, planted, plugin, versions
 from parity.engines.vllm.servers import (
     CACHE_FLUSH_PATH, READY_PATH, VllmSettings, cpu_compile, environment_of, graph_mode, mode_cudagraph,
     plan_launch, server_env, server_flags, split_vllm_args,
@@ -43,7 +43,8 @@ PACKAGE = EnginePackage("vllm", "vLLM", versions.NEWEST.version, "vllm", plugin.
 VIDEO_FPS = 2.0
 # Where the fix wraps vLLM (plugin.TARGETS with a fix wrapper): the model process must report the step
 # and a DeepStack setter (each model's points are wrapped when its module is imported: the served model's are).
-FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS if t.fix_wrapper and not t.of_a_model)
+FIX_POINTS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS
+                   if t.fix_wrapper and not t.of_a_model and not t.fix_wrapper.startswith("planted."))
 FIX_SETTERS = tuple(f"{t.cls}.{t.method}" for t in plugin.TARGETS
                     if t.fix_wrapper and t.of_a_model and t.method in plugin.SETTERS)
 
@@ -142,7 +143,8 @@ class VllmBackend(EngineBackend):
         if any(r.stood_aside for r in records):  # the report says so (fix_records.stood_aside_note)
             return None
         wrapped = {r.note for r in records}
-        missing = [t for t in FIX_POINTS if f"wrapped {t}" not in wrapped]
+        points = (*FIX_POINTS, *((planted.POINTS[fix],) if fix in planted.POINTS else ()))  # and a plant's own
+        missing = [t for t in points if f"wrapped {t}" not in wrapped]
         if not any(f"wrapped {t}" in wrapped for t in FIX_SETTERS):
             missing.append(f"a DeepStack setter ({', '.join(FIX_SETTERS)})")
         if missing:

@@ -82,10 +82,23 @@ def weak_ref_tensor(tensor):
     return tensor.view(tensor.shape)
 
 
+_SCHEDULER_METADATA: list = []  # what get_scheduler_metadata made since the freshness witness last asked
+
+
 def get_scheduler_metadata(*args: Any):
     import torch
 
-    return torch.zeros(1, dtype=torch.int32)
+    made = torch.zeros(1, dtype=torch.int32)
+    _SCHEDULER_METADATA.append(made)
+    return made
+
+
+def scheduler_metadata_made() -> list:
+    """The stand-in scheduler metadata made since the last call (the freshness witness names it: a
+    FULL graph's attention reads the one made at capture as an argument, and the stand-in ignores it)."""
+    made = list(_SCHEDULER_METADATA)
+    _SCHEDULER_METADATA.clear()
+    return made
 
 
 def _check_kv_dtype(op: str, kv_cache_dtype: str) -> None:

@@ -44,14 +44,14 @@ from typing import Any, Callable, Mapping
 
 from parity.engines.after_import import around
 from parity.engines.fix_records import FixRecord, append_record, installed_version, requested_variant
-from parity.engines.vllm import versions
+from parity.engines.vllm import planted, versions
 
 ENV_FIX = "PARITY_VLLM_FIX"
 FIX = "deepstack-clear"
 # test-only: a clear that passes over the Qwen3-Omni thinker's buffers, as a fix written for
 # Qwen3-VL's class alone would: Omni's rows leak as on the released engine.
 SKIP_THINKER = "deepstack-clear-skip-thinker"
-VARIANTS = (FIX, SKIP_THINKER)
+VARIANTS = (FIX, SKIP_THINKER, *planted.VARIANTS)
 OMNI_THINKER = "Qwen3OmniMoeThinkerForConditionalGeneration"
 BUFFER_ATTR = "deepstack_input_embeds"
 DIRTY_ATTR = "_parity_deepstack_dirty"  # on the model: rows [0, dirty) may hold an earlier step's features

@@ -23,7 +23,7 @@ VLLM = BackendInfo(
     name="vllm", factory="parity.engines.vllm.backend:from_options",
     options=frozenset({"buckets", "graph_backend", "threads", "chunk_size", *SERVER_OPTIONS}),
     runbook="docs/vllm-runbook.md", servers_key="vllm_servers", fix_records_key="vllm_fix_records", volatile_keys=("vllm_tap_processes",),
-    package="vllm", names_its_version=True,
+    package="vllm", names_its_version=True, witnesses_inputs=True,
     config_fields=server_config_fields("vllm") | {
         "engine", "engine_version", "graph_mode", "graph_cudagraph_modes", "graph_breakable", "vllm_server_env",
         "vllm_args", "vllm_capture_sizes", "vllm_fix", "vllm_fix_records", "vllm_device", "vllm_graph_backend",

@@ -28,7 +28,7 @@ from typing import Mapping
 
 from parity.engines.after_import import after_import, around
 from parity.engines.channel import TapChannel
-from parity.engines.vllm import deepstack_clear, versions
+from parity.engines.vllm import deepstack_clear, planted, versions
 
 ENV_VAR = "PARITY_VLLM_TAP"
 ENTRY_POINT_GROUP = "vllm.general_plugins"
@@ -46,7 +46,7 @@ class Target:
     cls: str
     method: str
     wrapper: str | None  # the name of the wrapping function in parity.engines.vllm.tap (None: the fix's alone)
-    fix_wrapper: str | None = None  # and in parity.engines.vllm.deepstack_clear, where the fix wraps it
+    fix_wrapper: str | None = None  # and in parity.engines.vllm.deepstack_clear (or `planted.NAME`), where the fix wraps it
 
     @property
     def of_a_model(self) -> bool:
@@ -59,6 +59,15 @@ class Target:
 TARGETS = (
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "dispatch", "wrap_dispatch"),
     Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "capture", "wrap_capture"),
+    # The freshness witness (freshness.py): the buffers the graphs read, a step's write window, its replay.
+    Target("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager", "capture", "wrap_model_capture"),
+    Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "run_fullgraph", "wrap_replay"),
+    Target("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager", "run_pw_graph", "wrap_replay"),
+    Target("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model", "wrap_execute"),
+    # Refresh bugs planted for the witness to catch (planted.py; test-only variants of the fix).
+    Target("vllm.v1.worker.gpu.mm.rope", "RopeState", "prepare_positions", None, "planted.wrap_rope_positions"),
+    Target("vllm.v1.worker.gpu.mm.encoder_runner", "EncoderRunner", "get_inputs_embeds", None,
+           "planted.wrap_inputs_embeds"),
     Target("vllm.v1.worker.gpu.model_states.default", "DefaultModelState", "prepare_inputs_embeds", "wrap_step",
            "wrap_step"),
     # Every class that defines a DeepStack setter of its own (the audit lists them; the vLLM stage holds
@@ -182,8 +191,11 @@ def wrap(module: ModuleType, target: Target, tap, fix=None) -> None:
         return
     cls = getattr(module, target.cls)
     if fix is not None and target.fix_wrapper and not deepstack_clear.is_fixed(original):
-        original = getattr(deepstack_clear, target.fix_wrapper)(original, fix)
-        setattr(cls, target.method, original)
-        fix.installed(f"{target.cls}.{target.method}")
+        source, _, name = target.fix_wrapper.rpartition(".")
+        fixed = getattr(planted if source == "planted" else deepstack_clear, name)(original, fix)
+        if fixed is not original:  # a planted bug wraps only where its variant runs
+            original = fixed
+            setattr(cls, target.method, original)
+            fix.installed(f"{target.cls}.{target.method}")
     if tap is not None and target.wrapper and not getattr(original, taps.WRAPPED_FLAG, False):
         setattr(cls, target.method, getattr(taps, target.wrapper)(original, tap))

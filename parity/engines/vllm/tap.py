@@ -34,6 +34,7 @@ from typing import Any, Callable
 from parity.engines.after_import import around
 from parity.evidence import DeepStackRecord
 from parity.engines.channel import Control, TapChannel, TapEntry, process_role
+from parity.engines.vllm.freshness import VllmFreshness
 from parity.row_owners import RowOwners
 
 # What the wrappers rely on in vLLM (the same in every supported release, versions.py);
@@ -69,8 +70,13 @@ class StepTap:
 
     channel: TapChannel
     capturing: Callable[[], bool] = _capturing
+    freshness: VllmFreshness | None = None  # the freshness witness (freshness.py): on with the tap
     _dispatched: str | None = None
     _step: _Step | None = None
+
+    def __post_init__(self) -> None:
+        if self.freshness is None:
+            self.freshness = VllmFreshness(self.channel, self.capturing)
 
     # --- the three wrapped points --------------------------------------------------------------
 
@@ -81,14 +87,36 @@ class StepTap:
         if mode == "PIECEWISE" and getattr(manager, BREAKABLE_ATTR, False):
             mode = "BREAKABLE"
         self._dispatched = mode
+        self.freshness.dispatched(descriptor)
         return descriptor
 
-    def capture(self, original: Callable, manager: Any, *args: Any, **kwargs: Any) -> Any:
+    def capture(self, original: Callable, manager: Any, create_forward_fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Record the token counts the manager has graphs for once it captured (at start-up, before
-        any request: the warm-up scenario's proof, design §10)."""
-        result = original(manager, *args, **kwargs)
+        any request: the warm-up scenario's proof, design §10); each graph captures under the
+        freshness witness."""
+        result = original(manager, self.freshness.forward_factory(manager, create_forward_fn), *args, **kwargs)
         self.channel.record_capture(manager.captured_token_counts())
         return result
+
+    def model_capture(self, original: Callable, manager: Any, model: Any, model_state: Any, input_buffers: Any,
+                      intermediate_tensors: Any, block_tables: Any, *args: Any, **kwargs: Any) -> Any:
+        """`ModelCudaGraphManager.capture`: the freshness witness learns the buffers its graphs read."""
+        self.freshness.manager_capture(manager, model, model_state, input_buffers, block_tables)
+        return original(manager, model, model_state, input_buffers, intermediate_tensors, block_tables,
+                        *args, **kwargs)
+
+    def execute(self, original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+        """`execute_model`: one step's write window for the freshness witness, under parity's tag."""
+        self.freshness.open(None if self.capturing() else self.channel.read_control())
+        try:
+            return original(runner, *args, **kwargs)
+        finally:
+            self.freshness.close()
+
+    def replay(self, original: Callable, manager: Any, *args: Any, **kwargs: Any) -> Any:
+        """`run_fullgraph` / `run_pw_graph`: the step's inputs held by the witness, then the replay."""
+        self.freshness.replay()
+        return original(manager, *args, **kwargs)
 
     def step(self, original: Callable, state: Any, *args: Any, **kwargs: Any) -> Any:
         """Run `prepare_inputs_embeds` as one step; record it when parity armed a request."""
@@ -97,6 +125,7 @@ class StepTap:
         if control is None or self.capturing():
             return original(state, *args, **kwargs)
         batch = args[1] if len(args) > 1 else kwargs["input_batch"]
+        self.freshness.step(batch)
         model = getattr(state, "model", None)
         uncleared = int(getattr(model, COUNTER_ATTR, 0) or 0)
         step = self._step = _Step(control, mode)
@@ -121,6 +150,7 @@ class StepTap:
             import torch
 
             embeds = torch.zeros_like(embeds)
+        self.freshness.set_deepstack(embeds)
         step.written, step.record = int(tokens), record
         owners = getattr(model, OWNERS_ATTR, None)
         if owners is None:
@@ -185,3 +215,15 @@ def wrap_step(original: Callable, tap: StepTap) -> Callable:
 
 def wrap_setter(original: Callable, tap: StepTap) -> Callable:
     return around(original, tap.set_deepstack, WRAPPED_FLAG)
+
+
+def wrap_model_capture(original: Callable, tap: StepTap) -> Callable:
+    return around(original, tap.model_capture, WRAPPED_FLAG)
+
+
+def wrap_execute(original: Callable, tap: StepTap) -> Callable:
+    return around(original, tap.execute, WRAPPED_FLAG)
+
+
+def wrap_replay(original: Callable, tap: StepTap) -> Callable:
+    return around(original, tap.replay, WRAPPED_FLAG)
