@@ -257,6 +257,20 @@ class FreshnessWitness:
                               tuple(offending[:FIRST_OFFENDING_ROWS]), watched.owners.named(stale) if stale else None)
 
 
+def tensors_held(holder: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors an engine object holds as attributes, or in a list or tuple attribute, by
+    `prefix.attr` (`prefix.attr[i]`): what an input the runner does not watch may be named by. An
+    engine's staged or host-backed tensor (vLLM's) keeps its device copy in `.gpu`."""
+    found = {}
+    for attr, value in (vars(holder).items() if hasattr(holder, "__dict__") else ()):
+        items = value if isinstance(value, (list, tuple)) else [value]
+        for i, item in enumerate(items):
+            item = getattr(item, "gpu", item)
+            if isinstance(item, torch.Tensor):
+                found[f"{prefix}.{attr}" + (f"[{i}]" if len(items) > 1 else "")] = item
+    return found
+
+
 def padded(live: torch.Tensor | None, buffer: torch.Tensor, rows: int, token_axis: int = 0) -> torch.Tensor:
     """What a correct refresh leaves in the first `rows` token rows of `buffer`: the live rows, then
     zeros (None: a request that supplies nothing there)."""

@@ -106,36 +106,25 @@ def _engine_state(runner: Any) -> list[Any]:
     """What the graph reads that is the model's or the engine's, not the call's: weights, buffers
     and any other tensor a module of the model holds, the KV pool the graph writes, the
     request-to-token table."""
+    from parity.runner.freshness import tensors_held
+
     model_runner = runner.model_runner
     state = [*model_runner.model.parameters(), *model_runner.model.buffers()]
     for holder in (*model_runner.model.modules(), getattr(model_runner, "token_to_kv_pool", None),
                    getattr(model_runner, "req_to_token_pool", None)):
-        state += [t for _, t in _tensors_of(holder)]
+        state += list(tensors_held(holder).values())
     return state
 
 
 def _held(runner: Any) -> dict[str, Any]:
     """Tensors the runner, its model runner and its attention backend hold, by attribute: what an
     input the registry does not hold may be."""
+    from parity.runner.freshness import tensors_held
+
     model_runner = runner.model_runner
     holders = {"runner": runner, "model_runner": model_runner,
                "attn_backend": getattr(model_runner, "attn_backend", None)}
-    return {f"{prefix}.{name}": t for prefix, holder in holders.items() for name, t in _tensors_of(holder)}
-
-
-def _tensors_of(holder: Any) -> list[tuple[str, Any]]:
-    """The tensors an object holds as attributes, or in a list or tuple attribute (`name[i]`)."""
-    found = []
-    for attr, value in vars(holder).items() if holder is not None else ():
-        items = value if isinstance(value, (list, tuple)) else [value]
-        found += [(attr if len(items) == 1 else f"{attr}[{i}]", t) for i, t in enumerate(items) if _is_tensor(t)]
-    return found
-
-
-def _is_tensor(value: Any) -> bool:
-    import torch
-
-    return isinstance(value, torch.Tensor)
+    return {name: t for prefix, holder in holders.items() for name, t in tensors_held(holder, prefix).items()}
 
 
 @dataclass(frozen=True)

@@ -55,20 +55,6 @@ def graph_label(desc: Any, prefill: bool, breakable: bool) -> str:
     return f"{'prefill' if prefill else 'decode'} {int(desc.num_tokens)} ({mode})"
 
 
-def _tensors_of(prefix: str, holder: Any) -> dict[str, Any]:
-    """The tensors an object holds as attributes, or in a list or tuple attribute, by `prefix.name[i]`."""
-    import torch
-
-    found = {}
-    for attr, value in (vars(holder).items() if holder is not None and hasattr(holder, "__dict__") else ()):
-        items = value if isinstance(value, (list, tuple)) else [value]
-        for i, item in enumerate(items):
-            item = getattr(item, "gpu", item)  # vLLM's staged and UVA-backed tensors keep the device copy there
-            if isinstance(item, torch.Tensor):
-                found[f"{prefix}.{attr}" + (f"[{i}]" if len(items) > 1 else "")] = item
-    return found
-
-
 @dataclass
 class _Manager:
     """What the witness holds for one graph manager (one per model runner)."""
@@ -112,17 +98,17 @@ class VllmFreshness:
         """Before `ModelCudaGraphManager.capture`: what this manager's graphs can read, watched."""
         if getattr(manager, _STATE, None) is not None or os.environ.get(FRESHNESS_OFF_ENV) == "off":
             return
-        from parity.runner.freshness import FreshnessWitness
+        from parity.runner.freshness import FreshnessWitness, tensors_held
 
         watched = _watched(model, model_state, input_buffers, block_tables)
         storages = {t.untyped_storage().data_ptr() for t, _ in watched.values()}
         engine = [t for t in (*model.parameters(), *model.buffers(),
-                              *(t for m in model.modules() for t in _tensors_of("", m).values()))
+                              *(t for m in model.modules() for t in tensors_held(m).values()))
                   if t.untyped_storage().data_ptr() not in storages]
-        known = {**_tensors_of("input_buffers", input_buffers), **_tensors_of("block_tables", block_tables),
-                 **_tensors_of("model_state", model_state),
-                 **_tensors_of("encoder_runner", getattr(model_state, "encoder_runner", None)),
-                 **_tensors_of("rope_state", getattr(model_state, "rope_state", None))}
+        known = {**tensors_held(input_buffers, "input_buffers"), **tensors_held(block_tables, "block_tables"),
+                 **tensors_held(model_state, "model_state"),
+                 **tensors_held(getattr(model_state, "encoder_runner", None), "encoder_runner"),
+                 **tensors_held(getattr(model_state, "rope_state", None), "rope_state")}
         state = _Manager(FreshnessWitness(engine, known), model, model_state, input_buffers, block_tables, watched,
                          bool(getattr(manager, "use_breakable_cg", False)))
         for name, (buffer, axis) in watched.items():

@@ -21,8 +21,14 @@ whole (FULL, breakable) leaves its rows there. A step that did not write its rea
 the record counts the real rows that hold DeepStack there, and which tagged request's setter
 wrote them. It also keeps the engine's own counter of uncleared rows at the step's start.
 
-Reads of the control file and tensor work happen only while parity has armed a request; the
-wrappers pass through otherwise. Nothing here imports vllm; torch only inside a tapped step.
+The freshness witness (freshness.py, design §6) rides on the same tap: `ModelCudaGraphManager.capture`
+hands it the buffers the graphs can read and each graph captures under it (the factory handed to
+`CudaGraphManager.capture`); `GPUModelRunner.execute_model` is a step's write window, and
+`run_fullgraph` / `run_pw_graph` are where it holds the step's inputs, right before the replay.
+
+Reads of the control file and tensor work happen only while parity has armed a request (the
+witness's write window aside, which only follows writes); the wrappers pass through otherwise.
+Nothing here imports vllm; torch only inside a tapped step.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ class StepTap:
         if self.freshness is None:
             self.freshness = VllmFreshness(self.channel, self.capturing)
 
-    # --- the three wrapped points --------------------------------------------------------------
+    # --- the wrapped points --------------------------------------------------------------
 
     def dispatch(self, original: Callable, manager: Any, *args: Any, **kwargs: Any) -> Any:
         """Keep the engine's decision for the step about to be prepared (cheap: no file, no tensor)."""
