@@ -212,7 +212,7 @@ def _stream_with(variant: str, tmp_path: Path):
     return case
 
 
-def _run_with(variant: str, tmp_path: Path, model: str, scenario: str):
+def _run_with(variant: str, tmp_path: Path, model: str, scenario: str, dtype: str = "auto"):
     """One case of `scenario` on `rgb-stripes`, on real CPU servers whose bcg server runs the fix's
     test-only `variant` (the CLI offers the fix proper only)."""
     from parity.arms import select_arms
@@ -226,7 +226,7 @@ def _run_with(variant: str, tmp_path: Path, model: str, scenario: str):
     fixture = builtin_fixture("rgb-stripes")
     spec = RunSpec(model=model, arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
                    scenarios=(scenario,), max_new_tokens=MAX_NEW_TOKENS)
-    options = BackendOptions(name="sglang", model=model, device="cpu", engine={"sglang_fix": variant})
+    options = BackendOptions(name="sglang", model=model, device="cpu", dtype=dtype, engine={"sglang_fix": variant})
     backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
     try:
         result = run_experiment(spec, backend, warn=lambda _: None)
@@ -254,7 +254,8 @@ def test_a_refresh_skipped_for_a_repeated_shape_is_caught_back_to_back(tmp_path:
     assert "freshness witness" in case.verdict.reason, case.verdict.reason
 
 
-def test_mrope_positions_left_from_the_last_batch_of_a_bucket_are_named_by_the_witness(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mrope_positions_left_from_the_last_batch_of_a_bucket_are_named_by_the_witness(tmp_path: Path, dtype) -> None:
     """A refresh bug beyond DeepStack planted in SGLang's own runner (planted.py): the registry's fill
     skips the mRoPE slot when the bucket repeats. The generation and its scoring requests replay one
     bucket, so every replay after the first reads the rows an earlier request left: FAIL_STALE_STATE
@@ -263,7 +264,7 @@ def test_mrope_positions_left_from_the_last_batch_of_a_bucket_are_named_by_the_w
     from parity.engines.sglang import planted
     from parity.results import FOUR_ARM
 
-    (case,) = _run_with(planted.MROPE_STALE, tmp_path, "tiny-qwen3-vl", FOUR_ARM).cases
+    (case,) = _run_with(planted.MROPE_STALE, tmp_path, "tiny-qwen3-vl", FOUR_ARM, dtype).cases
     assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
     assert "graph read mrope_positions rows [0, 1, 2" in case.verdict.reason, case.verdict.reason
     bcg = next(a for a in case.arms if a.name == BCG_NORMAL)
@@ -271,7 +272,8 @@ def test_mrope_positions_left_from_the_last_batch_of_a_bucket_are_named_by_the_w
     assert stale["mrope_positions"].stale > 0 and stale["input_embeds"].fresh and stale["deepstack"].fresh
 
 
-def test_the_released_engine_fails_on_the_witness_where_the_answers_have_no_power(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_released_engine_fails_on_the_witness_where_the_answers_have_no_power(tmp_path: Path, dtype) -> None:
     """A checkpoint whose DeepStack cannot move the answer (mergers scaled by 1e-8): the answers of the
     eager arms agree with DeepStack zeroed, so the four arms alone prove nothing (no power); the
     witness inside SGLang's runner still sees the request's DeepStack never read by the graph."""
@@ -283,7 +285,7 @@ def test_the_released_engine_fails_on_the_witness_where_the_answers_have_no_powe
     saved = CliRunner().invoke(cli, ["models", "save", "tiny-qwen3-vl", str(folder), "--device", "cpu", "--dtype",
                                      "float32", "--deepstack-scale", "1e-8"], prog_name="parity")
     assert saved.exit_code == 0, saved.output
-    result, doc = parity_run(tmp_path / "run", "--model", str(folder))
+    result, doc = parity_run(tmp_path / "run", "--model", str(folder), "--dtype", dtype)
     assert result.exit_code == 1, result.output[-3000:]
     (case,) = doc["cases"]
     assert case["verdict"]["code"] == "FAIL_DEEPSTACK_DROPPED", case["verdict"]

@@ -271,6 +271,28 @@ def test_the_fix_passes_a_video_and_a_hit_over_all_its_rows(tmp_path_factory) ->
     assert_no_server_left()
 
 
+def run_variant(tmp_path: Path, model: str, variant: str, scenario: str):
+    """One case of `scenario` on `rgb-stripes` on real CPU servers (`full`) running the fix's test-only
+    `variant` (the CLI offers the fix proper only: the variant goes to the backend directly)."""
+    from parity.arms import select_arms
+    from parity.backends.options import BackendOptions
+    from parity.media.catalog import builtin_fixture
+    from parity.media.fixtures import default_prompts
+    from parity.registry import create_backend
+    from parity.run.experiment import run_experiment
+    from parity.run.planning import CaseSpec, RunSpec
+
+    fixture = builtin_fixture("rgb-stripes")
+    spec = RunSpec(model=model, arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
+                   scenarios=(scenario,), max_new_tokens=MAX_NEW_TOKENS)
+    options = BackendOptions(name="vllm", model=model, device="cpu", engine={"vllm_fix": variant, "graph_mode": "full"})
+    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
+    try:
+        return run_experiment(spec, backend, warn=lambda _: None)
+    finally:
+        backend.close()
+
+
 # --- MoE and Qwen3-Omni (issue 54): vLLM's CPU experts through parity's stand-ins (cpu_ops,
 # docs/engines/vllm-cpu.md §8); Qwen3-Omni saved as the whole model vLLM serves (its thinker inside) ---------
 
@@ -315,28 +337,7 @@ def test_the_fix_passes_a_moe_model_on_images_and_video(tmp_path: Path, model: s
 def test_a_clear_that_skips_the_omni_thinker_is_caught(tmp_path: Path) -> None:
     """The planted Omni bug (`deepstack-clear-skip-thinker`): the setter is wrapped, so the fix looks in
     place, but the clear passes over the thinker's buffers; the text follow-up reads the image's rows."""
-    from parity.arms import select_arms
-    from parity.backends.options import BackendOptions
-    from parity.media.catalog import builtin_fixture
-    from parity.media.fixtures import default_prompts
-    from parity.registry import create_backend
-    from parity.results import REUSE
-    from parity.run.experiment import run_experiment
-    from parity.run.planning import CaseSpec, RunSpec
-
-    fixture = builtin_fixture("rgb-stripes")
-    spec = RunSpec(model="tiny-qwen3-omni", arms=select_arms("all"),
-                   cases=(CaseSpec(fixture, default_prompts(fixture)[0]),), scenarios=(REUSE,),
-                   max_new_tokens=MAX_NEW_TOKENS)
-    # The CLI offers the fix proper only: the test-only variant goes to the backend directly.
-    options = BackendOptions(name="vllm", model="tiny-qwen3-omni", device="cpu",
-                             engine={"vllm_fix": deepstack_clear.SKIP_THINKER, "graph_mode": "full"})
-    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
-    try:
-        result = run_experiment(spec, backend, warn=lambda _: None)
-    finally:
-        backend.close()
-    (case,) = result.cases
+    (case,) = run_variant(tmp_path, "tiny-qwen3-omni", deepstack_clear.SKIP_THINKER, "reuse").cases
     assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
     assert "(text only)" in case.verdict.reason, case.verdict.reason
     assert_no_server_left()
@@ -365,26 +366,7 @@ def test_the_witness_lists_every_input_of_every_replayed_graph_and_the_fix_keeps
 @pytest.mark.parametrize("variant, name", [("deepstack-clear-mrope-stale", "mrope_positions"),
                                            ("deepstack-clear-embeds-stale", "input_embeds")])
 def test_a_refresh_planted_stale_in_vllms_runner_is_caught_and_named_by_the_witness(tmp_path: Path, variant, name) -> None:
-    from parity.arms import select_arms
-    from parity.backends.options import BackendOptions
-    from parity.media.catalog import builtin_fixture
-    from parity.media.fixtures import default_prompts
-    from parity.registry import create_backend
-    from parity.run.experiment import run_experiment
-    from parity.run.planning import CaseSpec, RunSpec
-
-    fixture = builtin_fixture("rgb-stripes")
-    spec = RunSpec(model="tiny-qwen3-vl", arms=select_arms("all"), cases=(CaseSpec(fixture, default_prompts(fixture)[0]),),
-                   scenarios=("four-arm",), max_new_tokens=MAX_NEW_TOKENS)
-    # The CLI offers the fix proper only: the test-only variant goes to the backend directly.
-    options = BackendOptions(name="vllm", model="tiny-qwen3-vl", device="cpu",
-                             engine={"vllm_fix": variant, "graph_mode": "full"})
-    backend = create_backend(options, MAX_NEW_TOKENS, tmp_path)
-    try:
-        result = run_experiment(spec, backend, warn=lambda _: None)
-    finally:
-        backend.close()
-    (case,) = result.cases
+    (case,) = run_variant(tmp_path, "tiny-qwen3-vl", variant, "four-arm").cases
     assert case.verdict.code == "FAIL_STALE_STATE", case.verdict.reason
     assert f"read {name} rows" in case.verdict.reason and "freshness witness" in case.verdict.reason
     offending = {r.input for arm in case.all_arms() if arm.evidence for r in arm.evidence.freshness if not r.fresh}
