@@ -272,6 +272,10 @@ def test_mrope_positions_left_from_the_last_batch_of_a_bucket_are_named_by_the_w
     assert stale["mrope_positions"].stale > 0 and stale["input_embeds"].fresh and stale["deepstack"].fresh
 
 
+# Far below what either dtype's comparison tolerates: the answers carry no sign of DeepStack (no power).
+NO_POWER = {"float32": NOISE * 10, "bfloat16": 1e-2}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_released_engine_fails_on_the_witness_where_the_answers_have_no_power(tmp_path: Path, dtype) -> None:
     """A checkpoint whose DeepStack cannot move the answer (mergers scaled by 1e-8): the answers of the
@@ -293,7 +297,7 @@ def test_the_released_engine_fails_on_the_witness_where_the_answers_have_no_powe
     arms = arms_of(case)
     assert arms[EAGER_NORMAL]["token_ids"] == arms[EAGER_ZERO]["token_ids"]
     assert max(abs(a - b) for a, b in zip(arms[EAGER_NORMAL]["token_logprobs"],
-                                          arms[EAGER_ZERO]["token_logprobs"])) <= NOISE * 10  # no power
+                                          arms[EAGER_ZERO]["token_logprobs"])) <= NO_POWER[dtype]
     assert_no_server_left()
 
 
