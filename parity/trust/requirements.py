@@ -261,8 +261,9 @@ def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, p
     whose bucket a prefill replayed in, each with the inputs every body reads, each input of a graph
     over the same replays; nothing for a graph that did not replay. With --poison, every input every
     body reads says how many rows kept the sentinel; without, none. A server whose replays parity
-    watches (SGLang) records what its witness saw, where it saw it: the same rules, its graphs named
-    by its own buckets (and variants), each holding its embeddings; the engine names its positions."""
+    watches (SGLang, vLLM) records what its witness saw, where it saw it: the same rules, its graphs
+    named by step kind and its own buckets (and variants or modes), each holding its embeddings; the
+    engine names its positions; its decode graphs are no prefill bucket."""
     records = evidence.freshness
     if not (in_process or server_witness) or evidence.replayed_calls == 0:
         return "is recorded, but only an arm whose replays parity watched has one" if records else None
