@@ -95,7 +95,8 @@ class Runner:
 
     def capture(self, witness: VllmFreshness) -> None:
         self.witness = witness
-        witness.manager_capture(self.manager, self.model, self.model_state, self.input_buffers, self.block_tables)
+        witness.manager_capture(self.manager, self.model, self.model_state, self.input_buffers, self.block_tables,
+                                self.model.deepstack_input_embeds)
 
         def create_forward_fn(desc, warmup):
             return lambda cg_mode: self.body(desc.num_tokens)

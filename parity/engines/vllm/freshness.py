@@ -94,13 +94,14 @@ class VllmFreshness:
     # --- capture -----------------------------------------------------------------------------------
 
     def manager_capture(self, manager: Any, model: Any, model_state: Any, input_buffers: Any,
-                        block_tables: Any) -> None:
-        """Before `ModelCudaGraphManager.capture`: what this manager's graphs can read, watched."""
+                        block_tables: Any, deepstack: Any = ()) -> None:
+        """Before `ModelCudaGraphManager.capture`: what this manager's graphs can read, watched
+        (`deepstack`: the model's per-level DeepStack buffers, where the tap finds them)."""
         if getattr(manager, _STATE, None) is not None or os.environ.get(FRESHNESS_OFF_ENV) == "off":
             return
         from parity.runner.freshness import FreshnessWitness, tensors_held
 
-        watched = _watched(model, model_state, input_buffers, block_tables)
+        watched = _watched(deepstack, model_state, input_buffers, block_tables)
         storages = {t.untyped_storage().data_ptr() for t, _ in watched.values()}
         engine = [t for t in (*model.parameters(), *model.buffers(),
                               *(t for m in model.modules() for t in tensors_held(m).values()))
@@ -197,7 +198,7 @@ class VllmFreshness:
         self.channel.append_freshness(window.tag, os.getpid(), process_role(), _one_deepstack(records))
 
 
-def _watched(model: Any, model_state: Any, input_buffers: Any, block_tables: Any) -> dict[str, tuple[Any, int]]:
+def _watched(deepstack: Any, model_state: Any, input_buffers: Any, block_tables: Any) -> dict[str, tuple[Any, int]]:
     """The per-call buffers the witness judges, by name: (buffer, token or request axis)."""
     watched = {name: (getattr(input_buffers, name), 0)
                for name in ("input_ids", "positions", "query_start_loc", "seq_lens", "is_padding")
@@ -215,9 +216,7 @@ def _watched(model: Any, model_state: Any, input_buffers: Any, block_tables: Any
         embeds = getattr(model_state, "inputs_embeds", None)
     if embeds is not None:
         watched["input_embeds"] = (embeds, 0)
-    from parity.engines.vllm.tap import BUFFER_ATTR
-
-    for level, buffer in enumerate(getattr(model, BUFFER_ATTR, None) or ()):
+    for level, buffer in enumerate(deepstack):
         watched[_LEVEL.format(level)] = (buffer, 0)
     return watched
 

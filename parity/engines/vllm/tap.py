@@ -107,7 +107,8 @@ class StepTap:
     def model_capture(self, original: Callable, manager: Any, model: Any, model_state: Any, input_buffers: Any,
                       intermediate_tensors: Any, block_tables: Any, *args: Any, **kwargs: Any) -> Any:
         """`ModelCudaGraphManager.capture`: the freshness witness learns the buffers its graphs read."""
-        self.freshness.manager_capture(manager, model, model_state, input_buffers, block_tables)
+        self.freshness.manager_capture(manager, model, model_state, input_buffers, block_tables,
+                                       getattr(model, BUFFER_ATTR, None) or ())
         return original(manager, model, model_state, input_buffers, intermediate_tensors, block_tables,
                         *args, **kwargs)
 
