@@ -57,7 +57,7 @@ BUFFER_ATTR = "deepstack_input_embeds"
 DIRTY_ATTR = "_parity_deepstack_dirty"  # on the model: rows [0, dirty) may hold an earlier step's features
 SLOT_ATTR = "_parity_deepstack_slot"  # on a model with a per-step attribute: parity's persistent rows
 LEVEL_KEY = "deepstack_input_embeds_{}"  # how such a model names a level's rows
-FIXED_FLAG = "__parity_fix__"
+FIXED_FLAG = planted.FIXED_FLAG  # one flag for every wrapper of the fix, its planted variants' included
 STOOD_ASIDE = ("stood aside: vLLM {version} clears its own DeepStack buffers between graph steps "
                "(parity/engines/vllm/versions.py), so parity wraps nothing")
 

@@ -60,9 +60,7 @@ class _Manager:
     """What the witness holds for one graph manager (one per model runner)."""
 
     witness: Any  # parity.runner.freshness.FreshnessWitness
-    model: Any
     model_state: Any
-    input_buffers: Any
     block_tables: Any
     watched: dict[str, tuple[Any, int]]  # name -> (buffer, token axis)
     breakable: bool
@@ -110,7 +108,7 @@ class VllmFreshness:
                  **tensors_held(model_state, "model_state"),
                  **tensors_held(getattr(model_state, "encoder_runner", None), "encoder_runner"),
                  **tensors_held(getattr(model_state, "rope_state", None), "rope_state")}
-        state = _Manager(FreshnessWitness(engine, known), model, model_state, input_buffers, block_tables, watched,
+        state = _Manager(FreshnessWitness(engine, known), model_state, block_tables, watched,
                          bool(getattr(manager, "use_breakable_cg", False)))
         for name, (buffer, axis) in watched.items():
             state.witness.watch(name, buffer, axis)
@@ -193,8 +191,7 @@ class VllmFreshness:
         # What the graph read, and what it must read whenever the step supplies it (design §6).
         must = {name for name in state.watched if name.startswith(DEEPSTACK)} | {"mrope_positions", "input_embeds"}
         read = {i.name for i in state.witness.inputs(window.desc)}
-        supplied = {name: s for name, s in _supplied(state, window).items() if name in read | must}
-        records = state.witness.check(window.desc, label, supplied)
+        records = state.witness.check(window.desc, label, _supplied(state, window, read | must))
         self.channel.append_freshness(window.tag, os.getpid(), process_role(), _one_deepstack(records))
 
 
@@ -239,9 +236,9 @@ def _record_embeddings(model_state: Any, witness: VllmFreshness) -> None:
     object.__setattr__(model, "embed_input_ids", recorded)
 
 
-def _supplied(state: _Manager, window: _Window) -> dict[str, Any]:
-    """What the step supplies for each input it must read, derived from vLLM's per-request state
-    (not from the buffers the graph reads), for its real tokens and requests."""
+def _supplied(state: _Manager, window: _Window, wanted: set[str]) -> dict[str, Any]:
+    """What the step supplies for each `wanted` input the witness watches, derived from vLLM's
+    per-request state (not from the buffers the graph reads), for its real tokens and requests."""
     import numpy as np
     import torch
 
@@ -259,7 +256,7 @@ def _supplied(state: _Manager, window: _Window) -> dict[str, Any]:
     supplied: dict[str, Any] = {}
 
     def held(name: str, content: Any, axis: int = 0) -> None:
-        if name in state.watched:
+        if name in wanted and name in state.watched:
             buffer = state.watched[name][0]
             supplied[name] = Supplied(torch.as_tensor(content).to(buffer.device, buffer.dtype), axis, by_content=True)
 
@@ -273,7 +270,7 @@ def _supplied(state: _Manager, window: _Window) -> dict[str, Any]:
     for g, source in enumerate(tables):
         source = getattr(source, "gpu", source)
         name = f"block_table[{g}]"
-        if name not in state.watched:
+        if name not in state.watched or not {name, "slot_mapping"} & wanted:
             continue
         size = int(sizes[g])
         gathered = state.watched[name][0]
@@ -290,7 +287,7 @@ def _supplied(state: _Manager, window: _Window) -> dict[str, Any]:
     if slots:
         held("slot_mapping", torch.stack(slots), 1)
     rope = getattr(state.model_state, "rope_state", None)
-    if rope is not None:
+    if rope is not None and "mrope_positions" in wanted:
         held("mrope_positions", _mrope(rope, batch, idx, owner, position), 1)
     if window.embeds is not None:
         held("input_embeds", window.embeds[:tokens])

@@ -18,12 +18,14 @@ from typing import Any, Callable
 
 from parity.engines.after_import import around
 
-FIXED_FLAG = "__parity_fix__"  # deepstack_clear.FIXED_FLAG: a planted wrapper is the fix's too
+# The flag on every wrapper of the fix (deepstack_clear takes it from here): a planted one is the fix's too.
+FIXED_FLAG = "__parity_fix__"
 
 MROPE_STALE = "deepstack-clear-mrope-stale"
 EMBEDS_STALE = "deepstack-clear-embeds-stale"
 VARIANTS = (MROPE_STALE, EMBEDS_STALE)
-POINTS = {MROPE_STALE: "RopeState.prepare_positions", EMBEDS_STALE: "EncoderRunner.get_inputs_embeds"}  # what each wraps
+# What each plant wraps: the model process must report it wrapped (backend.py), as the fix's own points.
+POINTS = {MROPE_STALE: "RopeState.prepare_positions", EMBEDS_STALE: "EncoderRunner.get_inputs_embeds"}
 _LAST = "_parity_planted_last"  # on the object refreshed: the token count of the step it refreshed last
 
 
