@@ -32,7 +32,8 @@ PREFIX = "prefix"
 GROWTH = "growth"
 WARMUP = "warmup"
 LAYOUT = "layout"
-FAMILY_SCENARIOS = (CHUNKED, PREFIX, GROWTH, WARMUP, LAYOUT)
+BATCH = "batch"
+FAMILY_SCENARIOS = (CHUNKED, PREFIX, GROWTH, WARMUP, LAYOUT, BATCH)
 CORE_SCENARIOS = (FOUR_ARM, REUSE, STREAM, SHRINK)  # the slot itself (design §5)
 SCENARIOS = (*CORE_SCENARIOS, *FAMILY_SCENARIOS)
 SEQUENCE_SCENARIOS = (REUSE, STREAM, SHRINK, *FAMILY_SCENARIOS)
@@ -47,6 +48,7 @@ SCENARIO_SUMMARIES: Mapping[str, str] = MappingProxyType({
     GROWTH: "a request past the DeepStack buffer's size, then short ones (graphs must follow a regrown buffer)",
     WARMUP: "text requests before the first image (graphs must not specialise to no DeepStack)",
     LAYOUT: "two images of equal tokens and other grids (encoder graphs keyed by more than token count)",
+    BATCH: "requests sharing one prefill forward: image and text, two image sizes, an image and a chunked one's rest",
 })
 
 # The chunked scenario's chunk, in tokens, on every backend (--chunk-size): it splits every built-in
@@ -76,6 +78,7 @@ PROVES_CACHE_HIT = "cache hit"  # part of its prompt came from the prefix cache
 PROVES_GROWTH = "buffer growth"  # the DeepStack buffer grew past its size for it
 PROVES_WARM_GRAPH = "graph captured before"  # its bucket's graph existed before it arrived
 PROVES_ENCODER_GRAPH = "encoder graph"  # its image went through a captured vision-encoder graph
+PROVES_SHARED_FORWARD = "shared forward"  # its prefill's last part replayed in one forward with other requests
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Serving:
     # sequence reuses, and its DeepStack covers its whole prompt in every arm).
     empty_cache: bool = False
     encoder_graph: bool = False  # the vision encoder by captured graphs (graph mode only)
+    # Submitted together with the sequence's neighbouring requests of the same `RequestSpec.forward`
+    # (graph mode; the eager reference serves each alone): they must share one prefill forward.
+    batched: bool = False
     recorded: bool = False  # record the serving path's evidence (every family scenario's request)
 
     @property
@@ -119,6 +125,8 @@ class RequestSpec:
     # A text-only request is lengthened into the bucket of this image request of the sequence (the
     # case's image, or its large form), as long as it where the tokenizer allows (shorter in reuse).
     length_of: str = CASE_IMAGE
+    # batch: the requests of a sequence with the same number are submitted at once, to share a forward.
+    forward: int | None = None
 
 
 _CHUNKS = Serving(chunked=True, recorded=True)
@@ -126,6 +134,8 @@ _CACHE = Serving(prefix_cache=True, recorded=True)
 _CACHE_FIRST = Serving(prefix_cache=True, empty_cache=True, recorded=True)
 _ENCODER = Serving(encoder_graph=True, recorded=True)
 _RECORDED = Serving(recorded=True)
+_BATCHED = Serving(batched=True, recorded=True)
+_BATCHED_CHUNKS = Serving(chunked=True, batched=True, recorded=True)
 
 # The requests of each sequence scenario, in the order a session serves them (design §6).
 SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
@@ -166,6 +176,21 @@ SEQUENCE_REQUESTS: Mapping[str, tuple[RequestSpec, ...]] = MappingProxyType({
                          proves=PROVES_ENCODER_GRAPH),
              RequestSpec("wide image again", WIDE_IMAGE, "normal", serving=_ENCODER,
                          proves=PROVES_ENCODER_GRAPH)),
+    # Three forwards, each shared (docs/scenarios.md): DeepStack rows beside a text request's zeros, two
+    # images' rows at their offsets, and an image beside the last chunk of one served in chunks (its rows
+    # then follow that request's earlier chunks in the cache, the image's follow nothing).
+    BATCH: (RequestSpec("image, beside a text request", CASE_IMAGE, "normal", power=True, serving=_BATCHED,
+                        forward=1, proves=PROVES_SHARED_FORWARD),
+            RequestSpec("text only, beside the image", None, "normal", serving=_BATCHED, forward=1,
+                        proves=PROVES_SHARED_FORWARD),
+            RequestSpec("large image, beside a small one", LARGE_IMAGE, "normal", serving=_BATCHED, forward=2,
+                        proves=PROVES_SHARED_FORWARD),
+            RequestSpec("small image, beside the large one", SMALL_IMAGE, "normal", serving=_BATCHED, forward=2,
+                        proves=PROVES_SHARED_FORWARD),
+            RequestSpec("image in chunks, its last beside another image", CASE_IMAGE, "normal",
+                        serving=_BATCHED_CHUNKS, forward=3, proves=PROVES_SHARED_FORWARD),
+            RequestSpec("twin image, beside the chunked one's last chunk", TWIN_IMAGE, "normal", serving=_BATCHED,
+                        forward=3, proves=PROVES_SHARED_FORWARD)),
 })
 
 
@@ -177,6 +202,11 @@ PLANTED_BUGS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "growth-rebind": (GROWTH, "FastDeploy PR #5962: the buffer re-allocated, graphs left on the old storage"),
     "warmup-specialized": (WARMUP, "vLLM PR #43617: a graph shaped by a warm-up without DeepStack never adds it"),
     "layout-keyed": (LAYOUT, "SGLang PR #37043: vision-encoder graphs keyed by token count only"),
+    "batch-offset-zero": (BATCH, "every request of a packed forward handed its DeepStack rows at offset 0 (rows "
+                                 "placed at the wrong request's offset)"),
+    "batch-first-only": (BATCH, "a packed forward's DeepStack refresh covering only its first request's rows"),
+    "batch-slot-one": (BATCH, "a DeepStack slot sized for one request's tokens, not the batch's (it must refuse, "
+                              "never truncate)"),
     "clears-own-rows": (SHRINK, "a partial fix of the stale-DeepStack leak (vLLM's persistent buffer, SGLang's "
                                 "slot): it clears the rows the request in hand wrote, never an earlier, longer "
                                 "request's tail"),

@@ -328,6 +328,31 @@ class EncoderRun:
         return {"grid": list(self.grid), "patches": self.patches, "key": self.key, "replayed": self.replayed}
 
 
+@dataclass(frozen=True)
+class BatchRun:
+    """The forward a request's prefill (its last part, when it ran in chunks) shared with other
+    requests: the session's serial of that forward, the bucket it replayed in (None: eager), how many
+    requests and rows it held, and this request's rows `[start, end)` in it."""
+
+    forward: int
+    bucket: int | None
+    requests: int
+    rows: int
+    start: int
+    end: int
+
+    def to_json(self) -> dict:
+        return {"forward": self.forward, "bucket": self.bucket, "requests": self.requests, "rows": self.rows,
+                "own": [self.start, self.end]}
+
+    def inconsistency(self) -> str | None:
+        if self.forward < 1 or self.requests < 1 or not 0 <= self.start < self.end <= self.rows:
+            return "a batch needs forward >= 1, requests >= 1 and its own rows [start, end) within the forward's"
+        if self.bucket is not None and self.rows > self.bucket:
+            return f"its forward's {self.rows} rows do not fit the bucket of {self.bucket} it replayed in"
+        return None
+
+
 def image_span(prompt_ids: Sequence[int], visual_token_ids: Collection[int]) -> tuple[int, int] | None:
     """The rows [first, last + 1) of a prompt's image or video tokens (a video's timestamps between
     its frames included), or None."""
@@ -351,6 +376,7 @@ class ServingEvidence:
     graph_ready: bool | None = None
     encoder: EncoderRun | None = None  # its image's pass through the encoder graphs
     prompt_tokens: int | None = None  # the rows of the prompt these chunks serve (v5); None: not recorded
+    batch: BatchRun | None = None  # the forward its prefill shared (the batch scenario); None: not batched
 
     def to_json(self) -> dict:
         return {"chunks": [c.to_json() for c in self.chunks], "cached_tokens": self.cached_tokens,
@@ -358,9 +384,16 @@ class ServingEvidence:
                 "image_span": None if self.image_span is None else list(self.image_span),
                 "buffer_growth": None if self.buffer_growth is None else list(self.buffer_growth),
                 "graph_ready": self.graph_ready,
-                "encoder": None if self.encoder is None else self.encoder.to_json()}
+                "encoder": None if self.encoder is None else self.encoder.to_json()} | (
+                    {} if self.batch is None else {"batch": self.batch.to_json()})
 
     def inconsistency(self) -> str | None:
+        if self.batch is not None and self.batch.inconsistency():
+            return self.batch.inconsistency()
+        last = self.chunks[-1] if self.chunks else None
+        if self.batch is not None and last is not None and self.batch.end - self.batch.start != last.end - last.start:
+            return (f"its batch rows [{self.batch.start}, {self.batch.end}) are not as many as its last prefill's "
+                    f"[{last.start}, {last.end})")
         ends = [c.start for c in self.chunks[1:]]
         if any(c.end <= c.start or c.image_rows > c.end - c.start for c in self.chunks):
             return "a chunk must have start < end and at most end - start image rows"

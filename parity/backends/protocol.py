@@ -75,6 +75,18 @@ class Session(Protocol):
         ...
 
 
+@runtime_checkable
+class SharesForwards(Protocol):
+    """A session that can submit requests at once, for them to share a prefill forward (the batch
+    scenario, design §10); a session without it serves them one at a time."""
+
+    def answer_together(self, requests: Sequence[tuple[Request, str]]) -> tuple[Answer, ...]:
+        """`answer` for each (request, DeepStack action), all submitted at once: in graph mode their
+        prefills share a forward where the engine can; the eager reference serves each alone. Raises
+        `ArmFailure` when the runtime fails (every request of the batch then failed)."""
+        ...
+
+
 class Generates:
     """`generate`: answer and score at once, for a request that nothing must follow first."""
 
@@ -148,7 +160,8 @@ class CanLocalize(Protocol):
     """A backend that can probe a prefill per layer (optional: the SGLang backend cannot)."""
 
     def probe(self, mode: str, target: Request, deepstack: str,
-              prefix: Sequence[tuple[Request, str]] = ()) -> Probed:
+              prefix: Sequence[tuple[Request, str]] = (), together: Sequence[tuple[Request, str]] = ()) -> Probed:
         """`target`'s prefill in `mode` with DeepStack `deepstack` at the LM entry; in `bcg`, by the
-        probe graph of the runner under test, after replaying `prefix` ((request, deepstack), ...)."""
+        probe graph of the runner under test, after replaying `prefix` ((request, deepstack), ...);
+        submitted with `together` (itself among them) where its scenario batches it."""
         ...

@@ -19,10 +19,11 @@ import torch
 from parity.backends.protocol import Request
 from parity.runner.encoder_graphs import EncoderGraphs
 from parity.evidence import (
-    ChunkRun, EncoderRun, InputFreshness, ReplayCheck, ServingEvidence, image_span, merge_freshness,
+    BatchRun, ChunkRun, EncoderRun, InputFreshness, ReplayCheck, ServingEvidence, image_span, merge_freshness,
 )
 from parity.runner.graph_runner import PrefillGraphRunner, Window, graph_label
 from parity.runner.lm_body import Past
+from parity.runner.packing import Member, Packed
 from parity.runner.replay_check import ReplayChecker
 from parity.models.qwen3_vl import PreparedPrompt, Qwen3VLAdapter
 from parity.design import PAGE_TOKENS
@@ -135,6 +136,28 @@ class LMExecutor:
         points = outputs[3] if probe else None
         return Prefill(outputs[0], outputs[1], outputs[2], bucket, check, freshness), points
 
+    def prefill_packed(self, packed: Packed, starts: tuple[int, ...], probe: bool = False
+                       ) -> tuple[tuple[Prefill, torch.Tensor | None], ...]:
+        """Requests that share one forward (design §10, batch), in graph mode by one replay: per
+        member (its rows starting at prompt row `starts[i]`), its outputs with its own check against
+        eager and the forward's witness, and, with `probe`, its rows' probe points."""
+        outputs = self.runner.replay_packed(packed, probe=probe)
+        bucket = self.runner.bucket_for(packed.rows)
+        checks: tuple[ReplayCheck | None, ...] = (None,) * len(packed.members)
+        freshness: tuple[InputFreshness, ...] = ()
+        if not probe:
+            embeds, positions, rows = packed.embeds, packed.positions, packed.deepstack()
+            past = packed.past(self.adapter.body.kv_shape)
+            checks = self.checker.prefill_packed(
+                graph_label(bucket, True), self.adapter.body, outputs,
+                self.runner.padded_inputs(embeds, positions, rows, past), (embeds, positions, rows, past),
+                tuple((first, end, start) for (first, end), start in zip(packed.ranges, starts)))
+            freshness = self.runner.freshness(embeds, positions, rows, past, packed.spans)
+        split = [packed.split(t) for t in outputs]
+        points = split[3] if probe else [None] * len(packed.members)
+        return tuple((Prefill(hidden, keys, values, bucket, check, freshness), p)
+                     for hidden, keys, values, check, p in zip(*split[:3], checks, points))
+
 
 @dataclass(frozen=True)
 class Served:
@@ -168,6 +191,7 @@ class PromptServer:
         self._encoder_by_grid = encoder_by_grid
         self._prefix_cache = PrefixCache()
         self._encoder_graphs: EncoderGraphs | None = None
+        self._forwards = 0  # the packed forwards served: each request of one names it by this serial
 
     def close(self) -> None:
         if self._encoder_graphs is not None:
@@ -192,6 +216,86 @@ class PromptServer:
         deepstack, record = apply_tap(tap_mode, prompt.deepstack)
         served = self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
         return prompt, record, replace(served, checks=checks + served.checks)
+
+    def prefill_together(self, requests: list[tuple[Request, str]], probe: bool = False) -> list[tuple]:
+        """Requests submitted at once (the batch scenario): in graph mode their prefills share one
+        forward (design §10), a chunked one's earlier chunks first, alone, its last beside the
+        others; (prompt, the tap's record, served) per request, in order. The eager reference, or a
+        batch no captured graph fits, is served one request at a time: its evidence then shows no
+        shared forward, which the verdict reports as not replayed. `probe`: each request's computed
+        rows' probe points too (in its `Served`)."""
+        taps = []
+        for request, tap_mode in requests:
+            prompt, _, _ = self._prepared(request)
+            deepstack, record = apply_tap(tap_mode, prompt.deepstack)
+            taps.append((request, prompt, deepstack, record, tap_mode))
+        plans = [schedule(prompt.input_ids.shape[0], 0, self._chunk_size if request.serving.chunked else None)
+                 for request, prompt, _, _, _ in taps]
+        continued = [i for i, windows in enumerate(plans) if len(windows) > 1]
+        lasts = [windows[-1] for windows in plans]
+        rows = sum(w.end - w.start for w in lasts)
+        runner = self._executor.runner
+        past_rows = max((w.start for w in lasts), default=0)
+        if (runner is None or len(requests) < 2 or len(continued) > 1 or not runner.context_rows
+                or past_rows > runner.context_rows or not runner.can_replay(rows)):
+            return [(prompt, record, self._serve(request, prompt, deepstack, tap_mode, None, probe))
+                    for request, prompt, deepstack, record, tap_mode in taps]
+        # A continued request's earlier chunks, alone, as a server's chunked prefill runs them.
+        earlier: dict[int, tuple[list[ChunkRun], list[Prefill], list[torch.Tensor | None]]] = {}
+        for i in continued:
+            request, prompt, deepstack, _, _ = taps[i]
+            earlier[i] = self._chunks(request, prompt, deepstack, plans[i][:-1], probe)
+        members = []
+        for i, ((request, prompt, deepstack, _, _), window) in enumerate(zip(taps, lasts)):
+            parts = earlier.get(i, ((), (), ()))[1]
+            past = None if not parts else Past.of(torch.cat([p.keys for p in parts]),
+                                                   torch.cat([p.values for p in parts]), window.end - window.start)
+            members.append(Member(prompt.input_embeds[window.start:window.end],
+                                  prompt.positions[:, window.start:window.end], window.of(deepstack), past,
+                                  _owner(request)))
+        packed = Packed(tuple(members))
+        outputs = self._executor.prefill_packed(packed, tuple(w.start for w in lasts), probe)
+        self._forwards += 1
+        served = []
+        for i, ((request, prompt, _, record, _), window, (part, points), (start, end)) in enumerate(
+                zip(taps, lasts, outputs, packed.ranges)):
+            chunks, parts, part_points = earlier.get(i, ([], [], []))
+            image_ids = self._image_rows(prompt)
+            if parts:
+                chunks = [*chunks, ChunkRun(window.start, window.end, part.bucket,
+                                            int(image_ids[window.start:window.end].sum()))]
+            keys = torch.cat([*(p.keys for p in parts), part.keys])
+            values = torch.cat([*(p.values for p in parts), part.values])
+            evidence = ServingEvidence(chunks=tuple(chunks), prompt_tokens=int(prompt.input_ids.shape[0]),
+                                       image_span=self._image_span(prompt),
+                                       batch=BatchRun(self._forwards, part.bucket, len(taps), packed.rows, start, end))
+            prefills = [*parts, part]
+            served.append((prompt, record, Served(
+                Prefill(part.hidden, keys, values, part.bucket), len(prefills), tuple(p.bucket for p in prefills),
+                evidence, torch.cat([*part_points, points]) if probe else None,
+                tuple(p.check for p in prefills if p.check is not None),
+                merge_freshness(*(p.freshness for p in prefills)))))
+        return served
+
+    def _chunks(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, windows,
+                probe: bool) -> tuple[list[ChunkRun], list[Prefill], list[torch.Tensor | None]]:
+        """A prompt's chunks, each after the ones before it: what ran, their outputs and their points."""
+        image_ids = self._image_rows(prompt)
+        runs, parts, points = [], [], []
+        for window in windows:
+            past = None if not parts else Past.of(torch.cat([p.keys for p in parts]),
+                                                   torch.cat([p.values for p in parts]), window.end - window.start)
+            part, part_points = self._executor.prefill(prompt, deepstack, probe=probe, window=window, past=past,
+                                                       owner=_owner(request))
+            parts.append(part)
+            points.append(part_points)
+            runs.append(ChunkRun(window.start, window.end, part.bucket, int(image_ids[window.start:window.end].sum())))
+        return runs, parts, points
+
+    @staticmethod
+    def _image_rows(prompt: PreparedPrompt) -> torch.Tensor:
+        return (prompt.input_ids == prompt.visual_token if prompt.visual_token is not None
+                else torch.zeros_like(prompt.input_ids, dtype=torch.bool))
 
     def _serve(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, tap_mode: str,
                encoder: EncoderRun | None, probe: bool = False) -> Served:
@@ -225,8 +329,7 @@ class PromptServer:
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
         chunks, hidden, ready, points, checks, freshness = [], None, None, [], [], ()
-        image_ids = (prompt.input_ids == prompt.visual_token if prompt.visual_token is not None
-                     else torch.zeros_like(prompt.input_ids, dtype=torch.bool))
+        image_ids = self._image_rows(prompt)
         for window in windows:
             past = None if keys is None else Past.of(keys, values, window.end - window.start)
             # Whether the first part's graph was there before it came (asked before it replays, which may

@@ -50,6 +50,9 @@ class TransformersSession(Generates):
     def answer(self, request: Request, deepstack: str) -> Answer:
         return self._failing_as_arm(self._answer, request, DeepStack(deepstack).tap_mode)
 
+    def answer_together(self, requests: Sequence[tuple[Request, str]]) -> tuple[Answer, ...]:
+        return self._failing_as_arm(self._answer_together, requests)
+
     def score(self, answer: Answer, force: Sequence[Sequence[int]] = ()) -> Generation:
         return self._failing_as_arm(self._score, answer, force)
 
@@ -66,10 +69,21 @@ class TransformersSession(Generates):
     def prefill(self, request: Request, tap_mode: str, probe: bool = False):
         return self._server.prefill(request, tap_mode, probe)
 
+    def prefill_together(self, requests: Sequence[tuple[Request, str]], probe: bool = False):
+        return self._server.prefill_together(list(requests), probe)
+
     @torch.inference_mode()
     def _answer(self, request: Request, tap_mode: str) -> Answer:
+        return self._answered(*self.prefill(request, tap_mode))
+
+    @torch.inference_mode()
+    def _answer_together(self, requests: Sequence[tuple[Request, str]]) -> tuple[Answer, ...]:
+        served = self.prefill_together([(r, DeepStack(d).tap_mode) for r, d in requests])
+        return tuple(self._answered(*one) for one in served)
+
+    def _answered(self, prompt: PreparedPrompt, record, served) -> Answer:
+        """A request's answer after its prefill: greedy decode steps, each eager, as in every arm."""
         adapter = self._executor.adapter
-        prompt, record, served = self.prefill(request, tap_mode)
         prefill = served.prefill
         first = self._logprobs(prefill.hidden[-1])
         ids, logprobs, top, decode_steps = self._greedy(prompt, prefill, first)
@@ -231,8 +245,9 @@ class TransformersBackend:
 
     def prepare(self, modes: Sequence[str], prompt_lengths: Sequence[int], serving: Sequence[Serving] = ()) -> None:
         self._capture = self.buckets.captured(prompt_lengths)
-        # Chunks and prefix hits replay in context graphs, captured with the others before any request.
-        parts = any(s.chunked or s.prefix_cache for s in serving)
+        # Chunks, prefix hits and shared forwards replay in context graphs (their masks), captured with the
+        # others before any request.
+        parts = any(s.chunked or s.prefix_cache or s.batched for s in serving)
         self._context_rows = max(prompt_lengths, default=0) if parts else 0
 
     @contextmanager
@@ -255,19 +270,25 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def probe(self, mode: str, target: Request, deepstack: str,
-              prefix: Sequence[tuple[Request, str]] = ()) -> Probed:
+              prefix: Sequence[tuple[Request, str]] = (), together: Sequence[tuple[Request, str]] = ()) -> Probed:
         """`target`'s prefill with the hidden state at every probe point (design §7), DeepStack
         `deepstack` at the LM entry, served as in the run (its chunks, its prefix-cache hit: the
         points are then of the rows it computed). In a fresh session of `mode` whose runner is built
         like the run's (class, variant, graph backend, captured buckets), after serving `prefix`: it
-        holds only the state this case leaves, so `parity localize` reproduces it exactly."""
+        holds only the state this case leaves, so `parity localize` reproduces it exactly. `together`:
+        the requests submitted with it, itself among them (a batch: in graph mode one forward)."""
         adapter = self.loaded.adapter
         runner = self._new_runner() if mode == "bcg" else None
         session = TransformersSession(LMExecutor(adapter, runner), self)
         try:
             for request, action in prefix:
                 session.prefill(request, DeepStack(action).tap_mode)
-            _, _, served = session.prefill(target, DeepStack(deepstack).tap_mode, probe=True)
+            if together:
+                batch = [(r, DeepStack(a).tap_mode) for r, a in together]
+                served = next(s for (r, a), (_, _, s) in zip(together, session.prefill_together(batch, probe=True))
+                              if r == target and a == deepstack)
+            else:
+                _, _, served = session.prefill(target, DeepStack(deepstack).tap_mode, probe=True)
         finally:
             session.close()
             if runner is not None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from parity.runner.buckets import smallest_fitting
 from parity.design import (
-    PROVES_CACHE_HIT, PROVES_CHUNKS, PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_WARM_GRAPH,
+    PROVES_CACHE_HIT, PROVES_CHUNKS, PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_SHARED_FORWARD, PROVES_WARM_GRAPH,
 )
 from parity import registry
 from parity.evidence import Evidence
@@ -66,11 +66,15 @@ def bucket_fault(label: str, evidence: Evidence | None, rules: Rules) -> str | N
     smallest captured bucket that fits its prompt (each chunk's, when it ran in parts)."""
     if evidence is None or not evidence.prefill_replayed or evidence.prompt_tokens is None:
         return None
-    if evidence.serving is not None and evidence.serving.chunks:
+    serving = evidence.serving
+    if serving is not None and serving.chunks:
         parts = [(c.end - c.start, (c.bucket,), f"{label}'s chunk [{c.start}, {c.end})")
-                 for c in evidence.serving.chunks if c.bucket is not None]
+                 for c in serving.chunks if c.bucket is not None]
     else:
         parts = [(evidence.prompt_tokens, evidence.buckets, label)]
+    batch = None if serving is None else serving.batch
+    if batch is not None and batch.bucket is not None:  # its last part: the forward's rows, all requests'
+        parts[-1] = (batch.rows, (batch.bucket,), f"{label}'s forward {batch.forward} ({batch.requests} requests)")
     for tokens, buckets, where in parts:
         fault = _bucket_fault(where, tokens, buckets, rules)
         if fault:
@@ -130,6 +134,13 @@ def _not_reached(proves: str, evidence: Evidence | None, earlier: Evidence | Non
     elif proves == PROVES_WARM_GRAPH and serving.graph_ready is not True:
         return ("its bucket's graph was not captured before it arrived, at start-up or by a request without "
                 "DeepStack", " (an earlier image request captured it)")
+    elif proves == PROVES_SHARED_FORWARD:
+        batch = serving.batch
+        if batch is None or batch.requests < 2:
+            return ("its prefill ran alone, in no forward shared with another request",
+                    " (no captured graph fit the requests together: give --buckets auto, or a larger bucket)")
+        if batch.bucket is None:
+            return f"the forward it shared with {batch.requests - 1} other request(s) ran eagerly", ""
     elif proves == PROVES_ENCODER_GRAPH:
         if serving.encoder is None:
             return "its image did not go through the encoder graphs", ""

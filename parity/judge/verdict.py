@@ -18,6 +18,7 @@ from parity.design import (  # noqa: F401  (the comparisons, as verdict readers 
 from parity import registry
 from parity.judge.evidence_rules import Rules, bucket_fault, not_replayed_reason, path_not_reached, runs_of, tap_fired
 from parity.judge.metrics import NOISE_FLOOR, compare, first_divergence, tuple_text
+from parity.evidence import InputFreshness
 from parity.results import SCHEMA_V1, ArmResult, CaseResult, Comparison, FixtureInfo, RunResult, Verdict
 from parity.plan.sharding import unmerged_note
 
@@ -238,6 +239,7 @@ def _freshness_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
                 if record.fresh:
                     continue
                 rows = ", ".join(map(str, record.first)) + (", ..." if record.offending > len(record.first) else "")
+                rows += _whose_rows(arm, all_groups, record)
                 where = f"{group.where(n)}arm {arm.name}: the {record.graph} graph read {record.input} rows "
                 poison = (f"; {record.poisoned} of them still held the poison sentinel after its refresh"
                           if record.poisoned else "")
@@ -257,6 +259,21 @@ def _freshness_verdict(all_groups: tuple[Group, ...], n: int) -> Verdict | None:
                 return Verdict(code, f"{where}[{rows}] that are not its request's: {how} ({record.replays} "
                                      f"replay(s){poison}; freshness witness)")
     return None
+
+
+def _whose_rows(arm: ArmResult, all_groups: tuple[Group, ...], record: InputFreshness) -> str:
+    """In a forward requests shared, whose rows the first offending row is ("" outside a batch)."""
+    batch = None if arm.evidence is None or arm.evidence.serving is None else arm.evidence.serving.batch
+    if batch is None or not record.first:
+        return ""
+    row = record.first[0]
+    for group in all_groups:
+        other = group.arms.get(arm.name)
+        serving = None if other is None or other.evidence is None else other.evidence.serving
+        mine = None if serving is None else serving.batch
+        if mine is not None and mine.forward == batch.forward and mine.start <= row < mine.end:
+            return f"; from row {row}: request {group.request + 1}'s rows ({group.label}) in forward {batch.forward}"
+    return f"; from row {row}: forward {batch.forward}'s padding"
 
 
 def _source(group: Group, all_groups: tuple[Group, ...], sha256: str | None) -> str:

@@ -124,6 +124,10 @@ def serving_text(serving: ServingEvidence) -> str:
         parts.append(f"DeepStack buffer grown {serving.buffer_growth[0]}→{serving.buffer_growth[1]} rows")
     if serving.graph_ready is not None:
         parts.append("graph warm before it" if serving.graph_ready else "graph captured by an image request")
+    if serving.batch is not None:
+        b = serving.batch
+        parts.append(f"forward {b.forward} shared by {b.requests} requests ({b.rows} rows → {b.bucket or 'eager'}), "
+                     f"its rows [{b.start},{b.end})")
     if serving.encoder is not None:
         e = serving.encoder
         parts.append(f"encoder graph '{e.key}' {'replayed' if e.replayed else 'captured'} for grid "
@@ -365,6 +369,7 @@ def case_markdown(case: CaseResult, run: RunResult, with_texts: bool = True, ima
             image = "—" if r.fixture is None else md_code(r.fixture.name, in_table=True)
             lines.append(f"| {i} | {md_text(r.label)} | {image} | {md_code(r.prompt, in_table=True)} |")
         lines.append("")
+        lines += _md_forwards(case)
     lines += ["| # | comparison | tuple | tf Δ | expected | ok |", "|---|---|---|---|---|---|"]
     for i, (group, check, comp) in enumerate(rows(case), 1):
         tup = f"`{tuple_text(comp, tol, extras=False)}`" if comp else "—"
@@ -418,6 +423,25 @@ def _builtin_sha256(name: str) -> str | None:
 def is_builtin(info) -> bool:
     """A built-in fixture: its name and its pixels both (a user's `rgb-stripes.png` is not one)."""
     return _builtin_sha256(info.name) == info.sha256
+
+
+def _md_forwards(case: CaseResult) -> list[str]:
+    """Who shared each forward of a graph arm's requests (the batch scenario), from its evidence."""
+    forwards: dict[tuple[str, int], list[tuple[int, object]]] = {}
+    for i, request in enumerate(case.requests, 1):
+        for arm in request.arms:
+            batch = None if arm.evidence is None or arm.evidence.serving is None else arm.evidence.serving.batch
+            if batch is not None:
+                forwards.setdefault((arm.name, batch.forward), []).append((i, batch))
+    if not forwards:
+        return []
+    lines = ["Forwards the requests shared (graph mode; the eager reference served each alone):", "",
+             "| arm | forward | bucket | rows | requests: their rows |", "|---|---|---|---|---|"]
+    for (name, forward), members in forwards.items():
+        first = members[0][1]
+        who = ", ".join(f"{i}: [{b.start},{b.end})" for i, b in sorted(members, key=lambda m: m[1].start))
+        lines.append(f"| `{name}` | {forward} | {first.bucket or 'eager'} | {first.rows} | {who} |")
+    return lines + [""]
 
 
 def _md_repeats(case: CaseResult) -> list[str]:

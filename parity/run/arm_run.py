@@ -11,7 +11,7 @@ from types import MappingProxyType
 from typing import Sequence
 
 from parity.arms import arm
-from parity.backends.protocol import Answer, Session
+from parity.backends.protocol import Answer, Session, SharesForwards
 from parity.errors import ArmFailure
 from parity.run.planning import PlannedRequest
 from parity.results import ArmResult, Repeat, stored
@@ -58,11 +58,13 @@ class ArmRun:
         )
         return self.result
 
-    def repeated(self, session: Session) -> ArmResult:
-        """The arm with one more repeat; each repeat keeps its own evidence (design §3 v3)."""
+    def repeated(self, session: Session, again: Answer | ArmFailure | None = None) -> ArmResult:
+        """The arm with one more repeat (`again`: its answer, already served with a batch); each
+        repeat keeps its own evidence (design §3 v3)."""
         if self.result is None or self.result.failed:
             return self.result
-        again = self._timed(lambda: session.answer(self.request.request, self.deepstack))
+        if again is None:
+            again = self._timed(lambda: session.answer(self.request.request, self.deepstack))
         if isinstance(again, ArmFailure):
             self.result = self._failed(again)
         else:
@@ -84,6 +86,29 @@ class ArmRun:
     def _failed(self, failure: ArmFailure) -> ArmResult:
         self.result = failed_arm(self.name, failure, self.seconds)
         return self.result
+
+
+def answer_together(runs: Sequence[ArmRun], session: Session, repeat: bool = False) -> None:
+    """The runs' requests submitted at once where the session can (`SharesForwards`: a batch, whose
+    time each run is charged an equal share of), else one after the other; `repeat`: as one more
+    repeat of each (`ArmRun.repeated`), else as its answer."""
+    if len(runs) < 2 or not isinstance(session, SharesForwards):
+        for run in runs:
+            run.repeated(session) if repeat else run.answer(session)
+        return
+    start = time.perf_counter()
+    try:
+        answers: Sequence[Answer | ArmFailure] = session.answer_together(
+            [(run.request.request, run.deepstack) for run in runs])
+    except ArmFailure as failure:
+        answers = [failure] * len(runs)
+    share = (time.perf_counter() - start) / len(runs)
+    for run, answer in zip(runs, answers):
+        run.seconds += share
+        if repeat:
+            run.repeated(session, answer)
+        else:
+            run.pending = answer
 
 
 def _stored(logprobs: Sequence[float]) -> tuple[float, ...]:

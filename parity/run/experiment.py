@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Callable, Sequence
 
 from parity import __version__
-from parity.run.arm_run import ArmRun, failed_arm
+from parity.run.arm_run import ArmRun, answer_together, failed_arm
 from parity.arms import ARM_ORDER, MODES, Mode, arm, arm_for
 from parity.backends.protocol import Backend, CanLocalize, Session
 from parity import registry
@@ -29,8 +29,8 @@ from parity.run.localization import auto_threshold, localize_run
 from parity.judge.metrics import Tolerances, auto_tolerances
 from parity.plan.entries import PLAN_KEY, plan_json
 from parity.run.planning import (
-    PlannedCase, RunSpec, arms_for, check_lengths, generations, in_shard, plan_cases, plan_entry, serving_order,
-    shard_assignment,
+    PlannedCase, RunSpec, arms_for, check_lengths, forwards, generations, in_shard, plan_cases, plan_entry,
+    replayed_lengths, serving_order, shard_assignment,
 )
 from parity.results import FOUR_ARM, ArmResult, CaseResult, FixtureInfo, RequestResult, RunResult, Timings
 from parity.run.self_check import self_checked
@@ -157,8 +157,7 @@ def _run_plan(spec: RunSpec, backend: Backend, progress: ProgressFn | None, cloc
                 progress(Progress(next(counter), total, case_id, label))
 
         # A request planned past every bucket (growth) must not have one captured for it.
-        backend.prepare(spec.modes, [n for case in planned for req, n in zip(case.requests, lengths[case.id])
-                                     if req.replays],
+        backend.prepare(spec.modes, replayed_lengths(planned, lengths),
                         sorted({req.request.serving for case in planned for req in case.requests}, key=repr))
         for mode in spec.modes:
             started = time.perf_counter()
@@ -199,9 +198,11 @@ def _run_sequence(spec: RunSpec, session: Session, case: PlannedCase, mode: str,
     """The sequence's requests back to back, as a server would see them; then (eager session) its
     power arm; then the scoring of every answer. Each repeat is the whole sequence again."""
     runs = [ArmRun(arm_for(mode, req.deepstack).name, req) for req in case.requests]
-    for run in runs:
-        announce(case.id, f"{run.name} · {run.request.label}")
-        run.answer(session)
+    groups = [[runs[i] for i in group] for group in forwards(case.requests)]
+    for group in groups:
+        for run in group:
+            announce(case.id, f"{run.name} · {run.request.label}")
+        answer_together(group, session)
     power = [(i, ArmRun(SEQUENCE_POWER_ARM, req)) for i, req in enumerate(case.requests)
              if req.power and mode == "eager"]
     for i, run in power:
@@ -211,8 +212,12 @@ def _run_sequence(spec: RunSpec, session: Session, case: PlannedCase, mode: str,
     for i, run in [*enumerate(runs), *power]:
         collected.arms[(case.id, i, run.name)] = run.scored(session, _references(case, i, run.name, collected))
     for _ in range(spec.repeat - 1):
+        for group in groups:
+            answer_together(group, session, repeat=True)
+        for i, run in power:
+            run.repeated(session)
         for i, run in [*enumerate(runs), *power]:
-            collected.arms[(case.id, i, run.name)] = run.repeated(session)
+            collected.arms[(case.id, i, run.name)] = run.result
 
 
 def _references(case: PlannedCase, request: int, name: str, collected: _Collected) -> list[ArmResult]:

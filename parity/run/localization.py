@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, Mode, arm_for
 from parity.arms import arm as arm_of
 from parity.errors import LocalizationError
+from parity.design import SEQUENCE_REQUESTS
 from parity.results import CaseResult, LayerError, Localization, RunResult
 from parity.judge.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_STALE_STATE
 
@@ -62,6 +63,7 @@ class Target:
     request: int | None  # the sequence request localized; None in a four-arm case
     step: Step
     prefix: tuple[Step, ...]  # the case's bcg requests that ran before it, in order
+    together: tuple[Step, ...] = ()  # the requests submitted with it, itself among them (batch); () alone
 
 
 def auto_threshold(dtype: str) -> float:
@@ -106,7 +108,11 @@ def _sequence_target(case: CaseResult) -> Target | None:
         arm, reference = arm_for(Mode.BCG, step.deepstack).name, arm_for(Mode.EAGER, step.deepstack).name
         comparison = case.comparison(arm, reference, step.request)
         if comparison is not None and not comparison.match:
-            return Target(arm, reference, step.request, step, steps[:step.request])
+            specs = SEQUENCE_REQUESTS.get(case.scenario, ())
+            forward = specs[step.request].forward if step.request < len(specs) else None
+            together = tuple(s for s, spec in zip(steps, specs) if forward is not None and spec.forward == forward)
+            first = together[0].request if len(together) > 1 else step.request
+            return Target(arm, reference, step.request, step, steps[:first], together if len(together) > 1 else ())
     return None
 
 
@@ -136,11 +142,12 @@ def first_above(errors: Sequence[float], threshold: float) -> int | None:
 def localize(backend: CanLocalize, target: Target, requests: Sequence[Request], threshold: float) -> Localization:
     """Probe the target's prefill by replay (after its prefix) and eagerly, and compare per point."""
     prefix = [(requests[s.request], s.deepstack) for s in target.prefix]
+    together = [(requests[s.request], s.deepstack) for s in target.together]
     request = requests[target.step.request]
     try:
-        replay = backend.probe("bcg", request, target.step.deepstack, prefix)
+        replay = backend.probe("bcg", request, target.step.deepstack, prefix, together)
         # The eager session serves the same prefix: its prefix cache decides which rows it computes.
-        eager = backend.probe("eager", request, target.step.deepstack, prefix)
+        eager = backend.probe("eager", request, target.step.deepstack, prefix, together)
     except (RuntimeError, ValueError) as err:  # a forward, or a slot refresh that failed closed
         raise LocalizationError(f"the probe failed ({err.__class__.__name__}: {err})") from err
     errors = relative_errors(replay.hidden, eager.hidden)

@@ -66,6 +66,7 @@ class PlannedRequest:
     deepstack: str
     power: bool = False  # also run eagerly with DeepStack zeroed: the sequence's power (design §3 v3)
     replays: bool = True  # False: planned past every captured bucket (the growth scenario's long request)
+    forward: int | None = None  # batch: submitted at once with the case's other requests of this number
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def plan_cases(spec: RunSpec, backend: Backend) -> tuple[PlannedCase, ...]:
             else:
                 arms = ()
                 requests = tuple(PlannedRequest(r.label, _sequence_request(r, scenario, backend, image), r.deepstack,
-                                                 power=r.power, replays=r.replays)
+                                                 power=r.power, replays=r.replays, forward=r.forward)
                                  for r in SEQUENCE_REQUESTS[scenario])
             planned.append(PlannedCase(scenario_case_id(scenario, case.id), scenario, case, requests, arms))
     planned = _past_every_bucket(planned, backend, spec.max_new_tokens)
@@ -116,12 +117,15 @@ def _sequence_request(spec: RequestSpec, scenario: str, backend: Backend, image:
 def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend, new_tokens: int) -> tuple[PlannedCase, ...]:
     """The growth scenario's long requests lengthened with filler until their prompts are longer
     than the bucket of every request that replays, its scoring prefills (the prompt and up to
-    `new_tokens` more) included: with `--buckets auto`, past every bucket the run captures, so the
-    DeepStack buffer sized for those must grow."""
+    `new_tokens` more) included, and of every batch's forward: with `--buckets auto`, past every
+    bucket the run captures, so the DeepStack buffer sized for those must grow."""
     if all(r.replays for c in planned for r in c.requests):
         return tuple(planned)
     buckets = [backend.bucket_of(backend.prompt_length(r.request) + new_tokens)
                for c in planned for r in c.requests if r.replays]
+    # A batch's requests share a forward: the graphs are captured for all of them at once.
+    buckets += [backend.bucket_of(sum(backend.prompt_length(c.requests[i].request) for i in group))
+                for c in planned for group in forwards(c.requests) if len(group) > 1]
     largest = max((b for b in buckets if b is not None), default=None)
     out = []
     for case in planned:
@@ -134,6 +138,28 @@ def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend, new_tok
                 requests[i] = replace(req, request=replace(req.request, prompt=text))
         out.append(replace(case, requests=tuple(requests)))
     return tuple(out)
+
+
+def forwards(requests: Sequence[PlannedRequest]) -> list[list[int]]:
+    """The case's requests as they are submitted: indices, neighbours of one `forward` together."""
+    groups: list[list[int]] = []
+    for i, req in enumerate(requests):
+        if groups and req.forward is not None and requests[groups[-1][0]].forward == req.forward:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def replayed_lengths(planned: Sequence[PlannedCase], lengths: dict[str, list[int]]) -> list[int]:
+    """The prefill lengths a run's graphs must fit: every request's that replays, and every batch's
+    requests together (their forward holds them all, at most)."""
+    out = []
+    for case in planned:
+        n = lengths[case.id]
+        out += [length for req, length in zip(case.requests, n) if req.replays]
+        out += [sum(n[i] for i in group) for group in forwards(case.requests) if len(group) > 1]
+    return out
 
 
 def serving_order(planned: Sequence[PlannedCase]) -> list[PlannedCase]:

@@ -20,7 +20,8 @@ from torch import nn
 from parity.evidence import InputFreshness
 from parity.runner import emulated_graph, slot_contract
 from parity.runner.freshness import FreshnessWitness, Supplied, padded
-from parity.runner.lm_body import ConsumesDeepStack, Past, fill_past_mask
+from parity.runner.lm_body import ConsumesDeepStack, Past, fill_packed_mask
+from parity.runner.packing import Packed
 
 Outputs = tuple[torch.Tensor, ...]  # token-major: every output's first axis is the bucket's rows
 
@@ -49,6 +50,10 @@ class RunnerVariant(str, enum.Enum):
     MROPE_STALE = "mrope-stale"  # positions not refreshed when the bucket repeats (TensorRT-LLM #18207)
     EMBEDS_TAIL_KEPT = "embeds-tail-kept"  # input_embeds' padding never zeroed (SGLang #29018)
     EMBEDS_STALE = "embeds-stale"  # input_embeds not refreshed when the shape repeats (DeepSpeed #8488)
+    # Requests that share a forward (the batch scenario): DeepStack rows packed wrongly.
+    BATCH_OFFSET_ZERO = "batch-offset-zero"  # every request's rows written at offset 0
+    BATCH_FIRST_ONLY = "batch-first-only"  # the refresh covers the first request's rows only
+    BATCH_SLOT_ONE = "batch-slot-one"  # the slot taken as one request's bucket: a batch must be refused
 
 
 @dataclass(frozen=True)
@@ -310,6 +315,49 @@ class PrefillGraphRunner:
             graph.replay()
         return self._copied_out(graph.outputs, num_tokens)
 
+    def replay_packed(self, packed: Packed, probe: bool = False) -> Outputs:
+        """Requests that share one forward (design §10, the batch scenario): their rows side by side
+        in the slots, each request's DeepStack at its offset, replayed in the bucket's context graph,
+        whose mask keeps each request to its own rows (and the one continued request to its earlier
+        rows, in the past slot). Returns copies of the outputs' real rows, members in order (with
+        `probe`, by the bucket's probe graph, whose extra output is every probe point's)."""
+        self._check_open()
+        if self._past is None:
+            raise ValueError("a packed forward replays in a context graph, and this runner captured none")
+        num_tokens, past = packed.rows, packed.past(self._past.keys.shape[1:])
+        bucket = self.bucket_for(num_tokens)
+        past_rows = past.keys.shape[0]
+        if bucket is None or past_rows > self.context_rows:
+            raise ValueError(f"no captured context graph fits a forward of {num_tokens} tokens after {past_rows} "
+                             f"(buckets: {self.buckets}, context rows: {self.context_rows})")
+        if self.poison:
+            self._poison(num_tokens, bucket, past_rows)
+        with self._witness.writes(packed.owner):
+            self.refresh_packed_deepstack(packed, bucket)  # validates first: may raise
+            self.refresh_inputs(packed.embeds, packed.positions, num_tokens, bucket)
+            self.refresh_past(past, num_tokens, bucket, packed.spans)
+        graph = self._graph(bucket, probe, True, packed.has_deepstack)
+        with torch.inference_mode():
+            graph.replay()
+        return self._copied_out(graph.outputs, num_tokens)
+
+    def refresh_packed_deepstack(self, packed: Packed, bucket: int) -> None:
+        """Every member's DeepStack rows at its offset in the one slot, the rest of the bucket zeroed
+        (`slot_contract.refresh`: validated before any write); the batch variants get it wrong."""
+        if self._deepstack is None:
+            return
+        buffer, variant = self._deepstack.buffer, self.variant
+        clear = self._deepstack.padding is Padding.ZERO
+        if variant is RunnerVariant.BATCH_FIRST_ONLY:  # the first request's rows, nothing past them
+            first = packed.members[0]
+            slot_contract.refresh(buffer[:first.rows], first.deepstack, first.rows, rows=first.rows, clear=clear)
+            return
+        if variant is RunnerVariant.BATCH_SLOT_ONE:  # sized as if a forward held one request
+            buffer = buffer[:self.bucket_for(max(m.rows for m in packed.members))]
+        at = [0] * len(packed.members) if variant is RunnerVariant.BATCH_OFFSET_ZERO else None
+        rows = packed.deepstack(at)
+        slot_contract.refresh(buffer, rows, bucket, rows=None if rows is None else packed.rows, clear=clear)
+
     @staticmethod
     def _copied_out(outputs: Outputs, num_tokens: int) -> Outputs:
         """The real rows of a replay's outputs, copied out of the pool: graph outputs are borrowed,
@@ -386,11 +434,13 @@ class PrefillGraphRunner:
                 for name, rows, sentinel in self._poisonable(num_tokens, bucket, past_rows)}
 
     def freshness(self, input_embeds: torch.Tensor, positions: torch.Tensor, deepstack: torch.Tensor | None,
-                  past: Past | None = None) -> tuple[InputFreshness, ...]:
+                  past: Past | None = None, spans: tuple[tuple[int, int, int], ...] | None = None
+                  ) -> tuple[InputFreshness, ...]:
         """The freshness witness of the replay just run (design §6): per input its graph read, the
         rows a correct runner writes for this prefill (`must_write`) that it did not, given what the
         prefill supplies at the LM entry (`deepstack`: its own rows, as a correct engine hands
-        them); with --poison, also the rows that still hold the sentinel."""
+        them; `spans`: a packed forward's requests, whose mask keeps each to its rows); with
+        --poison, also the rows that still hold the sentinel."""
         num_tokens = input_embeds.shape[0]
         bucket = self.bucket_for(num_tokens)
         past_rows = None if past is None else past.keys.shape[0]
@@ -406,7 +456,7 @@ class PrefillGraphRunner:
             supplied["deepstack"] = Supplied(deepstack)
         if past is not None:
             mask = torch.zeros(must["past_mask"], self.context_rows + bucket, dtype=torch.bool, device=past.keys.device)
-            fill_past_mask(mask, past_rows, num_tokens)
+            fill_packed_mask(mask, spans or ((0, num_tokens, past_rows),))
             supplied |= dict(zip(PAST_INPUTS, (Supplied(past.keys), Supplied(past.values), Supplied(mask))))
         graph = graph_label(bucket, past is not None)
         records = self._witness.check((bucket, past is not None), graph, supplied)
@@ -504,12 +554,15 @@ class PrefillGraphRunner:
         slot_contract.refresh(buffer, deepstack, bucket, rows=num_tokens, clear=clear)
         self._own_rows = filled
 
-    def refresh_past(self, past: Past, num_tokens: int, bucket: int) -> None:
-        """The rows before this prefill into the context slots, and its padded mask over them."""
+    def refresh_past(self, past: Past, num_tokens: int, bucket: int,
+                     spans: tuple[tuple[int, int, int], ...] | None = None) -> None:
+        """The rows before this prefill into the context slots, and its padded mask over them
+        (`spans`: requests packed side by side, each kept to its own rows; default: one request)."""
         rows = past.keys.shape[0]
-        self._past.keys[:rows].copy_(past.keys)
-        self._past.values[:rows].copy_(past.values)
-        fill_past_mask(self._past.mask[:bucket, :self.context_rows + bucket], rows, num_tokens)
+        if rows:
+            self._past.keys[:rows].copy_(past.keys)
+            self._past.values[:rows].copy_(past.values)
+        fill_packed_mask(self._past.mask[:bucket, :self.context_rows + bucket], spans or ((0, num_tokens, rows),))
 
     @staticmethod
     def _fill(slot: Slot, live: torch.Tensor, num_tokens: int, bucket: int, zero_padding: bool = True) -> None:

@@ -95,13 +95,23 @@ def fill_past_mask(mask: torch.Tensor, past_rows: int, rows: int) -> None:
     """A padded chunk's mask in place, `[bucket, capacity + bucket]` over a past slot of `capacity`
     rows of which `past_rows` are real: real rows see the real past and, causally, the chunk; each
     padded row sees only itself (an all-masked row would be NaN, and NaN is not inert)."""
+    fill_packed_mask(mask, ((0, rows, past_rows),))
+
+
+def fill_packed_mask(mask: torch.Tensor, spans: tuple[tuple[int, int, int], ...]) -> None:
+    """The mask of requests packed side by side in one forward, in place, `[bucket, capacity +
+    bucket]`: each span `(start, end, past_rows)` is one request's rows, which see the first
+    `past_rows` rows of the past slot (its own earlier rows: only one request's may be there) and,
+    causally, its own rows, never another request's; each padded row sees only itself."""
     bucket = mask.shape[0]
     capacity = mask.shape[1] - bucket
     mask.zero_()
-    mask[:rows, :past_rows] = True
     own = mask[:, capacity:]
-    own[:rows] = torch.ones(rows, bucket, dtype=torch.bool, device=mask.device).tril()
-    own[rows:, rows:].fill_diagonal_(True)
+    for start, end, past_rows in spans:
+        mask[start:end, :past_rows] = True
+        own[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool, device=mask.device).tril()
+    used = max((end for _, end, _ in spans), default=0)
+    own[used:, used:].fill_diagonal_(True)
 
 
 def _cache_argument(layer: nn.Module) -> str:

@@ -57,24 +57,43 @@ class ReplayChecker:
         """`key`: the graph ("prefill 48"); `replayed`: the replay's outputs (real rows); `padded`: the
         inputs of a correct replay (embeds, positions, DeepStack, past) at the bucket's shape; `exact`:
         the same prefill at its own length; `start`: its first prompt row."""
+        return self.prefill_packed(key, body, replayed, padded, exact, ((0, replayed[0].shape[0], start),))[0]
+
+    @torch.inference_mode()
+    def prefill_packed(self, key: str, body: Callable[..., Outputs], replayed: Outputs,
+                       padded: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None],
+                       exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Past | None],
+                       spans: tuple[tuple[int, int, int], ...]) -> tuple[ReplayCheck, ...]:
+        """`prefill` for requests that shared the forward: one check per span `(first row, end, its
+        first prompt row)`, each on its request's rows (and its last row's logits), so a departure is
+        the request's whose rows departed. The bound is the graph's, as for one request."""
         rows = replayed[0].shape[0]
-        reference = self._tensors(body, padded, rows)
+        reference = self._outputs(body, padded, rows)
         if key not in self._spreads:  # the eager pass's own spread, on fresh copies of its inputs
             again = tuple(None if t is None else _cloned(t) for t in padded)
-            self._spreads[key] = _spread(reference, self._tensors(body, again, rows))
+            self._spreads[key] = _spread(self._cut(reference, 0, rows), self._cut(self._outputs(body, again, rows),
+                                                                                  0, rows))
         bounds = self._spreads[key]
-        mine = _prefill_tensors(replayed, self._last_logits(replayed[0]))
-        checks = tuple(TensorCheck(name, _max_abs(mine[name], reference[name]), bounds[name])
-                       for name in CHECKED_TENSORS if name in mine)
-        unpadded = self._tensors(body, exact, rows)
-        noise = _max_abs(unpadded["logits"], reference["logits"])
-        return ReplayCheck(1, checks, noise, self._departure(mine, reference, bounds, start),
-                           tuple(GraphBound(key, t.tensor, t.bound) for t in checks))
+        unpadded = self._outputs(body, exact, rows)
+        checks = []
+        for first, end, start in spans:
+            mine, theirs = self._cut(replayed, first, end), self._cut(reference, first, end)
+            tensors = tuple(TensorCheck(name, _max_abs(mine[name], theirs[name]), bounds[name])
+                            for name in CHECKED_TENSORS if name in mine)
+            noise = _max_abs(self._cut(unpadded, first, end)["logits"], theirs["logits"])
+            checks.append(ReplayCheck(1, tensors, noise, self._departure(mine, theirs, bounds, start),
+                                      tuple(GraphBound(key, t.tensor, t.bound) for t in tensors)))
+        return tuple(checks)
 
-    def _tensors(self, body, inputs, rows: int) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def _outputs(body, inputs, rows: int) -> Outputs:
         embeds, positions, deepstack, past = inputs
-        outputs = tuple(t[:rows] for t in body(embeds, positions, deepstack, past=past)[:3])
-        return _prefill_tensors(outputs, self._last_logits(outputs[0]))
+        return tuple(t[:rows] for t in body(embeds, positions, deepstack, past=past)[:3])
+
+    def _cut(self, outputs: Outputs, first: int, end: int) -> dict[str, torch.Tensor]:
+        """Rows `[first, end)` of a prefill's outputs, with their last row's logits."""
+        cut = tuple(t[first:end] for t in outputs[:3])
+        return _prefill_tensors(cut, self._last_logits(cut[0]))
 
     def _last_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden[-1:]).float()  # the position whose logits give the next token

@@ -10,7 +10,7 @@ from typing import Any
 from parity.arms import ARM_ORDER
 from parity.arms import arm as arm_of
 from parity.evidence import (
-    CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, GraphBound, InputFreshness,
+    BatchRun, CHECKED_TENSORS, ChunkRun, DeepStackRecord, Departure, EncoderRun, Evidence, GraphBound, InputFreshness,
     LeakWitness, RankEvidence, ReplayCheck, ServingEvidence, TensorCheck,
 )
 from parity.results import ArmResult, FixtureInfo, Repeat, TopLogprobs
@@ -126,12 +126,25 @@ def _serving(raw: Any, where: str) -> ServingEvidence | None:
             raise Invalid(f"{ewhere}.grid must be [t, h, w]")
         encoder = EncoderRun(grid, non_negative_int(get(encoder_raw, "patches", int, ewhere), f"{ewhere}.patches", 1),
                              get(encoder_raw, "key", str, ewhere), get(encoder_raw, "replayed", bool, ewhere))
+    batch_raw = get(raw, "batch", dict, where, optional=True)
+    batch = None
+    if batch_raw is not None:
+        bwhere = f"{where}.batch"
+        own = get(batch_raw, "own", list, bwhere)
+        if len(own) != 2:
+            raise Invalid(f"{bwhere}.own must be [start, end]")
+        bucket = get(batch_raw, "bucket", int, bwhere, optional=True)
+
+        def positive(key: str) -> int:
+            return non_negative_int(get(batch_raw, key, int, bwhere), f"{bwhere}.{key}", 1)
+        batch = BatchRun(positive("forward"), None if bucket is None else non_negative_int(bucket, f"{bwhere}.bucket", 1),
+                         positive("requests"), positive("rows"), *ints(own, f"{bwhere}.own"))
     return ServingEvidence(
         chunks=tuple(chunks),
         cached_tokens=non_negative_int(get(raw, "cached_tokens", int, where), f"{where}.cached_tokens"),
         image_span=pair("image_span"), buffer_growth=pair("buffer_growth"),
         graph_ready=get(raw, "graph_ready", bool, where, optional=True), encoder=encoder,
-        prompt_tokens=count("prompt_tokens"),
+        prompt_tokens=count("prompt_tokens"), batch=batch,
     )
 
 

@@ -375,10 +375,13 @@ def captured_buckets_fit_the_prompts(run: RunResult) -> None:
         raise Contradiction(f"config.captured_buckets has {stray[0]}, which is not on the bucket ladder of "
                             "--buckets auto")
     longest = _longest_prompt(run)
-    needed = None if longest is None else smallest_fitting(ladder, longest)
+    batched = _longest_batch(run)
+    needed = None if longest is None or batched is None else smallest_fitting(ladder, max(longest, batched))
     if needed is not None and max(captured) > needed:
-        raise Contradiction(f"config.captured_buckets has {max(captured)}, but the run's longest prompt "
-                            f"({longest} tokens) replays in bucket {needed}: --buckets auto captures no larger one")
+        what = (f"longest prompt ({longest} tokens)" if longest >= batched
+                else f"largest batch of requests sharing a forward ({batched} tokens)")
+        raise Contradiction(f"config.captured_buckets has {max(captured)}, but the run's {what} replays in bucket "
+                            f"{needed}: --buckets auto captures no larger one")
 
 
 def _longest_prompt(run: RunResult) -> int | None:
@@ -387,6 +390,26 @@ def _longest_prompt(run: RunResult) -> int | None:
         return max(entry.prompt_tokens for entry in read_plan(run.config))
     except ValueError:
         return None  # a /1 file records no plan
+
+
+def _longest_batch(run: RunResult) -> int | None:
+    """The most prompt tokens of requests a batch case submits at once (their forward holds at most
+    as many; the run's graphs are captured to fit them): 0 without a batch case, None when a member's
+    prompt length is not recorded."""
+    longest = 0
+    for case in run.cases:
+        specs = SEQUENCE_REQUESTS.get(case.scenario, ()) if case.is_sequence else ()
+        groups: dict[int, int] = {}
+        for spec, request in zip(specs, case.requests):
+            if spec.forward is None:
+                continue
+            tokens = next((a.evidence.prompt_tokens for a in request.arms
+                           if a.evidence is not None and a.evidence.prompt_tokens is not None), None)
+            if tokens is None:
+                return None
+            groups[spec.forward] = groups.get(spec.forward, 0) + tokens
+        longest = max([longest, *groups.values()])
+    return longest
 
 
 RULES: tuple[Callable[[RunResult], None], ...] = (

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
+from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_SHARED_FORWARD
 from parity import registry
 from parity.evidence import Evidence, ServingEvidence
 from parity.results import ArmResult, RunResult
@@ -116,6 +116,7 @@ def _layout(serving: ServingEvidence) -> dict:
 _REACHED: dict[str, Callable[[ServingEvidence], bool]] = {
     PROVES_GROWTH: lambda serving: serving.buffer_growth is not None,
     PROVES_ENCODER_GRAPH: lambda serving: serving.encoder is not None,
+    PROVES_SHARED_FORWARD: lambda serving: serving.batch is not None and serving.batch.requests > 1,
 }
 
 
@@ -129,7 +130,33 @@ def unreachable_paths_never_reached(run: RunResult) -> None:
                                                  f"reach: {why}")
 
 
+def batches_tile_their_forwards(run: RunResult) -> None:
+    """The requests of a case that name one forward (one arm name, one run of it) are as many as it
+    says it held, all in its bucket, their rows side by side, tiling the forward's rows exactly: a
+    forward claimed shared must have held them all."""
+    forwards: dict[tuple, list[tuple[_Request, ArmResult, str, ServingEvidence]]] = {}
+    for request, arm, where, _, serving in _served(run):
+        if serving.batch is not None:
+            which_run = where.removeprefix(request.at(arm))  # ".evidence.serving", ".repeats[i].evidence.serving"
+            key = (request.case_index, arm.name, which_run, serving.batch.forward)
+            forwards.setdefault(key, []).append((request, arm, where, serving))
+    for members in forwards.values():
+        request, arm, where, first = members[0]
+        batch = first.batch
+        alike = all((s.batch.requests, s.batch.rows, s.batch.bucket) == (batch.requests, batch.rows, batch.bucket)
+                    for _, _, _, s in members)
+        if len(members) != batch.requests or not alike:
+            raise request.contradiction(arm, f"{where}.batch says forward {batch.forward} held {batch.requests} "
+                                             f"request(s), {batch.rows} rows in bucket {batch.bucket}, but "
+                                             f"{len(members)} of the case's requests name it, not all alike")
+        spans = sorted((s.batch.start, s.batch.end) for _, _, _, s in members)
+        ends = [0] + [end for _, end in spans]
+        if [start for start, _ in spans] != ends[:-1] or ends[-1] != batch.rows:
+            raise request.contradiction(arm, f"{where}.batch: forward {batch.forward}'s requests hold rows {spans}, "
+                                             f"which do not tile its {batch.rows} rows")
+
+
 RULES: tuple[Callable[[RunResult], None], ...] = (
     serving_names_its_prompt, chunks_within_the_chunk_size, replays_are_the_replayed_chunks, modes_agree_on_serving,
-    unreachable_paths_never_reached,
+    unreachable_paths_never_reached, batches_tile_their_forwards,
 )

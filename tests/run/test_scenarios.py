@@ -11,7 +11,7 @@ from parity.backends.serving import PrefixCache, schedule
 from parity.backends.transformers_backend import TransformersBackend
 from parity.runner.buckets import BucketPolicy
 from parity.design import (
-    CHUNKED, FAMILY_SCENARIOS, GROWTH, LAYOUT, PLANTED_BUGS, PREFIX, RUNNER_VARIANTS, SCENARIO_SUMMARIES,
+    BATCH, CHUNKED, FAMILY_SCENARIOS, GROWTH, LAYOUT, PLANTED_BUGS, PREFIX, RUNNER_VARIANTS, SCENARIO_SUMMARIES,
     SEQUENCE_REQUESTS, WARMUP,
 )
 from parity.evidence import EncoderRun, Evidence, ServingEvidence
@@ -61,6 +61,10 @@ def test_each_planted_bug_fails_its_own_scenario(request, dtype, variant):
     scenario = PLANTED_BUGS[variant][0]
     run = _run(loaded, (scenario,), variant, fixture="mosaic" if scenario == LAYOUT else "rgb-stripes")
     case = run.cases[0]
+    if variant == "batch-slot-one":  # fails closed: the batch's rows are refused, never cut to fit
+        assert case.verdict.code == "ERROR" and "SlotRejected" in case.verdict.reason, case.verdict
+        assert "exceeds the slot's 48 rows" in case.verdict.reason and case.localization is None
+        return
     assert case.verdict.code.startswith("FAIL_"), case.verdict
     # The verdict names the request that failed, and the run names the scenario.
     assert case.verdict.reason.startswith("request ") and case.id.startswith(f"{scenario}/")
@@ -170,6 +174,10 @@ def _family_arm(doc, scenario, request, arm="bcg_normal"):
     # Evidence that cannot describe one execution is refused outright.
     (CHUNKED, 0, lambda s: s["chunks"].pop(1), 2, "chunks must follow each other"),
     (LAYOUT, 1, lambda s: s["encoder"].update(grid=[1, 8]), 2, "grid must be [t, h, w]"),
+    # A shared forward claimed by one request alone, or rows that do not tile it.
+    (BATCH, 0, lambda s: s.pop("batch"), 2, "of the case's requests name it"),
+    (BATCH, 3, lambda s: s["batch"].update(own=[0, 10]), 2, "do not tile"),
+    (BATCH, 1, lambda s: s["batch"].update(rows=500), 2, "do not fit the bucket"),
 ])
 def test_an_edited_serving_path_never_passes(real_run, parity_cli, tmp_path, scenario, request_index, edit, code,
                                              needle):

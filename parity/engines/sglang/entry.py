@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 import click
 
-from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
+from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_SHARED_FORWARD
 from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption, server_config_fields
 from parity.evidence import Evidence
 
@@ -59,5 +59,7 @@ SGLANG = BackendInfo(
                         "past every bucket runs eagerly, so nothing can grow"),
         PROVES_ENCODER_GRAPH: ("SGLang 0.5.23's vision-encoder graphs (SGLANG_VIT_ENABLE_CUDA_GRAPH, "
                                "srt/multimodal/vit_cuda_graph_runner.py) are not started or recorded by parity yet"),
+        PROVES_SHARED_FORWARD: ("parity's SGLang backend submits a sequence's requests one at a time, and records no "
+                                "forward's composition yet (the batch scenario runs in-process; docs/scenarios.md)"),
     },
 )

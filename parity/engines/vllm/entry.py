@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH
+from parity.design import PROVES_ENCODER_GRAPH, PROVES_GROWTH, PROVES_SHARED_FORWARD
 from parity.capabilities import SERVER_OPTIONS, BackendInfo, EngineOption, server_config_fields
 from parity.evidence import Evidence
 
@@ -49,5 +49,7 @@ VLLM = BackendInfo(
                         "so they never grow"),
         PROVES_ENCODER_GRAPH: ("vLLM's vision-encoder graphs (-cc.cudagraph_mm_encoder, "
                                "v1/worker/encoder_cudagraph.py) are not started or recorded by parity yet"),
+        PROVES_SHARED_FORWARD: ("parity's vLLM backend submits a sequence's requests one at a time, and records no "
+                                "forward's composition yet (the batch scenario runs in-process; docs/scenarios.md)"),
     },
 )
