@@ -347,7 +347,8 @@ class PrefillGraphRunner:
         if self._deepstack is None:
             return
         buffer, variant = self._deepstack.buffer, self.variant
-        clear = self._deepstack.padding is Padding.ZERO
+        clear = self._deepstack.padding is Padding.ZERO and variant is not RunnerVariant.CLEARS_OWN_ROWS
+        self._own_rows = packed.rows if packed.has_deepstack else 0
         if variant is RunnerVariant.BATCH_FIRST_ONLY:  # the first request's rows, nothing past them
             first = packed.members[0]
             slot_contract.refresh(buffer[:first.rows], first.deepstack, first.rows, rows=first.rows, clear=clear)
@@ -417,7 +418,7 @@ class PrefillGraphRunner:
         buffers = self._buffers()
         for name, rows in self.must_write(num_tokens, bucket, past_rows).items():
             buffer, axis = buffers[name]
-            if buffer.dtype != torch.bool:
+            if buffer.dtype != torch.bool and rows:  # a packed forward with no past writes no past rows
                 sentinel = POISON if buffer.is_floating_point() else POISON_POSITION
                 yield name, buffer.narrow(axis, 0, rows).movedim(axis, 0), sentinel
 

@@ -130,3 +130,14 @@ def test_packing_puts_each_request_s_deepstack_at_its_offset():
     empty = Past(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="at most one request's earlier rows"):
         Packed((member(2, None, empty), member(2, None, empty)))
+
+
+def test_poison_leaves_no_sentinel_in_a_correct_batch_and_finds_the_missed_rows(tiny):
+    """--poison (design §6) on packed forwards: the fix writes every row each request must, so no
+    sentinel survives; a refresh of the first request's rows only leaves it in the second's."""
+    fixed = _run(tiny, poison=True).cases[0]
+    assert fixed.verdict.code == "PASS", fixed.verdict
+    records = [r for i in range(len(SEQUENCE_REQUESTS[BATCH])) for r in fixed.arm("bcg_normal", i).evidence.freshness]
+    assert any(r.poisoned is not None for r in records) and not any(r.poisoned for r in records)
+    missed = _run(tiny, "batch-first-only", poison=True).cases[0]
+    assert missed.verdict.code == "FAIL_DEEPSTACK_DROPPED" and "still held the poison sentinel" in missed.verdict.reason
