@@ -101,8 +101,10 @@ class Serving:
     def server_profile(self) -> str | None:
         """What a server engine must be started with for it, its flags holding for the server's life
         (design §10): "chunked" (a small prefill chunk), "prefix" (the prefix cache on), or None
-        (the run's default servers: whole prefills, no prefix cache)."""
-        return CHUNKED if self.chunked else PREFIX if self.prefix_cache else None
+        (the run's default servers: whole prefills, no prefix cache). A batch is served whole by the
+        chunked servers: one of its pairs needs chunked prefill, and a sequence's requests are scored
+        after it on the servers that answered them, so its case cannot switch servers midway."""
+        return CHUNKED if self.chunked or self.batched else PREFIX if self.prefix_cache else None
 
 
 SERVER_PROFILES = (None, CHUNKED, PREFIX)  # every `Serving.server_profile`, in the order sessions serve them

@@ -135,7 +135,8 @@ def serving_of(case: dict, request: int) -> dict:
     return next(a for a in arms if a["mode"] == "bcg" and a["deepstack"] == "normal")["evidence"]["serving"]
 
 
-UNREACHABLE = {"growth": "sizes its DeepStack buffers once", "layout": "-cc.cudagraph_mm_encoder"}
+UNREACHABLE = {"growth": "sizes its DeepStack buffers once", "layout": "-cc.cudagraph_mm_encoder",
+               "batch": "one at a time"}
 
 
 def test_released_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_factory) -> None:
@@ -144,7 +145,7 @@ def test_released_leaks_on_every_family_path_it_reaches_in_full_mode(tmp_path_fa
     prefix-cache hit; the warm-up text request reads rows at its scoring."""
     _, _, doc = run_of(tmp_path_factory, "full", fixed=False)
     codes = {c["scenario"]: c["verdict"]["code"] for c in doc["cases"]}
-    leaked = ("reuse", "stream", "shrink", "chunked", "prefix", "growth", "warmup")
+    leaked = ("reuse", "stream", "shrink", "chunked", "prefix", "growth", "warmup", "batch")
     assert codes == {"four-arm": "PASS", **dict.fromkeys(leaked, "FAIL_STALE_STATE"),
                      "layout": "INCONCLUSIVE_NOT_REPLAYED"}, codes
     reasons = {c["scenario"]: c["verdict"]["reason"] for c in doc["cases"]}
