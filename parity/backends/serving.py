@@ -197,25 +197,29 @@ class PromptServer:
         if self._encoder_graphs is not None:
             self._encoder_graphs.close()
 
-    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None, tuple[ReplayCheck, ...]]:
+    def _prepared(self, request: Request) -> tuple[PreparedPrompt, EncoderRun | None, tuple[ReplayCheck, ...],
+                                                   tuple[InputFreshness, ...]]:
         """The request's LM inputs; in graph mode, through the encoder graphs when it asks for them
-        (with their replay's check)."""
+        (with their replay's check and its inputs' freshness)."""
         if not (request.serving.encoder_graph and self._executor.runner is not None and request.fixture):
-            return self._prepared_once(request), None, ()
+            return self._prepared_once(request), None, (), ()
         if self._encoder_graphs is None:
             self._encoder_graphs = EncoderGraphs(self._executor.adapter.visual, self._encoder_by_grid,
                                                  self._executor.checker)
+        self._encoder_graphs.owner = _owner(request)
         prompt = self._executor.adapter.prepare(request.fixture, request.prompt, self._encoder_graphs)
-        return prompt, self._encoder_graphs.runs[-1], (self._encoder_graphs.checks[-1],)
+        graphs = self._encoder_graphs
+        return prompt, graphs.runs[-1], (graphs.checks[-1],), graphs.freshness[-1]
 
     def prefill(self, request: Request, tap_mode: str, probe: bool = False):
         """(prompt, the tap's record, the request's whole prefill as served): what a request does
         before its first decode step, and all a probe needs."""
-        prompt, encoder, checks = self._prepared(request)
+        prompt, encoder, checks, freshness = self._prepared(request)
         # The tap at the LM entry, outside anything a graph captured.
         deepstack, record = apply_tap(tap_mode, prompt.deepstack)
         served = self._serve(request, prompt, deepstack, tap_mode, encoder, probe)
-        return prompt, record, replace(served, checks=checks + served.checks)
+        return prompt, record, replace(served, checks=checks + served.checks,
+                                       freshness=merge_freshness(freshness, served.freshness))
 
     def prefill_together(self, requests: list[tuple[Request, str]], probe: bool = False) -> list[tuple]:
         """Requests submitted at once (the batch scenario): in graph mode their prefills share one
@@ -226,25 +230,31 @@ class PromptServer:
         rows' probe points too (in its `Served`)."""
         taps = []
         for request, tap_mode in requests:
-            prompt, _, _ = self._prepared(request)
+            prompt = self._prepared(request)[0]  # a batch's requests ask for no encoder graph
             deepstack, record = apply_tap(tap_mode, prompt.deepstack)
             taps.append((request, prompt, deepstack, record, tap_mode))
         plans = [schedule(prompt.input_ids.shape[0], 0, self._chunk_size if request.serving.chunked else None)
                  for request, prompt, _, _, _ in taps]
-        continued = [i for i, windows in enumerate(plans) if len(windows) > 1]
-        lasts = [windows[-1] for windows in plans]
-        rows = sum(w.end - w.start for w in lasts)
-        runner = self._executor.runner
-        past_rows = max((w.start for w in lasts), default=0)
-        if (runner is None or len(requests) < 2 or len(continued) > 1 or not runner.context_rows
-                or past_rows > runner.context_rows or not runner.can_replay(rows)):
+        if not self._fits_one_forward(plans):
             return [(prompt, record, self._serve(request, prompt, deepstack, tap_mode, None, probe))
                     for request, prompt, deepstack, record, tap_mode in taps]
-        # A continued request's earlier chunks, alone, as a server's chunked prefill runs them.
-        earlier: dict[int, tuple[list[ChunkRun], list[Prefill], list[torch.Tensor | None]]] = {}
-        for i in continued:
-            request, prompt, deepstack, _, _ = taps[i]
-            earlier[i] = self._chunks(request, prompt, deepstack, plans[i][:-1], probe)
+        return self._one_forward(taps, plans, probe)
+
+    def _fits_one_forward(self, plans) -> bool:
+        """Whether requests so scheduled can share a replayed forward: graph mode, two or more of
+        them, at most one continuing its earlier chunks (one past slot), a context graph fitting."""
+        runner = self._executor.runner
+        lasts = [windows[-1] for windows in plans]
+        past_rows = max(w.start for w in lasts)
+        return (runner is not None and len(plans) > 1 and sum(len(w) > 1 for w in plans) <= 1
+                and 0 < runner.context_rows and past_rows <= runner.context_rows
+                and runner.can_replay(sum(w.end - w.start for w in lasts)))
+
+    def _one_forward(self, taps, plans, probe: bool) -> list[tuple]:
+        """The requests' last parts in one packed replay, a continued request's earlier chunks first."""
+        earlier = {i: self._chunks(taps[i][0], taps[i][1], taps[i][2], windows[:-1], probe)
+                   for i, windows in enumerate(plans) if len(windows) > 1}
+        lasts = [windows[-1] for windows in plans]
         members = []
         for i, ((request, prompt, deepstack, _, _), window) in enumerate(zip(taps, lasts)):
             parts = earlier.get(i, ((), (), ()))[1]
@@ -257,22 +267,21 @@ class PromptServer:
         outputs = self._executor.prefill_packed(packed, tuple(w.start for w in lasts), probe)
         self._forwards += 1
         served = []
-        for i, ((request, prompt, _, record, _), window, (part, points), (start, end)) in enumerate(
+        for i, ((_, prompt, _, record, _), window, (part, points), (start, end)) in enumerate(
                 zip(taps, lasts, outputs, packed.ranges)):
             chunks, parts, part_points = earlier.get(i, ([], [], []))
-            image_ids = self._image_rows(prompt)
             if parts:
-                chunks = [*chunks, ChunkRun(window.start, window.end, part.bucket,
-                                            int(image_ids[window.start:window.end].sum()))]
-            keys = torch.cat([*(p.keys for p in parts), part.keys])
-            values = torch.cat([*(p.values for p in parts), part.values])
+                image_rows = int(self._image_rows(prompt)[window.start:window.end].sum())
+                chunks = [*chunks, ChunkRun(window.start, window.end, part.bucket, image_rows)]
             evidence = ServingEvidence(chunks=tuple(chunks), prompt_tokens=int(prompt.input_ids.shape[0]),
                                        image_span=self._image_span(prompt),
                                        batch=BatchRun(self._forwards, part.bucket, len(taps), packed.rows, start, end))
             prefills = [*parts, part]
             served.append((prompt, record, Served(
-                Prefill(part.hidden, keys, values, part.bucket), len(prefills), tuple(p.bucket for p in prefills),
-                evidence, torch.cat([*part_points, points]) if probe else None,
+                Prefill(part.hidden, torch.cat([p.keys for p in prefills]), torch.cat([p.values for p in prefills]),
+                        part.bucket),
+                len(prefills), tuple(p.bucket for p in prefills), evidence,
+                torch.cat([*part_points, points]) if probe else None,
                 tuple(p.check for p in prefills if p.check is not None),
                 merge_freshness(*(p.freshness for p in prefills)))))
         return served

@@ -24,7 +24,9 @@ from parity.arms import arm as arm_of
 from parity.errors import LocalizationError
 from parity.design import SEQUENCE_REQUESTS
 from parity.results import CaseResult, LayerError, Localization, RunResult
-from parity.judge.verdict import FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_STALE_STATE
+from parity.judge.verdict import (
+    FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_INPUT_NOT_FRESH, FAIL_STALE_STATE,
+)
 
 if TYPE_CHECKING:  # reports import this module: no torch, no fixtures at import time
     import torch
@@ -70,7 +72,7 @@ def auto_threshold(dtype: str) -> float:
     return AUTO_THRESHOLD.get(dtype, AUTO_THRESHOLD["bfloat16"])
 
 
-SEQUENCE_FAILURES = (FAIL_STALE_STATE, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES)
+SEQUENCE_FAILURES = (FAIL_STALE_STATE, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_INPUT_NOT_FRESH)
 
 
 def target_of(case: CaseResult) -> Target | None:

@@ -251,6 +251,9 @@ def one_bound_per_graph(run: RunResult) -> None:
 ALWAYS_READ = ("input_embeds", "positions")
 SERVER_ALWAYS_READ = ("input_embeds",)
 GRAPH_NAME = re.compile(r"(prefill|context) (?P<size>\d{1,7})")
+# In-process vision-encoder graphs, by their key (the layout scenario): each reads its pixel slot.
+ENCODER_GRAPH_NAME = re.compile(r"encoder (grid \d{1,5}x\d{1,5}x\d{1,5}|\d{1,9} patches)")
+ENCODER_READS = "pixel_values"
 # A server names its graphs by step kind, token count and, where it has one, its variant or mode:
 # SGLang's "prefill 48 (chunked_prefix:1)", vLLM's "prefill 48 (full)" and "decode 1 (full)".
 SERVER_GRAPH_NAME = re.compile(r"(?P<kind>prefill|decode) (?P<size>\d{1,7})( \([\w:.-]{1,64}\))?")
@@ -265,8 +268,14 @@ def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, p
     named by step kind and its own buckets (and variants or modes), each holding its embeddings; the
     engine names its positions; its decode graphs are no prefill bucket."""
     records = evidence.freshness
-    if not (in_process or server_witness) or evidence.replayed_calls == 0:
+    encoder = evidence.serving is not None and evidence.serving.encoder is not None
+    if not (in_process or server_witness) or (evidence.replayed_calls == 0 and not (in_process and encoder)):
         return "is recorded, but only an arm whose replays parity watched has one" if records else None
+    if in_process:
+        problem = _encoder_records_problem(records, encoder)
+        if problem:
+            return problem
+        records = tuple(r for r in records if not ENCODER_GRAPH_NAME.fullmatch(r.graph))
     if not in_process and not records:
         return None  # a server's witness that saw no replay (or was not installed): the answers judge
     counted = [r for r in records if r.poisoned is not None]
@@ -294,6 +303,20 @@ def _freshness_shape_problem(evidence, in_process: bool, server_witness: bool, p
     if buckets != set(evidence.buckets):
         return (f"covers the graphs of buckets {sorted(buckets) or 'none'}, but the arm replayed in "
                 f"{list(evidence.buckets)}")
+    return None
+
+
+def _encoder_records_problem(records, encoder: bool) -> str | None:
+    """In-process, an arm whose image went through the encoder graphs lists the one it replayed, with
+    its pixel slot; no other arm lists one."""
+    graphs = {r.graph for r in records if ENCODER_GRAPH_NAME.fullmatch(r.graph)}
+    if encoder != bool(graphs):
+        return ("lists no vision-encoder graph, but the arm's image went through one" if encoder
+                else f"lists {sorted(graphs)[0]!r}, but the arm's image went through no encoder graph")
+    if len(graphs) > 1:
+        return f"lists {len(graphs)} vision-encoder graphs for one image"
+    if graphs and ENCODER_READS not in {r.input for r in records if r.graph in graphs}:
+        return f"lists the {next(iter(graphs))} graph without {ENCODER_READS}, which every encoder graph reads"
     return None
 
 

@@ -126,7 +126,7 @@ def test_fixed_passes_and_legacy_drops_deepstack_on_a_video(parity_cli):
     ("no-clear", "stream", "FAIL_STALE_STATE"),
     ("chunk-misaligned", "chunked", "FAIL_DEEPSTACK_DROPPED"),
     ("prefix-offset", "prefix", "FAIL_DEEPSTACK_DROPPED"),  # the freshness witness: rows written wrong
-    ("layout-keyed", "layout", "FAIL_GRAPH_DIVERGES"),
+    ("layout-keyed", "layout", "FAIL_INPUT_NOT_FRESH"),  # the witness: the encoder graph's grid is another's
 ])
 def test_every_planted_bug_fails_its_scenario_on_a_video(parity_cli, runner, scenario, verdict):
     result, doc, _ = parity_cli.run("--video", "video-moving-square", "--scenario", scenario, "--runner", runner,

@@ -425,10 +425,12 @@ BACKEND_EDITS = [
 
 
 def test_v6_s_layout_fail_no_longer_flips_by_deleting_the_encoder_tensor(real_run, parity_cli, tmp_path):
-    """Trust v7, defect 2: the layout-keyed runner fails only through the replay check; deleting the
-    check's `encoder` entry and nulling its departure made it PASS. The check's shape is now closed."""
+    """Trust v7, defect 2: the layout-keyed runner failed only through the replay check; deleting the
+    check's `encoder` entry and nulling its departure made it PASS. The check's shape is now closed,
+    and the freshness witness of the encoder graphs fails it as well (its records cannot be dropped
+    either: below)."""
     _, doc, code = real_run("layout-keyed")
-    assert code == 1 and doc["verdict"]["code"] == "FAIL_GRAPH_DIVERGES"  # the negative control, as written
+    assert code == 1 and doc["verdict"]["code"] == "FAIL_INPUT_NOT_FRESH"  # the negative control, as written
     for arm in _each_arm(doc):
         check = arm["evidence"].get("replay_check")
         if check is not None:
@@ -438,6 +440,19 @@ def test_v6_s_layout_fail_no_longer_flips_by_deleting_the_encoder_tensor(real_ru
     edited.write_text(json.dumps(doc))
     result = parity_cli("verdict", str(edited))
     assert result.exit_code == 2 and "an encoder graph ran" in result.output, result.output
+
+
+def test_the_encoder_graphs_witness_cannot_be_dropped_from_a_file(real_run, parity_cli, tmp_path):
+    """Deleting the encoder graph's freshness records (the stale grid the layout-keyed run read) is
+    refused: an arm whose image went through an encoder graph lists it, with its pixel slot."""
+    _, doc, _ = real_run("layout-keyed")
+    for arm in _each_arm(doc):
+        arm["evidence"]["freshness"] = [r for r in arm["evidence"].get("freshness", [])
+                                        if not r["graph"].startswith("encoder ")]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(doc))
+    result = parity_cli("verdict", str(edited))
+    assert result.exit_code == 2 and "lists no vision-encoder graph" in result.output, result.output
 
 
 def test_the_chunked_run_the_path_forgeries_start_from_is_not_a_pass(real_run):
