@@ -55,6 +55,20 @@ def test_scenario_all_on_every_fixture_runs_in_one_process(parity_cli, preset, d
     assert doc["config"]["graph_backend"] == "cuda"
 
 
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_requests_that_share_a_forward_on_cuda_graphs(dtype):
+    """The batch scenario (issue 51) on real CUDA graphs: packed forwards replay the context graphs,
+    whose mask keeps each request to its rows; the fix passes, each planted variant fails (the slot
+    sized for one request refusing the batch), with poison as a second opinion."""
+    loaded = on_cuda("tiny-qwen3-vl", dtype)
+    fixed = library_run(loaded, scenarios=("batch",), poison=True)
+    assert fixed.verdict.code == "PASS", fixed.verdict
+    for variant, code in ((RunnerVariant.BATCH_OFFSET_ZERO, "FAIL_"), (RunnerVariant.BATCH_FIRST_ONLY, "FAIL_"),
+                          (RunnerVariant.BATCH_SLOT_ONE, "ERROR")):
+        verdict = library_run(loaded, scenarios=("batch",), variant=variant).verdict
+        assert verdict.code.startswith(code), (variant, verdict)
+
+
 def _inputs(adapter, tokens: int, seed: int):
     generator = torch.Generator(device=adapter.device).manual_seed(seed)
     embeds = torch.randn(tokens, adapter.hidden_size, generator=generator, device=adapter.device, dtype=adapter.dtype)
