@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, Sequence
 
 # The canonical order of the experiment (design §1); reports and verdicts rely on these names.
 EAGER_NORMAL = "eager_normal"
@@ -222,6 +222,19 @@ WITNESSED_BUGS: Mapping[str, str] = MappingProxyType({
     "embeds-stale": "DeepSpeed #8488: a captured input never copied again (input_embeds when the shape repeats)",
 })
 RUNNER_VARIANTS = ("fixed", "legacy", "no-clear", *PLANTED_BUGS, *WITNESSED_BUGS)
+
+
+def forwards(requests: Sequence[RequestSpec] | Sequence) -> list[list[int]]:
+    """A sequence's requests as they are submitted, by index: neighbours of one `forward` together
+    (the batch scenario's pairs), every other request alone. Anything with a `forward` will do: the
+    design's `RequestSpec`s, a plan's requests."""
+    groups: list[list[int]] = []
+    for i, req in enumerate(requests):
+        if groups and req.forward is not None and requests[groups[-1][0]].forward == req.forward:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def power_request(scenario: str) -> int:

@@ -177,6 +177,38 @@ class Served:
         return ReplayCheck.combined(self.checks)
 
 
+@dataclass
+class _Parts:
+    """A prompt's prefills so far, each after the rows before it: the keys and values of every row
+    (a prefix hit's first), what each part ran as and its outputs, and whether the first part found
+    its graph warm (None until a part ran in graph mode)."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    runs: list[ChunkRun] = field(default_factory=list)
+    prefills: list[Prefill] = field(default_factory=list)
+    points: list[torch.Tensor | None] = field(default_factory=list)
+    ready: bool | None = None
+
+    def past(self, rows: int) -> Past | None:
+        """The rows so far, as the past of a part of `rows` rows."""
+        return None if self.keys is None else Past.of(self.keys, self.values, rows)
+
+    def add(self, window: Window, part: Prefill, points: torch.Tensor | None, image_rows: int) -> None:
+        self.keys = part.keys if self.keys is None else torch.cat([self.keys, part.keys])
+        self.values = part.values if self.values is None else torch.cat([self.values, part.values])
+        self.runs.append(ChunkRun(window.start, window.end, part.bucket, image_rows))
+        self.prefills.append(part)
+        self.points.append(points)
+
+    def served(self, evidence: ServingEvidence | None, probe: bool) -> "Served":
+        last = self.prefills[-1]
+        return Served(Prefill(last.hidden, self.keys, self.values, last.bucket), len(self.prefills),
+                      tuple(p.bucket for p in self.prefills), evidence, torch.cat(self.points) if probe else None,
+                      tuple(p.check for p in self.prefills if p.check is not None),
+                      merge_freshness(*(p.freshness for p in self.prefills)))
+
+
 class PromptServer:
     """What one mode's engine does with a request before its first decode step, as a server does
     it (design §10): its LM inputs (in graph mode through the encoder graphs when it asks for
@@ -252,54 +284,45 @@ class PromptServer:
 
     def _one_forward(self, taps, plans, probe: bool) -> list[tuple]:
         """The requests' last parts in one packed replay, a continued request's earlier chunks first."""
-        earlier = {i: self._chunks(taps[i][0], taps[i][1], taps[i][2], windows[:-1], probe)
-                   for i, windows in enumerate(plans) if len(windows) > 1}
+        parts = [self._prefill_parts(request, prompt, deepstack, windows[:-1], probe, _Parts())
+                 for (request, prompt, deepstack, _, _), windows in zip(taps, plans)]
         lasts = [windows[-1] for windows in plans]
-        members = []
-        for i, ((request, prompt, deepstack, _, _), window) in enumerate(zip(taps, lasts)):
-            parts = earlier.get(i, ((), (), ()))[1]
-            past = None if not parts else Past.of(torch.cat([p.keys for p in parts]),
-                                                   torch.cat([p.values for p in parts]), window.end - window.start)
-            members.append(Member(prompt.input_embeds[window.start:window.end],
-                                  prompt.positions[:, window.start:window.end], window.of(deepstack), past,
-                                  _owner(request)))
-        packed = Packed(tuple(members))
+        packed = Packed(tuple(
+            Member(prompt.input_embeds[window.start:window.end], prompt.positions[:, window.start:window.end],
+                   window.of(deepstack), earlier.past(window.end - window.start), _owner(request))
+            for (request, prompt, deepstack, _, _), window, earlier in zip(taps, lasts, parts)))
         outputs = self._executor.prefill_packed(packed, tuple(w.start for w in lasts), probe)
         self._forwards += 1
         served = []
-        for i, ((_, prompt, _, record, _), window, (part, points), (start, end)) in enumerate(
-                zip(taps, lasts, outputs, packed.ranges)):
-            chunks, parts, part_points = earlier.get(i, ([], [], []))
-            if parts:
-                image_rows = int(self._image_rows(prompt)[window.start:window.end].sum())
-                chunks = [*chunks, ChunkRun(window.start, window.end, part.bucket, image_rows)]
-            evidence = ServingEvidence(chunks=tuple(chunks), prompt_tokens=int(prompt.input_ids.shape[0]),
-                                       image_span=self._image_span(prompt),
-                                       batch=BatchRun(self._forwards, part.bucket, len(taps), packed.rows, start, end))
-            prefills = [*parts, part]
-            served.append((prompt, record, Served(
-                Prefill(part.hidden, torch.cat([p.keys for p in prefills]), torch.cat([p.values for p in prefills]),
-                        part.bucket),
-                len(prefills), tuple(p.bucket for p in prefills), evidence,
-                torch.cat([*part_points, points]) if probe else None,
-                tuple(p.check for p in prefills if p.check is not None),
-                merge_freshness(*(p.freshness for p in prefills)))))
+        for (_, prompt, _, record, _), window, (part, points), (start, end), mine in zip(
+                taps, lasts, outputs, packed.ranges, parts):
+            continued = bool(mine.prefills)
+            mine.add(window, part, points, int(self._image_rows(prompt)[window.start:window.end].sum()))
+            evidence = ServingEvidence(
+                chunks=tuple(mine.runs) if continued else (), prompt_tokens=int(prompt.input_ids.shape[0]),
+                image_span=self._image_span(prompt),
+                batch=BatchRun(self._forwards, part.bucket, len(taps), packed.rows, start, end))
+            served.append((prompt, record, mine.served(evidence, probe)))
         return served
 
-    def _chunks(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, windows,
-                probe: bool) -> tuple[list[ChunkRun], list[Prefill], list[torch.Tensor | None]]:
-        """A prompt's chunks, each after the ones before it: what ran, their outputs and their points."""
+    def _prefill_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None, windows,
+                       probe: bool, parts: _Parts) -> _Parts:
+        """Each window of the prompt prefilled after the rows before it, into `parts`."""
+        runner = self._executor.runner
         image_ids = self._image_rows(prompt)
-        runs, parts, points = [], [], []
         for window in windows:
-            past = None if not parts else Past.of(torch.cat([p.keys for p in parts]),
-                                                   torch.cat([p.values for p in parts]), window.end - window.start)
-            part, part_points = self._executor.prefill(prompt, deepstack, probe=probe, window=window, past=past,
-                                                       owner=_owner(request))
-            parts.append(part)
-            points.append(part_points)
-            runs.append(ChunkRun(window.start, window.end, part.bucket, int(image_ids[window.start:window.end].sum())))
-        return runs, parts, points
+            rows = window.end - window.start
+            past = parts.past(rows)
+            # Whether the first part's graph was there before it came (asked before it replays, which may
+            # capture it); a first part that ran eagerly found no warm graph.
+            warm = (parts.ready is None and runner is not None
+                    and runner.warmed_without_deepstack(rows, past is not None))
+            part, points = self._executor.prefill(prompt, deepstack, probe=probe, window=window, past=past,
+                                                  owner=_owner(request))
+            if parts.ready is None and runner is not None:
+                parts.ready = warm and part.bucket is not None
+            parts.add(window, part, points, int(image_ids[window.start:window.end].sum()))
+        return parts
 
     @staticmethod
     def _image_rows(prompt: PreparedPrompt) -> torch.Tensor:
@@ -327,7 +350,7 @@ class PromptServer:
     def _serve_in_parts(self, request: Request, prompt: PreparedPrompt, deepstack: torch.Tensor | None,
                         tap_mode: str, encoder: EncoderRun | None, probe: bool) -> Served:
         """After the prefix cache's hit, in chunks: each part after the keys and values before it."""
-        serving, executor, runner = request.serving, self._executor, self._executor.runner
+        serving = request.serving
         total = prompt.input_ids.shape[0]
         cache_key = cached = keys = values = None
         if serving.prefix_cache:
@@ -337,33 +360,12 @@ class PromptServer:
                 self._prefix_cache.empty(tap_mode)
             cached, keys, values = self._prefix_cache.lookup(tap_mode, cache_key)
         windows = schedule(total, cached or 0, self._chunk_size if serving.chunked else None)
-        chunks, hidden, ready, points, checks, freshness = [], None, None, [], [], ()
-        image_ids = self._image_rows(prompt)
-        for window in windows:
-            past = None if keys is None else Past.of(keys, values, window.end - window.start)
-            # Whether the first part's graph was there before it came (asked before it replays, which may
-            # capture it); a first part that ran eagerly found no warm graph.
-            warm = ready is None and runner is not None and runner.warmed_without_deepstack(
-                window.end - window.start, past is not None)
-            part, part_points = executor.prefill(prompt, deepstack, probe=probe, window=window, past=past,
-                                                 owner=_owner(request))
-            if ready is None and runner is not None:
-                ready = warm and part.bucket is not None
-            points.append(part_points)
-            checks += [part.check] if part.check is not None else []
-            freshness = merge_freshness(freshness, part.freshness)
-            keys = part.keys if keys is None else torch.cat([keys, part.keys])
-            values = part.values if values is None else torch.cat([values, part.values])
-            hidden = part
-            chunks.append(ChunkRun(window.start, window.end, part.bucket,
-                                   int(image_ids[window.start:window.end].sum())))
+        parts = self._prefill_parts(request, prompt, deepstack, windows, probe, _Parts(keys, values))
         if cache_key is not None:
-            self._prefix_cache.insert(tap_mode, cache_key, keys, values)
-        evidence = ServingEvidence(chunks=tuple(chunks), cached_tokens=cached or 0, prompt_tokens=int(total),
-                                   image_span=self._image_span(prompt), graph_ready=ready, encoder=encoder)
-        return Served(Prefill(hidden.hidden, keys, values, hidden.bucket), len(windows),
-                      tuple(c.bucket for c in chunks), evidence, torch.cat(points) if probe else None, tuple(checks),
-                      freshness)
+            self._prefix_cache.insert(tap_mode, cache_key, parts.keys, parts.values)
+        evidence = ServingEvidence(chunks=tuple(parts.runs), cached_tokens=cached or 0, prompt_tokens=int(total),
+                                   image_span=self._image_span(prompt), graph_ready=parts.ready, encoder=encoder)
+        return parts.served(evidence, probe)
 
     def _image_span(self, prompt: PreparedPrompt) -> tuple[int, int] | None:
         return image_span(prompt.input_ids.tolist(), {prompt.visual_token})

@@ -29,9 +29,10 @@ from parity.run.localization import auto_threshold, localize_run
 from parity.judge.metrics import Tolerances, auto_tolerances
 from parity.plan.entries import PLAN_KEY, plan_json
 from parity.run.planning import (
-    PlannedCase, RunSpec, arms_for, check_lengths, forwards, generations, in_shard, plan_cases, plan_entry,
-    replayed_lengths, serving_order, shard_assignment,
+    PlannedCase, RunSpec, arms_for, check_lengths, generations, in_shard, plan_cases, plan_entry, replayed_lengths,
+    serving_order, shard_assignment,
 )
+from parity.design import forwards
 from parity.results import FOUR_ARM, ArmResult, CaseResult, FixtureInfo, RequestResult, RunResult, Timings
 from parity.run.self_check import self_checked
 from parity.plan.sharding import shard_config

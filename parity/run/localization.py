@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 from parity.arms import BCG_NORMAL, BCG_ZERO, EAGER_NORMAL, EAGER_ZERO, RUN_ORDER, Mode, arm_for
 from parity.arms import arm as arm_of
 from parity.errors import LocalizationError
-from parity.design import SEQUENCE_REQUESTS
+from parity.design import SEQUENCE_REQUESTS, forwards
 from parity.results import CaseResult, LayerError, Localization, RunResult
 from parity.judge.verdict import (
     FAIL_CONTROL_DIVERGES, FAIL_DEEPSTACK_DROPPED, FAIL_GRAPH_DIVERGES, FAIL_INPUT_NOT_FRESH, FAIL_STALE_STATE,
@@ -110,11 +110,10 @@ def _sequence_target(case: CaseResult) -> Target | None:
         arm, reference = arm_for(Mode.BCG, step.deepstack).name, arm_for(Mode.EAGER, step.deepstack).name
         comparison = case.comparison(arm, reference, step.request)
         if comparison is not None and not comparison.match:
-            specs = SEQUENCE_REQUESTS.get(case.scenario, ())
-            forward = specs[step.request].forward if step.request < len(specs) else None
-            together = tuple(s for s, spec in zip(steps, specs) if forward is not None and spec.forward == forward)
-            first = together[0].request if len(together) > 1 else step.request
-            return Target(arm, reference, step.request, step, steps[:first], together if len(together) > 1 else ())
+            group = next((g for g in forwards(SEQUENCE_REQUESTS.get(case.scenario, ())) if step.request in g),
+                         [step.request])
+            together = tuple(steps[i] for i in group if i < len(steps)) if len(group) > 1 else ()
+            return Target(arm, reference, step.request, step, steps[:group[0]], together)
     return None
 
 

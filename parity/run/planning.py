@@ -17,6 +17,7 @@ from parity.media.fixtures import Fixture, Prompt
 from parity.plan.entries import PlanEntry, scenario_case_id, text_sha256
 from parity.design import (
     CASE_IMAGE, EXTENDED_TEXT, FOUR_ARM, OTHER_TEXT, REUSE, SEQUENCE_REQUESTS, TWIN_IMAGE, WARMUP, SERVER_PROFILES, RequestSpec,
+    forwards,
 )
 from parity.plan.sharding import Shard, assignment, case_cost
 from parity.judge.verdict import SEQUENCE_POWER_ARM
@@ -138,17 +139,6 @@ def _past_every_bucket(planned: Sequence[PlannedCase], backend: Backend, new_tok
                 requests[i] = replace(req, request=replace(req.request, prompt=text))
         out.append(replace(case, requests=tuple(requests)))
     return tuple(out)
-
-
-def forwards(requests: Sequence[PlannedRequest]) -> list[list[int]]:
-    """The case's requests as they are submitted: indices, neighbours of one `forward` together."""
-    groups: list[list[int]] = []
-    for i, req in enumerate(requests):
-        if groups and req.forward is not None and requests[groups[-1][0]].forward == req.forward:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 def replayed_lengths(planned: Sequence[PlannedCase], lengths: dict[str, list[int]]) -> list[int]:

@@ -11,6 +11,7 @@ wrong on purpose (`graph_runner.RunnerVariant`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -50,7 +51,9 @@ class Packed:
     def rows(self) -> int:
         return sum(m.rows for m in self.members)
 
-    @property
+    # The packed tensors and layout are read by the runner's refresh and again by the replay check and
+    # the witness: built once.
+    @cached_property
     def ranges(self) -> tuple[tuple[int, int], ...]:
         out, start = [], 0
         for member in self.members:
@@ -69,11 +72,11 @@ class Packed:
         """The tag the forward's writes carry: its first image's (one write serves them all)."""
         return next((m.owner for m in self.members if m.owner is not None), None)
 
-    @property
+    @cached_property
     def embeds(self) -> torch.Tensor:
         return torch.cat([m.embeds for m in self.members])
 
-    @property
+    @cached_property
     def positions(self) -> torch.Tensor:
         return torch.cat([m.positions for m in self.members], dim=1)
 

@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 
 from parity.arms import EAGER_NORMAL, EAGER_ZERO
 from parity.runner.buckets import AUTO, prefill_bucket_ladder, smallest_fitting
+from parity.design import forwards
 from parity import registry
 from parity.judge.metrics import Tolerances, compare
 from parity.plan.entries import read_plan
@@ -396,19 +397,20 @@ def _longest_batch(run: RunResult) -> int | None:
     """The most prompt tokens of requests a batch case submits at once (their forward holds at most
     as many; the run's graphs are captured to fit them): 0 without a batch case, None when a member's
     prompt length is not recorded."""
+    def tokens(request) -> int | None:
+        return next((a.evidence.prompt_tokens for a in request.arms
+                     if a.evidence is not None and a.evidence.prompt_tokens is not None), None)
+
     longest = 0
     for case in run.cases:
         specs = SEQUENCE_REQUESTS.get(case.scenario, ()) if case.is_sequence else ()
-        groups: dict[int, int] = {}
-        for spec, request in zip(specs, case.requests):
-            if spec.forward is None:
+        for group in forwards(specs):
+            if len(group) < 2:
                 continue
-            tokens = next((a.evidence.prompt_tokens for a in request.arms
-                           if a.evidence is not None and a.evidence.prompt_tokens is not None), None)
-            if tokens is None:
+            held = [tokens(case.requests[i]) if i < len(case.requests) else None for i in group]
+            if None in held:
                 return None
-            groups[spec.forward] = groups.get(spec.forward, 0) + tokens
-        longest = max([longest, *groups.values()])
+            longest = max(longest, sum(held))
     return longest
 
 
